@@ -1,0 +1,29 @@
+"""sparsejax: dropless Mixture-of-Experts for JAX."""
+from sparsejax.config import MoEConfig
+from sparsejax.grouped_matmul import grouped_matmul, grouped_matmul_reference
+from sparsejax.losses import load_balancing_loss, router_z_loss
+from sparsejax.modules import MLP, MoE, MoELayerStats, Router
+from sparsejax.moe import MoEStats, capacity, expert_choice_mlp, expert_ffn, moe_mlp
+from sparsejax.permute import Placement, capacity_placement, dropless_placement
+from sparsejax.reference import moe_mlp_reference
+from sparsejax.routing import (
+    NO_EXPERT,
+    ExpertChoiceRouting,
+    TokenChoiceRouting,
+    dense_to_sparse_routing,
+    dts_temperature_schedule,
+    expert_choice_routing,
+    router_logits,
+    top_k_routing,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MLP", "MoE", "MoEConfig", "MoELayerStats", "MoEStats", "NO_EXPERT", "Placement", "Router",
+    "ExpertChoiceRouting", "TokenChoiceRouting", "capacity", "capacity_placement",
+    "dense_to_sparse_routing", "dropless_placement", "dts_temperature_schedule", "expert_choice_mlp",
+    "expert_choice_routing", "expert_ffn", "grouped_matmul", "grouped_matmul_reference",
+    "load_balancing_loss", "moe_mlp", "moe_mlp_reference", "router_logits", "router_z_loss",
+    "top_k_routing",
+]

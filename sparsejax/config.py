@@ -1,0 +1,62 @@
+"""The one config dataclass of the MoE layer."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ROUTERS = ("top_k", "expert_choice", "dense_to_sparse")
+ACTIVATIONS = {
+    "gelu": jax.nn.gelu,
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """d_model -> d_ff -> d_model experts. glu=True gives gated experts (SwiGLU with activation="silu").
+
+  capacity_factor=None is dropless; a float gives the Switch/GShard capacity layer (or, with
+  router="expert_choice", the expert-choice capacity). Aux losses are added into MoEStats.aux_loss
+  with their weights. The router always runs in float32; dtype is the expert compute dtype.
+  """
+  d_model: int
+  d_ff: int
+  num_experts: int = 8
+  top_k: int = 1
+  router: str = "top_k"
+  capacity_factor: float | None = None
+  glu: bool = False
+  activation: str = "gelu"
+  renormalize: bool | None = None
+  load_balancing_weight: float = 1e-2
+  z_loss_weight: float = 1e-3
+  jitter_eps: float = 0.0
+  dts_threshold: float = 1e-3
+  dts_max_k: int | None = None
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  impl: str = "auto"
+
+  def __post_init__(self):
+    for name in ("d_model", "d_ff", "num_experts"):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+        raise ValueError(f"MoEConfig.{name} must be a positive int; got {getattr(self, name)!r}.")
+    if self.router not in ROUTERS:
+      raise ValueError(f"MoEConfig.router must be one of {ROUTERS}; got {self.router!r}.")
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"MoEConfig.activation must be one of {tuple(ACTIVATIONS)}; got {self.activation!r}.")
+    if self.router == "top_k" and not 1 <= self.top_k <= self.num_experts:
+      raise ValueError(f"MoEConfig.top_k must lie in [1, num_experts={self.num_experts}]; got {self.top_k}.")
+    if self.capacity_factor is not None and not self.capacity_factor > 0:
+      raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None; got {self.capacity_factor}.")
+    if self.router == "expert_choice" and self.capacity_factor is None:
+      raise ValueError("router='expert_choice' needs a capacity_factor (tokens per expert = cf * T / E).")
+
+  @property
+  def activation_fn(self):
+    return ACTIVATIONS[self.activation]

@@ -1,0 +1,140 @@
+"""Flax NNX modules: parameters, and a call into the functional core.
+
+Expert weights carry the logical axis names ("expert", "embed", "mlp") that the expert-parallel
+layer maps onto a mesh; the router is replicated.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import flax.struct
+from flax import nnx
+from jaxtyping import Array, Float
+
+from sparsejax import losses, routing
+from sparsejax.config import MoEConfig
+from sparsejax.moe import expert_choice_mlp, moe_mlp
+
+
+
+
+@flax.struct.dataclass
+class MoELayerStats:
+  """MoEStats plus the router's losses. aux_loss = lb_weight * load_balancing + z_weight * z_loss."""
+  tokens_per_expert: jax.Array
+  num_dropped: jax.Array
+  dropped_fraction: jax.Array
+  load_balancing_loss: jax.Array
+  router_z_loss: jax.Array
+  aux_loss: jax.Array
+
+
+def _param(value, names: tuple) -> nnx.Param:
+  """A Param annotated with logical axis names; sharded later by whoever holds the mesh."""
+  try:
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+  except TypeError:  # flax versions before eager sharding
+    return nnx.Param(value, sharding_names=names)
+
+
+def _expert_init():
+  # Each expert is its own dense layer: scale by its own fan-in, not E * fan-in.
+  return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2, out_axis=-1)
+
+
+class Router(nnx.Module):
+  """logits = x W_r in float32 (selective precision), with Switch jitter when given an rng."""
+
+  def __init__(self, d_model: int, num_experts: int, *, jitter_eps: float = 0.0,
+               param_dtype=jnp.float32, rngs: nnx.Rngs):
+    w = nnx.initializers.normal(0.02)(rngs.params(), (d_model, num_experts), param_dtype)
+    self.w = _param(w, (None, None))
+    self.jitter_eps = jitter_eps
+
+  def __call__(self, x: Float[Array, "tokens d_model"], *, rng: jax.Array | None = None):
+    return routing.router_logits(x, self.w[...], jitter_eps=self.jitter_eps, rng=rng)
+
+
+class MoE(nnx.Module):
+  """Mixture-of-experts feed-forward: y, stats = moe(x) for x of shape [..., d_model].
+
+  Pass rng (a jax key) while training: it drives the router's jitter and the DTS gate's noise.
+  """
+
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    self.router = Router(c.d_model, c.num_experts, jitter_eps=c.jitter_eps,
+                         param_dtype=c.param_dtype, rngs=rngs)
+    shape_in, shape_out = (c.num_experts, c.d_model, c.d_ff), (c.num_experts, c.d_ff, c.d_model)
+    init = _expert_init()
+    names_in, names_out = ("expert", "embed", "mlp"), ("expert", "mlp", "embed")
+    self.w_in = _param(init(rngs.params(), shape_in, c.param_dtype), names_in)
+    self.w_gate = _param(init(rngs.params(), shape_in, c.param_dtype), names_in) if c.glu else None
+    self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), names_out)
+
+  def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
+               dts_temperature: float | jax.Array = 1.0):
+    c = self.config
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).astype(c.dtype)
+    jitter_rng = gate_rng = None
+    if rng is not None:
+      jitter_rng, gate_rng = jax.random.split(rng)
+    logits = self.router(x2, rng=jitter_rng)
+    cast = lambda p: None if p is None else p[...].astype(c.dtype)
+    w_in, w_gate, w_out = cast(self.w_in), cast(self.w_gate), cast(self.w_out)
+    act = c.activation_fn
+    if c.router == "expert_choice":
+      r = routing.expert_choice_routing(logits, c.capacity_factor)
+      y, stats = expert_choice_mlp(x2, r, w_in, w_out, w_gate=w_gate, activation=act)
+      # Expert choice balances load by construction; its f_i is uniform.
+      lb = jnp.zeros((), jnp.float32)
+    else:
+      if c.router == "top_k":
+        r = routing.top_k_routing(logits, c.top_k, renormalize=c.renormalize)
+      else:
+        r = routing.dense_to_sparse_routing(logits, dts_temperature, c.dts_threshold,
+                                            max_k=c.dts_max_k, rng=gate_rng)
+      y, stats = moe_mlp(x2, r.expert_ids, r.combine_weights.astype(c.dtype), w_in, w_out,
+                         w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
+                         impl=c.impl)
+      lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)
+    z = losses.router_z_loss(logits)
+    layer_stats = MoELayerStats(
+        tokens_per_expert=stats.tokens_per_expert,
+        num_dropped=stats.num_dropped,
+        dropped_fraction=stats.dropped_fraction,
+        load_balancing_loss=lb,
+        router_z_loss=z,
+        aux_loss=c.load_balancing_weight * lb + c.z_loss_weight * z,
+    )
+    return y.reshape(*lead, c.d_model), layer_stats
+
+
+class MLP(nnx.Module):
+  """The dense feed-forward of the same interface (config, call, (y, stats)), for comparisons."""
+
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    c = config
+    init = nnx.initializers.lecun_normal()
+    shape_in, shape_out = (c.d_model, c.d_ff), (c.d_ff, c.d_model)
+    self.w_in = _param(init(rngs.params(), shape_in, c.param_dtype), ("embed", "mlp"))
+    self.w_gate = _param(init(rngs.params(), shape_in, c.param_dtype), ("embed", "mlp")) if c.glu else None
+    self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), ("mlp", "embed"))
+
+  def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None, **unused):
+    del rng, unused
+    c = self.config
+    x = x.astype(c.dtype)
+    h = x @ self.w_in[...].astype(c.dtype)
+    if self.w_gate is not None:
+      h = c.activation_fn(x @ self.w_gate[...].astype(c.dtype)) * h
+    else:
+      h = c.activation_fn(h)
+    y = h @ self.w_out[...].astype(c.dtype)
+    zero = jnp.zeros((), jnp.float32)
+    n = jnp.asarray(x.size // c.d_model, jnp.int32)
+    stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)
+    return y, stats

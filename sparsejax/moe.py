@@ -1,0 +1,162 @@
+"""The MoE feed-forward layer as a pure function: place, gather, expert FFN, combine."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from sparsejax import _checks, permute
+from sparsejax.grouped_matmul import IMPLS, grouped_matmul, resolve_impl
+from sparsejax.routing import ExpertChoiceRouting
+
+# Rows per block of the padded (MegaBlocks) layout the Pallas kernels run on.
+BLOCK_SIZE = 128
+
+
+@flax.struct.dataclass
+class MoEStats:
+  """What users log. tokens_per_expert counts assignments before dropping; the fraction is of all assignments."""
+  tokens_per_expert: Int[Array, "experts"]
+  num_dropped: Int[Array, ""]
+  dropped_fraction: Float[Array, ""]
+
+
+def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+  """C = ceil(capacity_factor * T * k / E): the Switch/GShard slots per expert."""
+  _checks.check_positive("capacity_factor", capacity_factor)
+  return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def _check_expert_weights(x, w_in, w_out, w_gate):
+  _checks.check_rank("x", x, 2, "[tokens, d_model]")
+  _checks.check_floating("x", x)
+  _checks.check_rank("w_in", w_in, 3, "[experts, d_model, d_ff]")
+  _checks.check_rank("w_out", w_out, 3, "[experts, d_ff, d_model]")
+  _checks.check_same_dtype(x=x, w_in=w_in, w_out=w_out, w_gate=w_gate)
+  num_experts, d_model, d_ff = w_in.shape
+  if x.shape[1] != d_model:
+    raise ValueError(f"x has d_model={x.shape[1]} but w_in is [E, {d_model}, {d_ff}].")
+  if w_out.shape != (num_experts, d_ff, d_model):
+    raise ValueError(f"w_out must be [E, d_ff, d_model] = {(num_experts, d_ff, d_model)}; got {w_out.shape}.")
+  if w_gate is not None and w_gate.shape != w_in.shape:
+    raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
+
+
+def expert_ffn(
+    rows: Float[Array, "rows d_model"],
+    group_sizes: Int[Array, "experts"] | None,
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    *,
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    impl: str = "auto",
+) -> Float[Array, "rows d_model"]:
+  """FFN_e(r) = act(r W_in[e]) W_out[e], or (act(r W_gate[e]) * r W_in[e]) W_out[e], for rows of group e.
+
+  group_sizes=None means E equal groups (the capacity layout): a batched einsum then does the work.
+  """
+  if group_sizes is None:
+    num_experts = w_in.shape[0]
+    r = rows.reshape(num_experts, -1, rows.shape[-1])
+    mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+  else:
+    r = rows
+    mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl)
+  h = mm(r, w_in)
+  if w_gate is not None:
+    h = activation(mm(r, w_gate)) * h
+  else:
+    h = activation(h)
+  return mm(h, w_out).reshape(rows.shape)
+
+
+def moe_mlp(
+    x: Float[Array, "tokens d_model"],
+    expert_ids: Int[Array, "tokens k"],
+    combine_weights: Float[Array, "tokens k"],
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    *,
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    capacity_factor: float | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
+  """y[t] = sum_j combine_weights[t, j] * FFN_{expert_ids[t, j]}(x[t]); returns (y, MoEStats).
+
+  capacity_factor=None is dropless: every assignment is computed, the expert rows sorted (and, for
+  the Pallas kernels, padded to 128-row blocks) by expert. A float gives the Switch/GShard layer:
+  C = ceil(capacity_factor * T * k / E) rows per expert, later assignments (token order) dropped
+  and counted. Expert ids of -1 (routing.NO_EXPERT) contribute nothing and are not counted as dropped.
+  """
+  _check_expert_weights(x, w_in, w_out, w_gate)
+  _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
+  _checks.check_integer("expert_ids", expert_ids)
+  _checks.check_rank("combine_weights", combine_weights, 2, "[tokens, k]")
+  _checks.check_floating("combine_weights", combine_weights)
+  if expert_ids.shape != combine_weights.shape:
+    raise ValueError(
+        f"expert_ids {expert_ids.shape} and combine_weights {combine_weights.shape} must have one shape.")
+  if expert_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"expert_ids has {expert_ids.shape[0]} tokens but x has {x.shape[0]}.")
+  num_experts = w_in.shape[0]
+  _checks.check_top_k(expert_ids.shape[1], num_experts)
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+
+  if capacity_factor is None:
+    impl = resolve_impl(impl)
+    block = BLOCK_SIZE if impl == "pallas" else 1
+    placement = permute.dropless_placement(expert_ids, num_experts, block_size=block)
+    group_sizes = placement.group_sizes
+  else:
+    c = capacity(x.shape[0], num_experts, expert_ids.shape[1], capacity_factor)
+    placement = permute.capacity_placement(expert_ids, num_experts, c)
+    group_sizes = None
+
+  rows = permute.gather_rows(x, placement)
+  out = expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=activation, impl=impl)
+  y = permute.scatter_rows(out, placement, combine_weights, x.dtype)
+  total = expert_ids.size
+  stats = MoEStats(
+      tokens_per_expert=placement.tokens_per_expert,
+      num_dropped=placement.num_dropped,
+      dropped_fraction=placement.num_dropped.astype(jnp.float32) / total,
+  )
+  return y, stats
+
+
+def expert_choice_mlp(
+    x: Float[Array, "tokens d_model"],
+    routing: ExpertChoiceRouting,
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    *,
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
+    activation: Callable = jax.nn.gelu,
+) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
+  """y[t] = sum over (e, c) with token_ids[e, c] = t of combine_weights[e, c] * FFN_e(x[t]).
+
+  Every expert holds exactly C rows, so the expert FFN is the balanced batched einsum.
+  """
+  _check_expert_weights(x, w_in, w_out, w_gate)
+  num_experts, cap = routing.token_ids.shape
+  if num_experts != w_in.shape[0]:
+    raise ValueError(f"routing has {num_experts} experts but w_in has {w_in.shape[0]}.")
+  rows = x[routing.token_ids.reshape(-1)]
+  out = expert_ffn(rows, None, w_in, w_out, w_gate=w_gate, activation=activation)
+  weighted = out.astype(jnp.float32) * routing.combine_weights.reshape(-1, 1)
+  y = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[routing.token_ids.reshape(-1)].add(weighted)
+  chosen = jnp.zeros((x.shape[0],), jnp.int32).at[routing.token_ids.reshape(-1)].add(1)
+  unprocessed = jnp.sum(chosen == 0).astype(jnp.int32)
+  stats = MoEStats(
+      tokens_per_expert=jnp.full((num_experts,), cap, jnp.int32),
+      num_dropped=unprocessed,
+      dropped_fraction=unprocessed.astype(jnp.float32) / x.shape[0],
+  )
+  return y.astype(x.dtype), stats

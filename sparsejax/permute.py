@@ -1,0 +1,121 @@
+"""Where each (token, slot) assignment lands in the expert buffer, and the moves in and out of it.
+
+Dropless and capacity-factor MoE differ in this one step. Both put assignment (t, j) routed to
+expert e at row offset[e] + rank, where rank counts the earlier tokens routed to e (token order):
+- dropless: offset[e] = sum of the (block-padded) counts of experts before e; nothing is dropped.
+- capacity: offset[e] = e * C; assignments with rank >= C are dropped.
+Dropped or unassigned pairs get the row `num_rows`, one past the buffer, which reads as zeros.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+@flax.struct.dataclass
+class Placement:
+  """rows: [T, k] buffer row of each assignment (num_rows when dropped or unassigned).
+  group_sizes: [E] rows expert e owns in the buffer (padded counts in dropless mode, C in capacity mode).
+  tokens_per_expert: [E] assignments routed to each expert, before any dropping.
+  num_dropped: [] assignments dropped for lack of capacity.
+  num_rows: static buffer length.
+  """
+  rows: Int[Array, "tokens k"]
+  group_sizes: Int[Array, "experts"]
+  tokens_per_expert: Int[Array, "experts"]
+  num_dropped: Int[Array, ""]
+  num_rows: int = flax.struct.field(pytree_node=False)
+
+
+def _round_up(x, multiple):
+  return (x + multiple - 1) // multiple * multiple
+
+
+def rank_within_expert(
+    expert_ids: Int[Array, "tokens k"], num_experts: int
+) -> tuple[Int[Array, "tokens k"], Int[Array, "experts"]]:
+  """rank[t, j] = #{(t', j') before (t, j) in token order with the same expert}; and per-expert counts.
+
+  One stable sort by expert id, O(Tk log Tk), instead of a [Tk, E] one-hot cumsum. Ids outside
+  [0, E) are unassigned: they sort last and are not counted.
+  """
+  flat = expert_ids.reshape(-1)
+  valid = (flat >= 0) & (flat < num_experts)
+  key = jnp.where(valid, flat, num_experts)
+  order = jnp.argsort(key, stable=True)
+  counts = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  starts = jnp.cumsum(counts) - counts
+  sorted_key = key[order]
+  start_of_sorted = jnp.where(sorted_key < num_experts, starts[jnp.minimum(sorted_key, num_experts - 1)], 0)
+  rank_sorted = jnp.arange(flat.shape[0], dtype=jnp.int32) - start_of_sorted
+  rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+  return rank.reshape(expert_ids.shape), counts
+
+
+def dropless_num_rows(num_assignments: int, num_experts: int, block_size: int = 1) -> int:
+  """Static bound on the padded buffer: sum_e ceil(c_e / b) * b <= (floor(Tk / b) + min(E, Tk)) * b."""
+  if block_size == 1:
+    return num_assignments
+  return (num_assignments // block_size + min(num_experts, num_assignments)) * block_size
+
+
+def dropless_placement(
+    expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1
+) -> Placement:
+  """Rows sorted by expert, each expert's rows padded up to a multiple of block_size; none dropped."""
+  rank, counts = rank_within_expert(expert_ids, num_experts)
+  padded = _round_up(counts, block_size)
+  offsets = jnp.cumsum(padded) - padded
+  num_rows = dropless_num_rows(expert_ids.size, num_experts, block_size)
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  rows = jnp.where(valid, offsets[jnp.clip(expert_ids, 0, num_experts - 1)] + rank, num_rows)
+  return Placement(rows.astype(jnp.int32), padded, counts, jnp.zeros((), jnp.int32), num_rows)
+
+
+def capacity_placement(
+    expert_ids: Int[Array, "tokens k"], num_experts: int, capacity: int
+) -> Placement:
+  """Expert e owns rows [e*C, (e+1)*C); its first C assignments in token order fill them, the rest drop."""
+  rank, counts = rank_within_expert(expert_ids, num_experts)
+  num_rows = num_experts * capacity
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  kept = valid & (rank < capacity)
+  rows = jnp.where(kept, jnp.clip(expert_ids, 0, num_experts - 1) * capacity + rank, num_rows)
+  num_dropped = jnp.sum(valid & ~kept).astype(jnp.int32)
+  group_sizes = jnp.full((num_experts,), capacity, jnp.int32)
+  return Placement(rows.astype(jnp.int32), group_sizes, counts, num_dropped, num_rows)
+
+
+def source_tokens(placement: Placement, num_tokens: int) -> Int[Array, "rows"]:
+  """Inverse of the placement: the token that fills each buffer row (num_tokens for empty rows)."""
+  k = placement.rows.shape[1]
+  token = jnp.broadcast_to(jnp.arange(num_tokens, dtype=jnp.int32)[:, None], (num_tokens, k))
+  src = jnp.full((placement.num_rows,), num_tokens, jnp.int32)
+  return src.at[placement.rows.reshape(-1)].set(token.reshape(-1), mode="drop")
+
+
+def gather_rows(
+    x: Float[Array, "tokens d"], placement: Placement
+) -> Float[Array, "rows d"]:
+  """buffer[r] = x[token that fills row r], zero for padding rows."""
+  src = source_tokens(placement, x.shape[0])
+  x_padded = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)], axis=0)
+  return x_padded[src]
+
+
+def scatter_rows(
+    buffer: Float[Array, "rows d"],
+    placement: Placement,
+    combine_weights: Float[Array, "tokens k"],
+    out_dtype,
+) -> Float[Array, "tokens d"]:
+  """y[t] = sum_j combine_weights[t, j] * buffer[rows[t, j]] in float32; dropped pairs add zero.
+
+  A gather by rows (not a scatter-add), so the forward pass is deterministic.
+  """
+  padded = jnp.concatenate([buffer, jnp.zeros((1, buffer.shape[1]), buffer.dtype)], axis=0)
+  picked = padded[placement.rows].astype(jnp.float32)  # [T, k, d]
+  y = jnp.einsum("tk,tkd->td", combine_weights.astype(jnp.float32), picked)
+  return y.astype(out_dtype)
