@@ -92,9 +92,16 @@ def _gmm_kernel(row_block_expert_ref, num_active_ref, lhs_ref, rhs_ref, out_ref,
     return acc + jax.lax.dot_general(a, b, dims, precision=precision,
                                      preferred_element_type=jnp.float32)
 
-  steps = jnp.where(active, num_k_steps, 0)
-  acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-  out_ref[...] = acc.astype(out_ref.dtype)
+  # A static trip count (not one that is zero for inactive blocks) keeps Triton's software
+  # pipelining; inactive blocks branch around the loop instead.
+  @pl.when(active)
+  def _():
+    acc = jax.lax.fori_loop(0, num_k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+    out_ref[...] = acc.astype(out_ref.dtype)
+
+  @pl.when(jnp.logical_not(active))
+  def _():
+    out_ref[...] = jnp.zeros((block_m, block_n), out_ref.dtype)
 
 
 def _gmm_call(lhs, rhs, topo: Topology, transpose_rhs: bool, tiling: Tiling):
@@ -198,9 +205,13 @@ def gmm(
     lhs: Float[Array, "rows k"],
     rhs: Float[Array, "experts k n"],
     topo: Topology,
-    tiling: Tiling = DEFAULT_TILING,
+    tiling: Tiling | None = None,
 ) -> Float[Array, "rows n"]:
-  """out[r] = lhs[r] @ rhs[e(r)] for rows of active blocks, zero past them; differentiable in lhs, rhs."""
+  """out[r] = lhs[r] @ rhs[e(r)] for rows of active blocks, zero past them; differentiable in lhs, rhs.
+
+  tiling=None uses DEFAULT_TILING, read at call time so a benchmark's autotune can set it.
+  """
+  tiling = tiling or DEFAULT_TILING
   if lhs.shape[0] != topo.num_row_blocks * topo.block_size:
     raise ValueError(f"lhs has {lhs.shape[0]} rows; the topology covers "
                      f"{topo.num_row_blocks} blocks of {topo.block_size}.")
