@@ -187,14 +187,14 @@ def bench_shape(name, T, d, f, E, k, skewed, tiling, dtype, quick):
         o = fn(xrows, *args[1:], w_in_, w_out_).reshape(-1, d)
         c2 = ct if o.shape[0] == N else jnp.resize(ct, o.shape)  # a fixed non-zero cotangent
         return jnp.sum(o.astype(jnp.float32) * c2.astype(jnp.float32))
-      fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+      fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(args[0], *params).compile()
       g = fb(args[0], *params)
       rec["grads_finite"] = bool(all(bool(jnp.all(jnp.isfinite(gi))) for gi in g))
       t = timeit(fb, args[0], *params, warmup=1 if slow else 2, iters=1 if slow else 5, reps=3 if slow else 5)
       rec["fwdbwd_ms"] = t * 1e3
       rec["fwdbwd_tflops"] = 12 * useful * d * f / t / 1e12
       try:
-        mem = fb.lower(args[0], *params).compile().memory_analysis()
+        mem = fb.memory_analysis()
         rec["fwdbwd_temp_bytes"] = int(mem.temp_size_in_bytes)
       except Exception:  # memory_analysis is best effort across versions
         pass

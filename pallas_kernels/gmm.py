@@ -27,14 +27,16 @@ from sparsejax.topology import Topology, make_topology
 @dataclasses.dataclass(frozen=True)
 class Tiling:
   """Tile sizes and Triton launch settings (the row tile is the topology's block size)."""
-  block_n: int = 128
+  # Defaults: the fastest of the sweep in experiments/bench_moe_layer.py --sweep on an H100
+  # (T=16384, d=1024, f=4096, E=64; results in experiments/results/moe_layer_*.json).
+  block_n: int = 256
   block_k: int = 64
-  num_warps: int = 4
+  num_warps: int = 8
   num_stages: int = 3
   tgmm_block_k: int = 128
-  tgmm_block_n: int = 128
-  tgmm_num_warps: int = 4
-  tgmm_num_stages: int = 3
+  tgmm_block_n: int = 256
+  tgmm_num_warps: int = 8
+  tgmm_num_stages: int = 2
 
 
 DEFAULT_TILING = Tiling()
@@ -223,6 +225,9 @@ def gmm(
 # ----------------------------------------------------------------------------------------------
 # References (pure jnp, float32) the kernels are tested against.
 # ----------------------------------------------------------------------------------------------
+_HI = jax.lax.Precision.HIGHEST  # references are float32 on every backend (no TF32 on GPU)
+
+
 def _active_rows(topo: Topology):
   blocks = jnp.arange(topo.num_row_blocks)
   return jnp.repeat(blocks < topo.num_active_blocks[0], topo.block_size)
@@ -234,7 +239,7 @@ def gmm_reference(lhs, rhs, topo: Topology, transpose_rhs: bool = False):
   if transpose_rhs:
     w = jnp.swapaxes(w, 1, 2)
   a = lhs.astype(jnp.float32).reshape(topo.num_row_blocks, topo.block_size, -1)
-  out = jnp.einsum("bmk,bkn->bmn", a, w).reshape(lhs.shape[0], -1)
+  out = jnp.einsum("bmk,bkn->bmn", a, w, precision=_HI).reshape(lhs.shape[0], -1)
   return jnp.where(_active_rows(topo)[:, None], out, 0.0).astype(lhs.dtype)
 
 
@@ -242,7 +247,8 @@ def tgmm_reference(lhs, dout, topo: Topology):
   """out[e] = sum_r [e(r) = e, r active] lhs[r]^T dout[r]."""
   rows_expert = jnp.repeat(topo.row_block_expert, topo.block_size)
   mask = jax.nn.one_hot(rows_expert, topo.num_experts) * _active_rows(topo)[:, None]
-  out = jnp.einsum("re,rk,rn->ekn", mask, lhs.astype(jnp.float32), dout.astype(jnp.float32))
+  out = jnp.einsum("re,rk,rn->ekn", mask, lhs.astype(jnp.float32), dout.astype(jnp.float32),
+                   precision=_HI)
   return out.astype(lhs.dtype)
 
 
