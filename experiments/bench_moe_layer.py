@@ -147,6 +147,7 @@ def bench_shape(name, T, d, f, E, k, skewed, tiling, dtype, quick):
     if quick and vname.startswith("capacity") and "1.25" in vname:
       continue
     rec = dict(shape=name, variant=vname, T=T, d=d, f=f, E=E, k=k, skewed=skewed)
+    t_start = time.perf_counter()
     try:
       if layout == "sorted":
         args, useful = (rows_sorted,), N
@@ -203,6 +204,7 @@ def bench_shape(name, T, d, f, E, k, skewed, tiling, dtype, quick):
     except Exception as e:  # noqa: BLE001 — an OOM or failure is a result too
       rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       log(f"{vname:24s} FAILED {rec['error']}")
+    rec["bench_wall_s"] = time.perf_counter() - t_start
     results.append(rec)
   # Ideal memory of the dropless layer's activations: x rows, h, act(h), y rows, unpadded, plus
   # one block per expert.
@@ -229,7 +231,7 @@ def bench_whole_layer(name, T, d, f, E, k, skewed, dtype, tiling):
   out = []
   for label, impl, cf in [("dropless_pallas", "pallas", None), ("dropless_ragged_dot", "ragged_dot", None),
                           ("capacity_1.0", "auto", 1.0)]:
-    if impl == "ragged_dot" and E * T * k * f * 2 > 8 * 2**30:
+    if impl == "ragged_dot" and E * T * k * f * 2 >= 4 * 2**30:
       # ragged_dot's backward materializes about E x N x f: out of memory here (49 GiB asked
       # for at E=64, T=16384, f=4096 on an H100, 2026-11-22); the expert-MLP table still times it.
       out.append(dict(shape=name, layer=label, error="skipped: E*N*f buffer exceeds 8 GiB (OOM)"))
@@ -383,9 +385,26 @@ def bench_torch(T, d, f, E, k, skewed):
   return dict(error=(p.stderr or p.stdout)[-400:])
 
 
-def write_outputs(all_results, gpu, out_dir):
+def merge_previous(results, path):
+  """Keep the records of shapes this run did not measure (runs are split to fit a time limit)."""
+  if not os.path.exists(path):
+    return results
+  with open(path) as fh:
+    old = json.load(fh)
+  for key in ("mlp", "layer"):
+    now = {r["shape"] for r in results[key]}
+    kept = [r for r in old.get(key, []) if r["shape"] not in now]
+    results[key] = kept + results[key]
+  if not results.get("kernels"):
+    results["kernels"] = old.get("kernels", [])
+  return results
+
+
+def write_outputs(all_results, gpu, out_dir, merge=False):
   os.makedirs(out_dir, exist_ok=True)
   stem = os.path.join(out_dir, f"moe_layer_{gpu}")
+  if merge:
+    all_results = merge_previous(all_results, stem + ".json")
   with open(stem + ".json", "w") as fh:
     json.dump(all_results, fh, indent=1)
   lines = ["| shape | variant | fwd TFLOP/s | fwd+bwd TFLOP/s | % of balanced (fwd+bwd) | dropped | rel err |",
@@ -440,6 +459,8 @@ def main():
   ap.add_argument("--shapes", default="all")
   ap.add_argument("--sweep", action="store_true", help="time the kernels alone over several tilings")
   ap.add_argument("--no-torch", action="store_true")
+  ap.add_argument("--merge", action="store_true", help="keep earlier results for shapes not run now")
+  ap.add_argument("--layer-only", action="store_true", help="time only the whole layer")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args()
   dev = jax.devices()[0]
@@ -458,6 +479,10 @@ def main():
     G.DEFAULT_TILING = tiling  # the whole-layer runs go through moe_mlp, which reads the default
   for s in shapes:
     name, T, d, f, E, k, skewed = s
+    if args.layer_only:
+      results["layer"] += bench_whole_layer(name, T, d, f, E, k, skewed, dtype, tiling)
+      write_outputs(dict(results), gpu, args.out_dir, args.merge)
+      continue
     results["mlp"] += bench_shape(name, T, d, f, E, k, skewed, tiling, dtype, quick=False)
     if not args.no_torch and dev.platform == "gpu":
       tr = bench_torch(T, d, f, E, k, skewed)
@@ -465,8 +490,8 @@ def main():
       rec = dict(shape=name, variant="torch_grouped_mm", **{kk: v for kk, v in tr.items()})
       results["mlp"].append(rec)
     results["layer"] += bench_whole_layer(name, T, d, f, E, k, skewed, dtype, tiling)
-    write_outputs(results, gpu, args.out_dir)  # partial results survive a timeout
-  table = write_outputs(results, gpu, args.out_dir)
+    write_outputs(dict(results), gpu, args.out_dir, args.merge)  # partial results survive a timeout
+  table = write_outputs(results, gpu, args.out_dir, args.merge)
   log("\n" + table)
 
 
