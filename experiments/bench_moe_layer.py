@@ -422,7 +422,8 @@ def write_outputs(all_results, gpu, out_dir, merge=False):
     lines += ["", "| shape | whole layer | fwd+bwd ms | tokens/s | dropped |", "|---|---|---|---|---|"]
     for r in all_results["layer"]:
       lines.append(f"| {r['shape']} | {r['layer']} | {r.get('fwdbwd_ms', float('nan')):.2f} | "
-                   f"{r.get('tokens_per_s', float('nan')):.3g} | {r.get('dropped_fraction', float('nan')):.3f} |")
+                   f"{r.get('tokens_per_s', float('nan')):.3g} | {r.get('dropped_fraction', float('nan')):.3f} |"
+                   + (f" {r['error'][:70]}" if "error" in r else ""))
   table = "\n".join(lines)
   with open(stem + ".md", "w") as fh:
     fh.write(f"# MoE expert MLP on {gpu}\n\n{table}\n")
