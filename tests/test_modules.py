@@ -60,7 +60,7 @@ def test_moe_matches_reference_on_its_params(name):
   x = jnp.asarray(rand(np.random.default_rng(len(name)), (2, 13, D)))  # [batch, seq, d]: 26 tokens
   y, stats = nnx.jit(lambda m, x: m(x, dts_temperature=0.5))(model, x)
   assert y.shape == x.shape and y.dtype == jnp.float32
-  y_ref, logits, r = _module_reference(model, cfg, x.reshape(-1, D), temperature=0.5)
+  y_ref, logits, r = nnx.jit(_module_reference, static_argnums=1)(model, cfg, x.reshape(-1, D), 0.5)
   assert_close(y.reshape(-1, D), y_ref, 1e-5, name)
 
   assert set(STAT_FIELDS) <= set(vars(stats))
@@ -91,7 +91,7 @@ def test_moe_matches_reference_on_its_params(name):
 def test_moe_bfloat16_compute():
   model, cfg = _moe("top2_dropless_glu", dtype=jnp.bfloat16)
   x = jnp.asarray(rand(np.random.default_rng(1), (20, D)))
-  y, stats = model(x)
+  y, stats = nnx.jit(lambda m, x: m(x))(model, x)
   assert y.dtype == jnp.bfloat16 and model.w_in[...].dtype == jnp.float32  # param_dtype f32
   assert stats.router_z_loss.dtype == jnp.float32
   # Against the f32 reference on the bf16-rounded input and weights.
@@ -107,11 +107,13 @@ def test_moe_bfloat16_compute():
 def test_moe_rng_drives_jitter_and_gate_noise():
   model, _ = _moe("dts", jitter_eps=0.1)
   x = jnp.asarray(rand(np.random.default_rng(2), (16, D)))
-  y0, _ = model(x)
-  y0b, _ = model(x)
+  fwd = nnx.jit(lambda m, x: m(x))
+  y0, _ = fwd(model, x)
+  y0b, _ = fwd(model, x)
   np.testing.assert_array_equal(y0, y0b)  # no rng: deterministic, no noise
-  y1, _ = nnx.jit(lambda m, x, k: m(x, rng=k))(model, x, jax.random.key(1))
-  y2, _ = nnx.jit(lambda m, x, k: m(x, rng=k))(model, x, jax.random.key(2))
+  noisy = nnx.jit(lambda m, x, k: m(x, rng=k))
+  y1, _ = noisy(model, x, jax.random.key(1))
+  y2, _ = noisy(model, x, jax.random.key(2))
   assert not np.allclose(y1, y0) and not np.allclose(y1, y2)
 
 

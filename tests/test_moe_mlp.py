@@ -225,7 +225,7 @@ def test_capacity_drops_are_exact_zeros_and_counted(impl):
   def f_(x, w):
     return sj.moe_mlp(x, ids, w, w_in, w_out, capacity_factor=0.8, impl=impl)
 
-  (y, stats), vjp = jax.vjp(f_, x, w)
+  (y, stats), vjp = jax.jit(lambda x, w: jax.vjp(f_, x, w))(x, w)
   assert int(stats.num_dropped) == 8
   assert float(stats.dropped_fraction) == pytest.approx(0.8)
   np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), [10, 0, 0, 0])
@@ -274,8 +274,9 @@ def test_no_expert_slots_are_ignored(impl, cf):
   w_junk[ids == sj.NO_EXPERT] = 123.0  # must not matter
   ids = jnp.asarray(ids)
   c = None if cf is None else sj.capacity(T, E, k, cf)
-  y, stats = sj.moe_mlp(x, ids, jnp.asarray(w_junk), w_in, w_out, capacity_factor=cf, impl=impl)
-  y_ref = sj.moe_mlp_reference(x, ids, jnp.asarray(w), w_in, w_out, capacity=c)
+  y, stats = jax.jit(lambda *a: sj.moe_mlp(*a, capacity_factor=cf, impl=impl))(
+      x, ids, jnp.asarray(w_junk), w_in, w_out)
+  y_ref = jax.jit(lambda *a: sj.moe_mlp_reference(*a, capacity=c))(x, ids, jnp.asarray(w), w_in, w_out)
   assert_close(y, y_ref, 1e-5, "y")
   assert_close(y, np_moe_loop(x, np.asarray(ids), w, w_in, w_out, capacity=c), 1e-5, "loop")
   assert np.all(np.asarray(y[5]) == 0.0)
@@ -330,6 +331,7 @@ def test_auto_impl_matches_reference_impl():
   x = jnp.asarray(rand(rng, (21, 8)))
   r = sj.top_k_routing(jnp.asarray(rand(rng, (21, 4))), 2)
   w_in, w_out = jnp.asarray(rand(rng, (4, 8, 8))), jnp.asarray(rand(rng, (4, 8, 8)))
-  y_auto, _ = sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out)
-  y_ref, _ = sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out, impl="reference")
+  run = jax.jit(sj.moe_mlp, static_argnames="impl")
+  y_auto, _ = run(x, r.expert_ids, r.combine_weights, w_in, w_out)
+  y_ref, _ = run(x, r.expert_ids, r.combine_weights, w_in, w_out, impl="reference")
   assert_close(y_auto, y_ref, 1e-5, "auto")

@@ -99,7 +99,7 @@ def test_expert_choice_mlp_matches_loop_and_grads():
   rng = np.random.default_rng(seed_of("ec_mlp"))
   x, logits = jnp.asarray(rand(rng, (T, d))), jnp.asarray(rand(rng, (T, E), 2.0))
   w_in, w_out = jnp.asarray(rand(rng, (E, d, f), 0.4)), jnp.asarray(rand(rng, (E, f, d), 0.4))
-  r = sj.expert_choice_routing(logits, cf)
+  r = jax.jit(sj.expert_choice_routing, static_argnums=1)(logits, cf)
   y, stats = jax.jit(sj.expert_choice_mlp)(x, r, w_in, w_out)
   # As token-choice: token t's slots are the experts that chose it.
   ids, ws = np.full((T, E), -1), np.zeros((T, E))
@@ -120,8 +120,8 @@ def test_expert_choice_mlp_matches_loop_and_grads():
     ids_all = jnp.broadcast_to(jnp.arange(E), (T, E))
     return jnp.sum(jnp.sin(sj.moe_mlp_reference(x, ids_all, dense_w, w_in, w_out)))
 
-  g = jax.grad(ours, argnums=(0, 1, 2, 3))(x, logits, w_in, w_out)
-  g_ref = jax.grad(dense, argnums=(0, 1, 2, 3))(x, logits, w_in, w_out)
+  g = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+  g_ref = jax.jit(jax.grad(dense, argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
   for a, b, n in zip(g, g_ref, ("x", "logits", "w_in", "w_out")):
     assert_close(a, b, 1e-5, n)
 
@@ -190,14 +190,14 @@ def test_moe_mlp_with_dts_routing_matches_reference(impl, cf):
 
   ours = lambda x, i, w: sj.moe_mlp(x, i, w, w_in, w_out, capacity_factor=cf, impl=impl)[0]
   ref = lambda x, i, w: sj.moe_mlp_reference(x, i, w, w_in, w_out, capacity=cap)
-  y, r = run(ours, x, logits)
+  y, r = jax.jit(lambda x, l: run(ours, x, l))(x, logits)
   assert np.any(np.asarray(r.expert_ids) == sj.NO_EXPERT)
-  assert_close(y, run(ref, x, logits)[0], 1e-5, "y")
+  assert_close(y, jax.jit(lambda x, l: run(ref, x, l))(x, logits)[0], 1e-5, "y")
   assert_close(y, np_moe_loop(x, np.asarray(r.expert_ids), r.combine_weights, w_in, w_out,
                               capacity=cap), 1e-5, "loop")
   loss = lambda fn: lambda x, l: jnp.sum(jnp.sin(run(fn, x, l)[0]))
   g = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(x, logits)
-  g_ref = jax.grad(loss(ref), argnums=(0, 1))(x, logits)
+  g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1)))(x, logits)
   assert_close(g[0], g_ref[0], 1e-5, "dx")
   assert_close(g[1], g_ref[1], 1e-5, "dlogits")
 
