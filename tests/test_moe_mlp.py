@@ -260,7 +260,7 @@ def test_capacity_counts_with_mixed_slots():
 
 # ---------------------------------------------------------------- NO_EXPERT slots
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("cf", [None, 1.0])
+@pytest.mark.parametrize("cf", [None, 0.3])  # C = 3 for 21 real assignments on 4 experts: drops
 def test_no_expert_slots_are_ignored(impl, cf):
   T, E, k, d, f = 12, 4, 3, 8, 8
   rng = np.random.default_rng(seed_of("noexp", impl, cf))
@@ -283,7 +283,11 @@ def test_no_expert_slots_are_ignored(impl, cf):
   valid = np.asarray(ids)[np.asarray(ids) >= 0]
   np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), np.bincount(valid, minlength=E))
   keep = np_capacity_keep(np.asarray(ids), E, c)
-  assert int(stats.num_dropped) == int(((np.asarray(ids) >= 0) & ~keep).sum())
+  dropped = int(((np.asarray(ids) >= 0) & ~keep).sum())
+  assert int(stats.num_dropped) == dropped
+  assert (dropped > 0) == (cf is not None)
+  # The fraction is of real assignments: NO_EXPERT slots are not in the denominator.
+  np.testing.assert_allclose(float(stats.dropped_fraction), dropped / valid.size, rtol=1e-6)
 
 
 # ---------------------------------------------------------------- jit, grad, vmap
