@@ -7,6 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sparsejax.grouped_matmul import IMPLS
+
 ROUTERS = ("top_k", "expert_choice", "dense_to_sparse")
 ACTIVATIONS = {
     "gelu": jax.nn.gelu,
@@ -50,12 +52,23 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.router must be one of {ROUTERS}; got {self.router!r}.")
     if self.activation not in ACTIVATIONS:
       raise ValueError(f"MoEConfig.activation must be one of {tuple(ACTIVATIONS)}; got {self.activation!r}.")
+    if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+      raise ValueError(f"MoEConfig.top_k must be an int; got {self.top_k!r}.")
     if self.router == "top_k" and not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"MoEConfig.top_k must lie in [1, num_experts={self.num_experts}]; got {self.top_k}.")
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None; got {self.capacity_factor}.")
     if self.router == "expert_choice" and self.capacity_factor is None:
       raise ValueError("router='expert_choice' needs a capacity_factor (tokens per expert = cf * T / E).")
+    if self.impl not in IMPLS:
+      raise ValueError(f"MoEConfig.impl must be one of {IMPLS}; got {self.impl!r}.")
+    if not self.jitter_eps >= 0:
+      raise ValueError(f"MoEConfig.jitter_eps must be >= 0; got {self.jitter_eps}.")
+    if not 0.0 <= self.dts_threshold < 1.0:
+      raise ValueError(f"MoEConfig.dts_threshold must lie in [0, 1); got {self.dts_threshold}.")
+    if self.dts_max_k is not None and not 1 <= self.dts_max_k <= self.num_experts:
+      raise ValueError(
+          f"MoEConfig.dts_max_k must lie in [1, num_experts={self.num_experts}] or be None; got {self.dts_max_k}.")
 
   @property
   def activation_fn(self):

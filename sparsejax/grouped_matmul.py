@@ -55,9 +55,51 @@ def grouped_matmul_reference(
   return out.astype(lhs.dtype)
 
 
-def _ragged_dot(lhs, rhs, group_sizes):
-  out = jax.lax.ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32)
+def _ragged_dot_raw(lhs, rhs, group_sizes):
+  out = jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=jnp.float32)
   return out.astype(lhs.dtype)
+
+
+def _ragged_dot_raw_vjp(lhs, rhs, group_sizes, ct):
+  _, vjp = jax.vjp(lambda a, b: _ragged_dot_raw(a, b, group_sizes), lhs, rhs)
+  return vjp(ct)
+
+
+def _vmap_all_batched(fn):
+  """jax.lax.ragged_dot's batching rule handles only the case where every operand is batched on
+  axis 0 (vmap with unbatched weights raises NotImplementedError). Broadcast the unbatched operands
+  so the rule sees that case. custom_vmap has no reverse mode, hence the custom_vjp around it."""
+  op = jax.custom_batching.custom_vmap(fn)
+
+  @op.def_vmap
+  def _rule(axis_size, in_batched, *args):
+    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip(args, in_batched)]
+    out = jax.vmap(fn)(*args)
+    return out, jax.tree.map(lambda _: True, out)
+
+  return op
+
+
+_ragged_dot_fwd_op = _vmap_all_batched(_ragged_dot_raw)
+_ragged_dot_bwd_op = _vmap_all_batched(_ragged_dot_raw_vjp)
+
+
+@jax.custom_vjp
+def _ragged_dot(lhs, rhs, group_sizes):
+  return _ragged_dot_fwd_op(lhs, rhs, group_sizes)
+
+
+def _ragged_dot_fwd(lhs, rhs, group_sizes):
+  return _ragged_dot_fwd_op(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _ragged_dot_bwd(res, ct):
+  lhs, rhs, group_sizes = res
+  d_lhs, d_rhs = _ragged_dot_bwd_op(lhs, rhs, group_sizes, ct)
+  return d_lhs, d_rhs, None
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 
 
 def grouped_matmul(

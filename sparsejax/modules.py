@@ -5,6 +5,8 @@ layer maps onto a mesh; the router is replicated.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import flax.struct
@@ -29,12 +31,19 @@ class MoELayerStats:
   aux_loss: jax.Array
 
 
+@functools.cache
+def _sharding_key() -> str:
+  """The Variable metadata key this flax reads logical axis names from: 'out_sharding' in current
+  flax ('sharding_names' there is a deprecated alias, slated to go), 'sharding_names' before."""
+  probe = nnx.Param(jnp.zeros((1,)), out_sharding=("probe",), eager_sharding=False)
+  spec = nnx.get_partition_spec(probe)
+  spec = spec.get_value() if hasattr(spec, "get_value") else spec.value
+  return "out_sharding" if tuple(spec) == ("probe",) else "sharding_names"
+
+
 def _param(value, names: tuple) -> nnx.Param:
   """A Param annotated with logical axis names; sharded later by whoever holds the mesh."""
-  try:
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
-  except TypeError:  # flax versions before eager sharding
-    return nnx.Param(value, sharding_names=names)
+  return nnx.Param(value, eager_sharding=False, **{_sharding_key(): names})
 
 
 def _expert_init():

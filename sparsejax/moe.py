@@ -133,7 +133,8 @@ def moe_mlp(
   out = expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=activation, impl=impl,
                    topology=topology)
   y = permute.scatter_rows(out, placement, combine_weights, x.dtype)
-  total = expert_ids.size
+  # NO_EXPERT slots are not assignments: they count neither as dropped nor in the denominator.
+  total = jnp.maximum(jnp.sum(placement.tokens_per_expert), 1).astype(jnp.float32)
   stats = MoEStats(
       tokens_per_expert=placement.tokens_per_expert,
       num_dropped=placement.num_dropped,
