@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 # Backends of grouped_matmul / dropless moe_mlp under test. Adding a backend is one line here.
-IMPLS = ["reference", "ragged_dot"]
+IMPLS = ["reference", "ragged_dot", "pallas"]  # pallas runs in interpret mode off the GPU
 
 # (jax activation, float64 numpy twin)
 _GELU_C = math.sqrt(2.0 / math.pi)
