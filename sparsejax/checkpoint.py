@@ -18,7 +18,7 @@ def _abstract(tree):
 
 
 class Checkpointer:
-  """save(step, state, meta) every `every` steps (or with force=True), keeping the last `keep`."""
+  """save(step, items, meta) every `every` steps (or with force=True), keeping the last `keep`."""
 
   def __init__(self, directory: str | pathlib.Path, *, every: int = 1000, keep: int = 3):
     self.directory = pathlib.Path(directory).absolute()
@@ -28,8 +28,10 @@ class Checkpointer:
         enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+  def save(self, step: int, items: dict[str, Any], meta: dict, *, force: bool = False) -> bool:
+    """items: named pytrees of arrays (e.g. params, opt_state), each restorable on its own."""
+    args = ocp.args.Composite(meta=ocp.args.JsonSave(meta),
+                              **{k: ocp.args.StandardSave(v) for k, v in items.items()})
     saved = self.manager.save(step, args=args, force=force)
     self.manager.wait_until_finished()
     return bool(saved)
@@ -40,14 +42,16 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return list(self.manager.all_steps())
 
-  def restore(self, target: Any, step: int | None = None) -> tuple[Any, dict]:
-    """(state, meta) of `step` (default latest); target is a pytree of arrays or ShapeDtypeStructs."""
+  def restore(self, targets: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
+    """(items, meta) of `step` (default latest); targets name the items wanted, as pytrees of arrays or
+    ShapeDtypeStructs giving structure, shapes, dtypes (and shardings) to restore into."""
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No finished checkpoint under {self.directory}.")
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(target)), meta=ocp.args.JsonRestore())
+    args = ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                              **{k: ocp.args.StandardRestore(_abstract(v)) for k, v in targets.items()})
     out = self.manager.restore(step, args=args)
-    return out["state"], out["meta"]
+    return {k: out[k] for k in targets}, out["meta"]
 
   def restore_meta(self, step: int | None = None) -> dict:
     """Only the JSON record (e.g. the model config, to build the target before restoring arrays)."""

@@ -53,8 +53,7 @@ class TrainConfig:
   keep: int = 3
   log_every: int = 10
   max_time_s: float | None = None  # stop after this much training time (compile and eval excluded)
-  upcycle_from: str | None = None  # a dense run's out dir (or checkpoint dir) to upcycle from
-  upcycle_experts: int = 8
+  upcycle_from: str | None = None  # a dense run's out dir (or checkpoint dir): preset must be its MoE twin
   peak_flops: float | None = None
   progress: bool = True
   model_overrides: dict = dataclasses.field(default_factory=dict)
@@ -174,7 +173,8 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
     saved_cfg = ckpt.restore_meta()["model_config"]
     if saved_cfg != model_cfg.to_dict():
       raise ValueError(f"{out} holds a run of another model config ({saved_cfg}); use another --out.")
-    (params, opt_state), meta = ckpt.restore((params, opt_state))
+    items, meta = ckpt.restore({"params": params, "opt_state": opt_state})
+    params, opt_state = items["params"], items["opt_state"]
     step, elapsed = meta["step"], meta["elapsed_s"]
     stream.restore(meta["data"])
   params, opt_state = _shard(mesh, params, ()), _shard(mesh, opt_state, ())
@@ -185,7 +185,7 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
   flops, peak = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step, peak_flops(cfg)
   meta = lambda: {"step": step, "elapsed_s": elapsed, "data": stream.state(),
                   "model_config": model_cfg.to_dict(), "corpus": corpus.name}
-  save = lambda force=False: ckpt.save(step, (params, opt_state), meta(), force=force)
+  save = lambda force=False: ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
 
   def evaluate() -> dict:
     loss = float(np.mean([eval_step(params, *_shard(mesh, b, ("data",))) for b in val]))
