@@ -30,6 +30,8 @@ class Checkpointer:
 
   def save(self, step: int, items: dict[str, Any], meta: dict, *, force: bool = False) -> bool:
     """items: named pytrees of arrays (e.g. params, opt_state), each restorable on its own."""
+    if step in self.manager.all_steps():  # e.g. the final save landing on an interval step
+      return False
     args = ocp.args.Composite(meta=ocp.args.JsonSave(meta),
                               **{k: ocp.args.StandardSave(v) for k, v in items.items()})
     saved = self.manager.save(step, args=args, force=force)

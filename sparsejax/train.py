@@ -132,7 +132,7 @@ def init_model(cfg: TrainConfig, model_cfg: TransformerConfig):
 
 
 def _shard(mesh, tree, spec):
-  """The multi-device hook: with a mesh, batches split over its first axis and params replicate.
+  """The multi-device hook: with a mesh (Auto axes), batches split over its "data" axis, params replicate.
 
   The expert-parallel layer will replace the params' placement by its logical-axis rules.
   """
