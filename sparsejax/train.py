@@ -48,8 +48,9 @@ class TrainConfig:
   seed: int = 0
   dtype: str | None = None         # compute dtype; None: bfloat16 on GPU/TPU, float32 on CPU
   eval_every: int = 100
+  eval_every_s: float | None = None  # also evaluate every this many seconds of training time
   eval_batches: int = 8
-  ckpt_every: int = 100
+  ckpt_every: int = 100            # 0: no checkpoints at all (e.g. timing experiments)
   keep: int = 3
   log_every: int = 10
   max_time_s: float | None = None  # stop after this much training time (compile and eval excluded)
@@ -161,8 +162,8 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
   corpus = load_corpus(cfg.data, vocab_size=model_cfg.vocab_size if cfg.data else None)
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
-  ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep)
-  resuming = ckpt.latest_step() is not None
+  ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if cfg.ckpt_every > 0 else None
+  resuming = ckpt is not None and ckpt.latest_step() is not None
   model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)) if resuming else init_model(cfg, model_cfg)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
@@ -185,7 +186,7 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
   flops, peak = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step, peak_flops(cfg)
   meta = lambda: {"step": step, "elapsed_s": elapsed, "data": stream.state(),
                   "model_config": model_cfg.to_dict(), "corpus": corpus.name}
-  save = lambda force=False: ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
+  save = lambda force=False: ckpt and ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
 
   def evaluate() -> dict:
     loss = float(np.mean([eval_step(params, *_shard(mesh, b, ("data",))) for b in val]))
@@ -195,19 +196,23 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
     log.write(kind="val", **record)
     return record
 
+  # Compile ahead of time so that every timed window (tokens/s, MFU, elapsed) is pure training.
+  t0 = time.perf_counter()
+  example = _shard(mesh, stream.batch(stream.position), ("data",))
+  train_step = train_step.lower(params, opt_state, *example, jnp.int32(step)).compile()
+  compile_s = time.perf_counter() - t0
   bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, dynamic_ncols=True)
   last = dict(step=step, elapsed_s=elapsed)
-  window_t, window_steps = time.perf_counter(), 0
+  window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
   while step < cfg.steps and (cfg.max_time_s is None or elapsed < cfg.max_time_s):
     x, y = _shard(mesh, next(stream), ("data",))
     params, opt_state, m = train_step(params, opt_state, x, y, jnp.int32(step))
     step, window_steps = step + 1, window_steps + 1
-    if step % cfg.log_every == 0 or step == cfg.steps or step == 1:
+    if step % cfg.log_every == 0 or step == cfg.steps:
       m = jax.device_get(m)  # blocks: the window's time is then real compute time
       now = time.perf_counter()
       dt = now - window_t
-      if step > 1 or resuming:  # the first window holds the compile: it counts toward nothing
-        elapsed += dt
+      elapsed += dt
       tps = window_steps * tokens_per_step / dt
       mfu = window_steps * flops / dt / peak if peak else None
       last = dict(step=step, elapsed_s=elapsed, loss=float(m["loss"]), ce=float(m["ce"]),
@@ -220,16 +225,21 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
                       mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%")
       window_t, window_steps = time.perf_counter(), 0
     bar.update(1)
-    if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+    if step < cfg.steps and ((cfg.eval_every and step % cfg.eval_every == 0) or elapsed >= next_eval_s):
+      t_eval = time.perf_counter()
       v = evaluate()
+      next_eval_s = elapsed + (cfg.eval_every_s or math.inf)
       bar.write(f"step {step:>6} | train loss {last.get('loss', float('nan')):.3f} | "
                 f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
-      window_t = time.perf_counter()  # eval time is not training time
+      window_t += time.perf_counter() - t_eval  # eval time is not training time
+    t_save = time.perf_counter()
     save()
+    window_t += time.perf_counter() - t_save  # nor is checkpoint time
   bar.close()
   save(force=True)
-  final = {**last, **evaluate()}
-  ckpt.close()
+  final = {**last, **evaluate(), "compile_s": compile_s}
+  if ckpt:
+    ckpt.close()
   print(f"done: step {step}, train loss {final.get('loss', float('nan')):.3f}, "
         f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
         f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
