@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.data import BatchStream, eval_batches, load_corpus

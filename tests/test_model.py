@@ -17,7 +17,8 @@ def test_forward_backward_shapes_and_dtypes(dtype, moe_every):
   cfg = SMALL.replace(dtype=dtype, moe_every=moe_every)
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-  logits, stats = model(tokens, rng=jax.random.key(2))
+  # Jitted: op-by-op dispatch of the MoE layers costs more than compiling them once.
+  logits, stats = nnx.jit(lambda m, t, r: m(t, rng=r))(model, tokens, jax.random.key(2))
   assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
   assert stats.tokens_per_expert.shape == (cfg.num_moe_layers, 4)
   assert stats.dropped_fraction.shape == (cfg.num_moe_layers,)
@@ -32,7 +33,7 @@ def test_forward_backward_shapes_and_dtypes(dtype, moe_every):
     logits, stats = model(tokens)
     return cross_entropy(logits, jnp.roll(tokens, -1, 1)) + stats.aux_loss
 
-  grads = nnx.grad(loss)(model)
+  grads = nnx.jit(nnx.grad(loss))(model)
   for p, g in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(grads)):
     assert g.shape == p.shape and g.dtype == jnp.float32  # float32 params whatever the compute dtype
     assert bool(jnp.all(jnp.isfinite(g)))

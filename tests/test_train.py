@@ -65,10 +65,7 @@ def test_killed_run_resumes_on_the_same_curve(tmp_path):
   for s in (4, 5, 6):
     assert resumed[s]["loss"] == full[s]["loss"], s  # bit-identical, not merely close
     assert resumed[s]["tokens_per_expert"] == full[s]["tokens_per_expert"]
-
-
-def test_metrics_hold_what_the_plots_need(tmp_path):
-  train(_cfg(tmp_path, steps=3, eval_every=0))
+  # The metrics hold what the plots and the experiment need.
   rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   t = [r for r in rows if r["kind"] == "train"][-1]
   for key in ("loss", "aux_loss", "lb_loss", "z_loss", "tokens_per_s", "mfu", "elapsed_s",
