@@ -26,6 +26,9 @@ from sparsejax.checkpoint import Checkpointer
 from sparsejax.data import BatchStream, eval_batches, load_corpus
 from sparsejax.models import Transformer, TransformerConfig, cross_entropy, get_preset
 
+# optax.global_norm is deprecated in newer optax; older ones lack optax.tree.norm.
+_global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
 # Dense bf16 peak FLOP/s per chip, for MFU. Unknown devices (e.g. CPUs) report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
               "L4": 121e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12}
@@ -107,7 +110,7 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int):
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(loss=loss, ce=ce, aux_loss=stats.aux_loss, lb_loss=stats.load_balancing_loss,
-                   z_loss=stats.router_z_loss, grad_norm=optax.global_norm(grads),
+                   z_loss=stats.router_z_loss, grad_norm=_global_norm(grads),
                    tokens_per_expert=stats.tokens_per_expert, dropped_fraction=stats.dropped_fraction)
     return params, opt_state, metrics
 
