@@ -9,7 +9,7 @@ fraction and validation loss over wall time to experiments/results/megablocks*.j
 validation loss against wall time. The LR is warm-up then flat (the cosine horizon lies far past
 the budget), so no variant gains from where its schedule ends.
 
-  python experiments/megablocks_repro.py                 # GPU: 5 x 45 s budget, about 7 minutes
+  python experiments/megablocks_repro.py                 # GPU: 5 x 40 s budget, about 7 minutes
   python experiments/megablocks_repro.py --smoke         # CPU: tiny sizes, seconds each
 """
 from __future__ import annotations
@@ -105,7 +105,7 @@ def plot(results: dict, path: pathlib.Path, title: str) -> None:
 
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--budget-s", type=float, default=None, help="training seconds per variant (GPU default 50)")
+  p.add_argument("--budget-s", type=float, default=None, help="training seconds per variant (GPU default 40)")
   p.add_argument("--smoke", action="store_true", help="tiny model and budget: checks the script on a CPU")
   p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
   p.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     defaults = dict(budget_s=2.0, batch_size=4, seq_len=32, warmup=5, log_every=2)
     args.lr = 3e-3
   else:
-    defaults = dict(budget_s=45.0, batch_size=32, seq_len=1024, log_every=args.log_every)
+    defaults = dict(budget_s=40.0, batch_size=32, seq_len=1024, log_every=args.log_every)
   for k, v in defaults.items():
     if getattr(args, k) is None or (args.smoke and k in ("warmup", "log_every")):
       setattr(args, k, v)

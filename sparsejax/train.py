@@ -257,14 +257,24 @@ def _parse_value(text: str) -> Any:
 
 
 def parse_args(argv=None) -> TrainConfig:
-  p = argparse.ArgumentParser(prog="sparsejax-train", description=__doc__.splitlines()[0])
+  from sparsejax.models import PRESETS
+  p = argparse.ArgumentParser(prog="sparsejax-train", description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   d = TrainConfig()
+  helps = {"preset": f"one of {', '.join(sorted(PRESETS))}",
+           "data": "text file, folder of text files, uint16 .bin, or stdlib (default: the Python stdlib)",
+           "out": "run directory: metrics.jsonl and checkpoints/; an existing run there is resumed",
+           "dtype": "compute dtype (float32, bfloat16); default bfloat16 on accelerators, float32 on CPU",
+           "max_time_s": "stop after this many seconds of training (compile/eval excluded)",
+           "ckpt_every": "checkpoint interval in steps; 0 disables checkpoints",
+           "upcycle_from": "a dense run directory to sparse-upcycle into --preset (an MoE preset)",
+           "peak_flops": "peak FLOP/s for MFU (default: looked up from the device kind)"}
   for f in dataclasses.fields(TrainConfig):
     if f.name in ("model_overrides", "progress"):
       continue
-    default = getattr(d, f.name)
-    kind = type(default) if default is not None else (float if f.name in ("max_time_s", "peak_flops") else str)
-    p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default)
+    kind = {"int": int, "float": float}.get(str(f.type).split("|")[0].strip(), str)  # "float | None" -> float
+    p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(d, f.name),
+                   help=helps.get(f.name, " "))
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="override a TransformerConfig field, e.g. --set capacity_factor=1.25")
   p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")

@@ -84,8 +84,10 @@ def test_mesh_hook_matches_single_device(tmp_path):
 
 def test_cli_and_clear_errors(tmp_path):
   cfg = parse_args(["--preset", "xs-moe", "--steps", "5", "--set", "capacity_factor=1.5",
-                    "--set", "dtype=bfloat16", "--max-time-s", "60"])
-  assert cfg.steps == 5 and cfg.max_time_s == 60.0
+                    "--set", "dtype=bfloat16", "--max-time-s", "60", "--eval-every-s", "5",
+                    "--data", "corpus/", "--lr", "1e-3"])
+  assert cfg.steps == 5 and cfg.max_time_s == 60.0 and cfg.eval_every_s == 5.0 and cfg.lr == 1e-3
+  assert cfg.data == "corpus/" and cfg.upcycle_from is None
   assert cfg.model_config().capacity_factor == 1.5 and cfg.model_config().dtype == "bfloat16"
   with pytest.raises(SystemExit):
     parse_args(["--set", "not_a_field=3"])
