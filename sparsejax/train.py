@@ -162,7 +162,7 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
   """Train (or resume) a run; returns the final metrics (step, val_loss, val_bpb, tokens_per_s, ...)."""
   out = pathlib.Path(cfg.out)
   model_cfg = cfg.model_config()
-  corpus = load_corpus(cfg.data, vocab_size=model_cfg.vocab_size if cfg.data else None)
+  corpus = load_corpus(cfg.data, vocab_size=cfg.model_overrides.get("vocab_size"))  # .bin: from its tokens
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if cfg.ckpt_every > 0 else None
