@@ -27,3 +27,9 @@ __all__ = [
     "load_balancing_loss", "moe_mlp", "moe_mlp_reference", "router_logits", "router_z_loss",
     "top_k_routing",
 ]
+
+# --- Language models built on the layers above (sparsejax.models). Training, checkpoints and
+# upcycling live in sparsejax.train / .checkpoint / .upcycle, imported on use (orbax, tqdm).
+from sparsejax.models import PRESETS, ModelStats, Transformer, TransformerConfig, get_preset  # noqa: E402
+
+__all__ += ["PRESETS", "ModelStats", "Transformer", "TransformerConfig", "get_preset"]

@@ -1,0 +1,66 @@
+"""Checkpoints through orbax: a pytree of arrays (params, optimizer state) plus a small JSON record.
+
+Orbax writes each step to a temporary directory and renames (or marks) it only after the write
+completes, so a checkpoint from a crashed write is never listed and never restored.
+"""
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                      tree)
+
+
+class Checkpointer:
+  """save(step, items, meta) every `every` steps (or with force=True), keeping the last `keep`."""
+
+  def __init__(self, directory: str | pathlib.Path, *, every: int = 1000, keep: int = 3):
+    self.directory = pathlib.Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, save_interval_steps=max(1, every), create=True,
+        # Synchronous: the train step donates its buffers, and saves are rare enough not to matter.
+        enable_async_checkpointing=False)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def save(self, step: int, items: dict[str, Any], meta: dict, *, force: bool = False) -> bool:
+    """items: named pytrees of arrays (e.g. params, opt_state), each restorable on its own."""
+    if step in self.manager.all_steps():  # e.g. the final save landing on an interval step
+      return False
+    args = ocp.args.Composite(meta=ocp.args.JsonSave(meta),
+                              **{k: ocp.args.StandardSave(v) for k, v in items.items()})
+    saved = self.manager.save(step, args=args, force=force)
+    self.manager.wait_until_finished()
+    return bool(saved)
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self.manager.all_steps())
+
+  def restore(self, targets: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict]:
+    """(items, meta) of `step` (default latest); targets name the items wanted, as pytrees of arrays or
+    ShapeDtypeStructs giving structure, shapes, dtypes (and shardings) to restore into."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No finished checkpoint under {self.directory}.")
+    args = ocp.args.Composite(meta=ocp.args.JsonRestore(),
+                              **{k: ocp.args.StandardRestore(_abstract(v)) for k, v in targets.items()})
+    out = self.manager.restore(step, args=args)
+    return {k: out[k] for k in targets}, out["meta"]
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    """Only the JSON record (e.g. the model config, to build the target before restoring arrays)."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No finished checkpoint under {self.directory}.")
+    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def close(self) -> None:
+    self.manager.close()

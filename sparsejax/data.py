@@ -1,0 +1,143 @@
+"""Byte-level data: corpora as 1-D token arrays, and deterministic, resumable batch streams.
+
+Tokens are bytes (vocabulary 256), so no tokenizer or download is needed. Sources:
+  * None / "stdlib": the running Python's standard-library sources (found through sysconfig),
+    split into train and validation by file;
+  * a folder of text files (split by file) or one text file (split by position);
+  * a nanoGPT-layout uint16 ``.bin`` (``train.bin`` uses a sibling ``val.bin`` when there is one).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sysconfig
+import zlib
+
+import numpy as np
+from jaxtyping import Int
+
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".c", ".h", ".json", ".html", ".tex", ".csv", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+  """train and val are 1-D token arrays (uint8 for bytes, uint16 for .bin files, possibly memory-mapped)."""
+  name: str
+  train: np.ndarray
+  val: np.ndarray
+  vocab_size: int
+  byte_level: bool
+
+
+def _is_val_file(rel: str, val_fraction: float) -> bool:
+  # A hash of the relative path, not a random draw: the split is the same on every run and machine.
+  return zlib.crc32(rel.encode()) % 10_000 < val_fraction * 10_000
+
+
+def _split_files(files: list[pathlib.Path], root: pathlib.Path, name: str, val_fraction: float) -> Corpus:
+  train, val = [], []
+  for f in sorted(files):
+    (val if _is_val_file(f.relative_to(root).as_posix(), val_fraction) else train).append(f.read_bytes())
+  if not val or not train:  # too few files for a hash split: hold out the last one
+    both = train + val
+    if len(both) < 2:
+      return _split_bytes(b"".join(both), name, val_fraction)
+    train, val = both[:-1], both[-1:]
+  as_tokens = lambda parts: np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+  return Corpus(name, as_tokens(train), as_tokens(val), 256, True)
+
+
+def _split_bytes(data: bytes, name: str, val_fraction: float) -> Corpus:
+  tokens = np.frombuffer(data, dtype=np.uint8)
+  n_val = max(1, int(len(tokens) * val_fraction))
+  return Corpus(name, tokens[:-n_val], tokens[-n_val:], 256, True)
+
+
+def stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
+  """The .py files of this interpreter's standard library, without installed packages."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files = [f for f in root.rglob("*.py")
+           if not {"site-packages", "dist-packages", "__pycache__"} & set(f.parts)]
+  return root, files
+
+
+def _load_bin(path: pathlib.Path, val_fraction: float, vocab_size: int | None) -> Corpus:
+  tokens = np.memmap(path, dtype=np.uint16, mode="r")
+  val_path = path.with_name("val.bin")
+  if path.name == "train.bin" and val_path.exists():
+    train, val = tokens, np.memmap(val_path, dtype=np.uint16, mode="r")
+  else:
+    n_val = max(1, int(len(tokens) * val_fraction))
+    train, val = tokens[:-n_val], tokens[-n_val:]
+  if vocab_size is None:
+    top = int(max(train.max(), val.max())) + 1
+    vocab_size = 256 if top <= 256 else -(-top // 64) * 64  # round up: friendlier matmul shapes
+  return Corpus(str(path), train, val, vocab_size, vocab_size == 256)
+
+
+def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
+                vocab_size: int | None = None) -> Corpus:
+  """Load a corpus (see the module docstring for the sources). Missing paths fail with a clear error."""
+  if source in (None, "", "stdlib"):
+    root, files = stdlib_files()
+    if not files:
+      raise FileNotFoundError(f"No standard-library sources found under {root}; pass a data path.")
+    return _split_files(files, root, "stdlib", val_fraction)
+  path = pathlib.Path(source).expanduser()
+  if not path.exists():
+    raise FileNotFoundError(f"Data path {str(path)!r} does not exist: pass a text file, a folder of "
+                            f"text files, a uint16 .bin file, or 'stdlib' for the built-in corpus.")
+  if path.is_dir():
+    files = [f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
+             and not any(p.startswith(".") for p in f.relative_to(path).parts)]
+    if not files:
+      raise FileNotFoundError(f"Folder {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES[:-1])}).")
+    return _split_files(files, path, str(path), val_fraction)
+  if path.suffix == ".bin":
+    return _load_bin(path, val_fraction, vocab_size)
+  return _split_bytes(path.read_bytes(), str(path), val_fraction)
+
+
+class BatchStream:
+  """Random windows of seq_len + 1 tokens: batch n is a pure function of (seed, n), so state is two ints.
+
+  inputs = window[:-1], targets = window[1:]. state() / BatchStream(..., position=p) resume exactly.
+  """
+
+  def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0, position: int = 0):
+    if len(tokens) < seq_len + 2:
+      raise ValueError(f"Corpus of {len(tokens)} tokens is too short for seq_len={seq_len}.")
+    self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+    self.seed, self.position = seed, position
+
+  def batch(self, n: int) -> tuple[Int[np.ndarray, "b t"], Int[np.ndarray, "b t"]]:
+    rng = np.random.default_rng([self.seed, n])
+    starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+    windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts]).astype(np.int32)
+    return windows[:, :-1], windows[:, 1:]
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    out = self.batch(self.position)
+    self.position += 1
+    return out
+
+  def state(self) -> dict:
+    return {"seed": int(self.seed), "position": int(self.position)}
+
+  def restore(self, state: dict) -> None:
+    self.seed, self.position = int(state["seed"]), int(state["position"])
+
+
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int):
+  """Fixed validation batches: evenly spaced windows, the same every call, independent of any seed."""
+  n = num_batches * batch_size
+  span = len(tokens) - seq_len - 1
+  if span < 1:
+    raise ValueError(f"Validation split of {len(tokens)} tokens is too short for seq_len={seq_len}.")
+  starts = np.linspace(0, span - 1, n).astype(np.int64)
+  windows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int32)
+  windows = windows.reshape(num_batches, batch_size, seq_len + 1)
+  return [(w[:, :-1], w[:, 1:]) for w in windows]

@@ -1,0 +1,154 @@
+"""A decoder-only Transformer LM in Flax NNX whose feed-forwards are the library's MLP or MoE.
+
+logits, stats = model(tokens): pre-norm blocks h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)), rotary
+positions, causal attention through jax.nn.dot_product_attention. Aux losses of the MoE layers are
+summed into stats.aux_loss (already weighted); nothing is stashed in module state.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from sparsejax.models.config import DTYPES, TransformerConfig
+from sparsejax.modules import MLP, MoE
+
+
+@flax.struct.dataclass
+class ModelStats:
+  """Per-model router statistics: per-MoE-layer arrays are stacked along a leading 'moe_layers' axis."""
+  aux_loss: Float[Array, ""]
+  load_balancing_loss: Float[Array, ""]
+  router_z_loss: Float[Array, ""]
+  tokens_per_expert: Int[Array, "moe_layers experts"]
+  dropped_fraction: Float[Array, "moe_layers"]
+
+
+class RMSNorm(nnx.Module):
+  """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32 and returned in x's dtype."""
+
+  def __init__(self, dim: int, *, param_dtype=jnp.float32, eps: float = 1e-6):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: Float[Array, "b t h d"], base: float) -> Float[Array, "b t h d"]:
+  """RoPE (Su et al.): rotate pairs (x_i, x_{i+d/2}) by angle t * base^(-2i/d), in float32."""
+  t, d = x.shape[1], x.shape[-1]
+  inv_freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [t, d/2]
+  cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention_impl(cfg: TransformerConfig) -> str | None:
+  """cuDNN flash attention on GPU for half precision (it supports nothing else); XLA otherwise."""
+  if cfg.attention_impl == "auto":
+    half = cfg.dtype in ("bfloat16", "float16")
+    return "cudnn" if half and jax.default_backend() == "gpu" else None
+  return None if cfg.attention_impl == "xla" else "cudnn"
+
+
+class Attention(nnx.Module):
+  """Causal multi-head self-attention: softmax(q k^T / sqrt(d_h) + causal mask) v, with RoPE on q, k."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = DTYPES[cfg.param_dtype]
+    init = nnx.initializers.normal(0.02)
+    d, h, dh = cfg.d_model, cfg.num_heads, cfg.head_dim
+    self.w_qkv = nnx.Param(init(rngs.params(), (d, 3, h, dh), pd))
+    # Scaled init of residual projections (GPT-2): keeps the residual stream's variance ~ constant in depth.
+    out_init = nnx.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
+    self.w_out = nnx.Param(out_init(rngs.params(), (h, dh, d), pd))
+
+  def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
+    impl = attention_impl(cfg)
+    try:
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    except Exception:  # cuDNN refuses some shapes/versions at trace time: fall back to XLA.
+      if impl is None:
+        raise
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
+
+
+class Block(nnx.Module):
+  """h = x + Attn(norm(x)); y = h + FFN(norm(h)); FFN is MoE or MLP, both returning (y, MoELayerStats)."""
+
+  def __init__(self, cfg: TransformerConfig, moe: bool, *, rngs: nnx.Rngs):
+    pd = DTYPES[cfg.param_dtype]
+    self.attn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ffn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
+    self.is_moe = moe
+    self.ffn = MoE(cfg.moe_config(), rngs=rngs) if moe else MLP(cfg.moe_config(), rngs=rngs)
+
+  def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None):
+    x = x + self.attn(self.attn_norm(x))
+    y, stats = self.ffn(self.ffn_norm(x), rng=rng)
+    return x + y.astype(x.dtype), stats
+
+
+class Transformer(nnx.Module):
+  """logits[b, t] = W_head RMSNorm(blocks(Embed(tokens)))[b, t], predicting tokens[b, t + 1].
+
+  Pass rng while training (router jitter); logits come back in float32 for a stable softmax.
+  """
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    pd = DTYPES[cfg.param_dtype]
+    self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
+    blocks = [Block(cfg, cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)]
+    self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
+    self.final_norm = RMSNorm(cfg.d_model, param_dtype=pd)
+    self.head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.d_model, cfg.vocab_size), pd))
+
+  def __call__(self, tokens: Int[Array, "b t"], *, rng: jax.Array | None = None
+               ) -> tuple[Float[Array, "b t vocab"], ModelStats]:
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    if tokens.shape[1] > cfg.max_seq_len:
+      raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={cfg.max_seq_len}.")
+    h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+    moe_stats = []
+    for i, block in enumerate(self.blocks):
+      layer_rng = None if rng is None else jax.random.fold_in(rng, i)
+      h, s = block(h, rng=layer_rng)
+      if block.is_moe:
+        moe_stats.append(s)
+    h = self.final_norm(h)
+    logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(dt), preferred_element_type=jnp.float32)
+    return logits, _collect(moe_stats, cfg.num_experts)
+
+
+def _collect(stats: list, num_experts: int) -> ModelStats:
+  zero = jnp.zeros((), jnp.float32)
+  if not stats:
+    return ModelStats(zero, zero, zero, jnp.zeros((0, num_experts), jnp.int32), jnp.zeros((0,), jnp.float32))
+  total = lambda name: sum(getattr(s, name) for s in stats)
+  return ModelStats(
+      aux_loss=total("aux_loss"),
+      load_balancing_loss=total("load_balancing_loss"),
+      router_z_loss=total("router_z_loss"),
+      tokens_per_expert=jnp.stack([s.tokens_per_expert for s in stats]),
+      dropped_fraction=jnp.stack([s.dropped_fraction for s in stats]),
+  )
+
+
+def cross_entropy(logits: Float[Array, "b t v"], targets: Int[Array, "b t"]) -> Float[Array, ""]:
+  """mean_{b,t} -log softmax(logits[b, t])[targets[b, t]] in nats (divide by ln 2 for bits per token)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

@@ -1,0 +1,35 @@
+"""The experiment scripts run end to end on the CPU (smoke sizes) and write what they promise."""
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import megablocks_repro  # noqa: E402
+import plot  # noqa: E402
+
+
+def test_megablocks_smoke(tmp_path):
+  (tmp_path / "data.txt").write_text("dropless experts never drop a token. " * 400)
+  report = megablocks_repro.main([
+      "--smoke", "--budget-s", "0.6", "--evals", "2", "--eval-batches", "1", "--no-progress",
+      "--data", str(tmp_path / "data.txt"), "--out", str(tmp_path / "res"),
+      "--variants", "dropless", "capacity 1.0", "dense"])
+  saved = json.loads((tmp_path / "res" / "megablocks_smoke.json").read_text())
+  assert set(saved["variants"]) == {"dropless", "capacity 1.0", "dense"}
+  assert (tmp_path / "res" / "megablocks_smoke_val_loss.png").stat().st_size > 0
+  v = report["variants"]
+  assert v["dropless"]["dropped_fraction"] == 0.0 and v["dense"]["dropped_fraction"] == 0.0
+  assert v["capacity 1.0"]["dropped_fraction"] > 0.0  # an untrained router overloads some expert
+  assert all(r["tokens_per_s"] > 0 and r["val_curve"] for r in v.values())
+  assert report["time_to_target_s"]  # every variant reaches the worst variant's best loss
+  # The plot script reads the runs the experiment left behind.
+  paths = plot.plot_runs([str(tmp_path / "res" / "runs_smoke" / "dropless")], tmp_path / "plots")
+  assert {p.name for p in paths} == {"loss_vs_steps.png", "loss_vs_time.png", "expert_load_dropless.png"}
+
+
+def test_time_to_reach_interpolates():
+  curve = [{"elapsed_s": 1.0, "val_loss": 3.0}, {"elapsed_s": 3.0, "val_loss": 2.0}]
+  assert megablocks_repro.time_to_reach(curve, 2.5) == 2.0
+  assert megablocks_repro.time_to_reach(curve, 1.0) is None

@@ -1,0 +1,86 @@
+"""The Transformer LM: shapes, dtypes, gradients, router stats, and clear config errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsejax.models import PRESETS, Transformer, TransformerConfig, cross_entropy, get_preset
+from sparsejax.models.transformer import rotary
+
+SMALL = TransformerConfig(d_model=32, num_layers=2, num_heads=4, d_ff=64, moe_every=2, num_experts=4,
+                          max_seq_len=64)
+
+
+@pytest.mark.parametrize("dtype,moe_every", [("float32", 0), ("float32", 2), ("bfloat16", 1)])
+def test_forward_backward_shapes_and_dtypes(dtype, moe_every):
+  cfg = SMALL.replace(dtype=dtype, moe_every=moe_every)
+  model = Transformer(cfg, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+  # Jitted: op-by-op dispatch of the MoE layers costs more than compiling them once.
+  logits, stats = nnx.jit(lambda m, t, r: m(t, rng=r))(model, tokens, jax.random.key(2))
+  assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
+  assert stats.tokens_per_expert.shape == (cfg.num_moe_layers, 4)
+  assert stats.dropped_fraction.shape == (cfg.num_moe_layers,)
+  if cfg.num_moe_layers:
+    # Dropless top-1: every token reaches exactly one expert in each MoE layer.
+    np.testing.assert_array_equal(stats.tokens_per_expert.sum(-1), 32)
+    assert float(stats.aux_loss) > 0
+  else:
+    assert float(stats.aux_loss) == 0
+
+  def loss(model):
+    logits, stats = model(tokens)
+    return cross_entropy(logits, jnp.roll(tokens, -1, 1)) + stats.aux_loss
+
+  grads = nnx.jit(nnx.grad(loss))(model)
+  for p, g in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(grads)):
+    assert g.shape == p.shape and g.dtype == jnp.float32  # float32 params whatever the compute dtype
+    assert bool(jnp.all(jnp.isfinite(g)))
+
+
+def test_causal():
+  """Changing a later token leaves earlier logits unchanged."""
+  model = Transformer(SMALL.replace(moe_every=0), rngs=nnx.Rngs(0))
+  a = jnp.arange(16)[None] % 256
+  b = a.at[0, 10].set(99)
+  la, lb = model(a)[0], model(b)[0]
+  np.testing.assert_allclose(la[:, :10], lb[:, :10], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(la[:, 10:], lb[:, 10:])
+
+
+def test_rotary_preserves_norm_and_relative_position():
+  x = jax.random.normal(jax.random.key(0), (1, 8, 2, 16))
+  y = rotary(x, 10_000.0)
+  np.testing.assert_allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+  # q_i . k_j depends on i - j only: the same vector at all positions gives a Toeplitz score matrix.
+  v = jnp.broadcast_to(x[:, :1], x.shape)
+  r = rotary(v, 10_000.0)[0, :, 0]
+  s = r @ r.T
+  np.testing.assert_allclose(s[1, 0], s[5, 4], rtol=1e-4)
+
+
+def test_presets_follow_megablocks_sizes():
+  assert (PRESETS["xs-dense"].d_model, PRESETS["xs-dense"].num_layers) == (512, 8)
+  assert (PRESETS["small-moe"].d_model, PRESETS["small-moe"].num_layers) == (768, 12)
+  assert (PRESETS["medium-moe"].d_model, PRESETS["medium-moe"].num_layers) == (1024, 24)
+  for size in ("xs", "small", "medium"):
+    moe = PRESETS[f"{size}-moe"]
+    assert (moe.num_experts, moe.top_k, moe.moe_every) == (64, 1, 1)
+    assert PRESETS[f"{size}-dense"].moe_every == 0
+    # Top-1 MoE costs the dense model's FLOPs plus only the router's.
+    dense_flops = PRESETS[f"{size}-dense"].flops_per_token(1024)
+    assert dense_flops < moe.flops_per_token(1024) < 1.01 * dense_flops
+
+
+def test_bad_configs_give_clear_errors():
+  with pytest.raises(ValueError, match="not divisible by num_heads"):
+    TransformerConfig(d_model=100, num_layers=2, num_heads=3, d_ff=64)
+  with pytest.raises(ValueError, match="Unknown preset 'xs-moee'.*Did you mean 'xs-moe'"):
+    get_preset("xs-moee")
+  with pytest.raises(ValueError, match="top_k"):
+    SMALL.replace(top_k=9)
+  with pytest.raises(ValueError, match="dtype"):
+    SMALL.replace(dtype="float64")
+  with pytest.raises(ValueError, match="max_seq_len"):
+    Transformer(SMALL, rngs=nnx.Rngs(0))(jnp.zeros((1, 65), jnp.int32))
