@@ -27,3 +27,12 @@ __all__ = [
     "load_balancing_loss", "moe_mlp", "moe_mlp_reference", "router_logits", "router_z_loss",
     "top_k_routing",
 ]
+
+# --- Expert parallelism (sparsejax.parallel, sparsejax.mesh) ---
+from sparsejax.mesh import ExpertLayout, expert_layout, make_expert_mesh, param_shardings
+from sparsejax.parallel import ExpertParallelConfig, ExpertParallelStats, expert_parallel_moe_mlp
+
+__all__ += [
+    "ExpertLayout", "ExpertParallelConfig", "ExpertParallelStats", "expert_layout",
+    "expert_parallel_moe_mlp", "make_expert_mesh", "param_shardings",
+]

@@ -125,3 +125,16 @@ def expert_layout(
   names = mesh.axis_names[:i] + (name, EXPERT_SLICE) + mesh.axis_names[i + 1:]
   sliced = _auto_mesh(devices, names)
   return ExpertLayout(sliced, data_axes + (name, EXPERT_SLICE), (name,), EXPERT_SLICE, num_experts, slices)
+
+
+def logical_to_mesh(names: tuple, layout: ExpertLayout) -> P:
+  """Map the modules' logical axis names onto the layout: "expert" -> expert axes, "mlp" -> the slice
+  axis (None without slicing), anything else ("embed", None) -> replicated."""
+  rules = {"expert": layout.expert_axes, "mlp": layout.slice_axis}
+  return P(*(rules.get(n) for n in names))
+
+
+def param_shardings(logical_specs, layout: ExpertLayout):
+  """NamedShardings for a pytree of logical PartitionSpecs (e.g. nnx.get_partition_spec(state))."""
+  return jax.tree.map(lambda s: layout.sharding(logical_to_mesh(tuple(s), layout)), logical_specs,
+                      is_leaf=lambda s: isinstance(s, P))

@@ -46,6 +46,7 @@ from typing import Callable
 
 import flax.struct
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
@@ -260,6 +261,7 @@ def _raise_on_overflow(overflow):
         f"expert-parallel exchange overflow: {int(overflow)} assignments did not fit the buffer set "
         "by buffer_factor. Raise buffer_factor, set it to None (the safe bound), or use "
         "on_overflow='fallback'.")
+  return np.zeros((), np.int32)
 
 
 def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _Static):
@@ -285,8 +287,12 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _St
       per_peer = counts.reshape(layout.num_peers, experts_per_peer).sum(axis=1)
       overflow = jnp.sum(jnp.maximum(per_peer - slots, 0)).astype(jnp.int32)
       if cfg.on_overflow == "raise":
-        jax.debug.callback(_raise_on_overflow, jax.lax.psum(overflow, all_axes))
+        # A pure_callback whose (zero) result feeds y: the error lands on y's buffers (raised when
+        # y is read), not on the runtime's effect tokens as a debug.callback's would.
+        total = jax.lax.stop_gradient(jax.lax.psum(overflow, all_axes))
+        zero = jax.pure_callback(_raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), total)
         y = run(slots)
+        y = y + zero.astype(y.dtype)
       else:
         # Both branches hold collectives, so every device must take the same one: agree on the flag.
         any_overflow = jax.lax.pmax(overflow, all_axes) > 0
