@@ -50,7 +50,8 @@ def grouped_matmul_reference(
   lhs32 = lhs.astype(jnp.float32)
   for g in range(rhs.shape[0]):
     in_group = (rows >= starts[g]) & (rows < ends[g])
-    out = out + jnp.where(in_group, lhs32 @ rhs[g].astype(jnp.float32), 0.0)
+    prod = jnp.matmul(lhs32, rhs[g].astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    out = out + jnp.where(in_group, prod, 0.0)
   return out.astype(lhs.dtype)
 
 

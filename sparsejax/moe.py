@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 from sparsejax import _checks, permute
 from sparsejax.grouped_matmul import IMPLS, grouped_matmul, resolve_impl
 from sparsejax.routing import ExpertChoiceRouting
+from sparsejax.topology import Topology, make_topology
 
 # Rows per block of the padded (MegaBlocks) layout the Pallas kernels run on.
 BLOCK_SIZE = 128
@@ -55,12 +56,20 @@ def expert_ffn(
     w_gate: Float[Array, "experts d_model d_ff"] | None = None,
     activation: Callable = jax.nn.gelu,
     impl: str = "auto",
+    topology: Topology | None = None,
 ) -> Float[Array, "rows d_model"]:
   """FFN_e(r) = act(r W_in[e]) W_out[e], or (act(r W_gate[e]) * r W_in[e]) W_out[e], for rows of group e.
 
   group_sizes=None means E equal groups (the capacity layout): a batched einsum then does the work.
+  A topology (rows already in the block-padded layout) sends all three products to the Pallas
+  kernels with one topology, built once.
   """
-  if group_sizes is None:
+  if topology is not None:
+    from pallas_kernels import gmm
+
+    r = rows
+    mm = lambda a, w: gmm.gmm(a, w, topology)
+  elif group_sizes is None:
     num_experts = w_in.shape[0]
     r = rows.reshape(num_experts, -1, rows.shape[-1])
     mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
@@ -114,13 +123,15 @@ def moe_mlp(
     block = BLOCK_SIZE if impl == "pallas" else 1
     placement = permute.dropless_placement(expert_ids, num_experts, block_size=block)
     group_sizes = placement.group_sizes
+    topology = make_topology(group_sizes, placement.num_rows, block) if impl == "pallas" else None
   else:
     c = capacity(x.shape[0], num_experts, expert_ids.shape[1], capacity_factor)
     placement = permute.capacity_placement(expert_ids, num_experts, c)
-    group_sizes = None
+    group_sizes = topology = None
 
   rows = permute.gather_rows(x, placement)
-  out = expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=activation, impl=impl)
+  out = expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=activation, impl=impl,
+                   topology=topology)
   y = permute.scatter_rows(out, placement, combine_weights, x.dtype)
   total = expert_ids.size
   stats = MoEStats(

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+HI = jax.lax.Precision.HIGHEST  # float32 on every backend (XLA on GPU would use TF32)
+
 
 def capacity_keep_mask_reference(
     expert_ids: Int[Array, "tokens k"], num_experts: int, capacity: int
@@ -35,15 +37,15 @@ def moe_mlp_reference(
   f32 = lambda a: None if a is None else a.astype(jnp.float32)
   x, w_in, w_out, w_gate = f32(x), f32(w_in), f32(w_out), f32(w_gate)
   num_experts = w_in.shape[0]
-  h = jnp.einsum("td,edf->tef", x, w_in)
+  h = jnp.einsum("td,edf->tef", x, w_in, precision=HI)
   if w_gate is not None:
-    h = activation(jnp.einsum("td,edf->tef", x, w_gate)) * h
+    h = activation(jnp.einsum("td,edf->tef", x, w_gate, precision=HI)) * h
   else:
     h = activation(h)
-  out = jnp.einsum("tef,efd->ted", h, w_out)
+  out = jnp.einsum("tef,efd->ted", h, w_out, precision=HI)
   keep = (expert_ids >= 0) & (expert_ids < num_experts)
   if capacity is not None:
     keep = capacity_keep_mask_reference(expert_ids, num_experts, capacity)
   w = jnp.where(keep, combine_weights.astype(jnp.float32), 0.0)
   dense_w = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.float32) * w[..., None], axis=1)
-  return jnp.einsum("te,ted->td", dense_w, out)
+  return jnp.einsum("te,ted->td", dense_w, out, precision=HI)
