@@ -55,6 +55,7 @@ from sparsejax import _checks, permute
 from sparsejax.grouped_matmul import IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import BLOCK_SIZE, capacity, expert_ffn
+from sparsejax.topology import make_topology
 
 ON_OVERFLOW = ("fallback", "raise")
 
@@ -197,10 +198,10 @@ def _reduce_slices(a, layout: ExpertLayout):
   return jax.lax.psum_scatter(a, layout.slice_axis, scatter_dimension=0, tiled=True)
 
 
-def _ffn(rows, group_sizes, weights, st):
+def _ffn(rows, group_sizes, weights, st, topology=None):
   w_in, w_out, w_gate = weights
   return expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=st.activation,
-                    impl=st.impl)
+                    impl=st.impl, topology=topology)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +229,10 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   local = permute.dropless_placement(received_expert_ids(recv_counts, slots)[:, None],
                                      experts_per_peer, block_size=block)
   rows = permute.gather_rows(x_recv.reshape(-1, d), local)
-  out = _ffn(rows, local.group_sizes, weights, st)
+  # As in moe_mlp: on the Pallas path one block topology serves all three products. Its row blocks
+  # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
+  topology = make_topology(local.group_sizes, local.num_rows, block) if st.impl == "pallas" else None
+  out = _ffn(rows, local.group_sizes, weights, st, topology)
   y_recv = ungather_rows(out, local).reshape(x_recv.shape)
 
   y_send = _all_to_all(_reduce_slices(y_recv, layout), layout, st.config.hierarchical)
@@ -302,13 +306,15 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _St
   return y, psum(counts), psum(dropped), psum(overflow)
 
 
-def _shard_map(f, mesh, in_specs, out_specs):
+def _shard_map(f, mesh, in_specs, out_specs, check=True):
+  """jax.shard_map (jax >= 0.7), else the experimental one. check=False turns off the varying-axes
+  type check, which pallas_call outputs (no varying-axes annotation) cannot pass."""
   shard_map = getattr(jax, "shard_map", None)
   if shard_map is not None:
-    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
   from jax.experimental.shard_map import shard_map  # jax < 0.7
 
-  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +363,8 @@ def expert_parallel_moe_mlp(
   in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in())
   out_specs = (tok, P(), P(), P())
   body = lambda *a: _local_layer(*a, st=st)
-  y, tokens_per_expert, num_dropped, overflow = _shard_map(body, layout.mesh, in_specs, out_specs)(
+  y, tokens_per_expert, num_dropped, overflow = _shard_map(
+      body, layout.mesh, in_specs, out_specs, check=st.impl != "pallas")(
       x, expert_ids, combine_weights, w_in, w_out, w_gate)
   stats = ExpertParallelStats(
       tokens_per_expert=tokens_per_expert,
