@@ -50,7 +50,7 @@ def parse_args():
   p.add_argument("--top-k", type=int, default=1)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="grouped matmul backend (auto = Pallas on GPU)")
-  p.add_argument("--buffer-factors", default="none,1.1",
+  p.add_argument("--buffer-factors", default="1.1,none",
                  help="dropless exchange buffers to time: none = the safe worst-case bound")
   p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity-mode baseline; 0 = skip")
   p.add_argument("--gpus", default="", help="comma list of device counts (default 1, 2, 4, ... up to all)")
@@ -145,15 +145,14 @@ def equivalence(n, args):
   return results
 
 
-def a2a_time(mesh, layout, slots, d, dtype, args):
+def a2a_time(layout, slots, d, dtype, args, hierarchical=False):
   """Seconds of one exchange of a [P, S, d] buffer per device (the dispatch, alone)."""
   p = layout.num_peers
-  shards = len(mesh.devices.reshape(-1))
+  shards = layout.mesh.devices.size
   spec = layout.tokens
   buf = jax.jit(lambda k: jax.random.normal(k, (shards * p * slots, d), jnp.float32).astype(dtype),
                 out_shardings=layout.sharding(spec))(jax.random.key(3))
-  cfg = parallel.ExpertParallelConfig()
-  body = lambda b: parallel._all_to_all(b.reshape(p, slots, d), layout, cfg.hierarchical).reshape(-1, d)
+  body = lambda b: parallel._all_to_all(b.reshape(p, slots, d), layout, hierarchical).reshape(-1, d)
   f = jax.jit(parallel._shard_map(body, layout.mesh, (spec,), spec))
   return time_fn(f, buf, warmup=args.warmup, iters=args.iters)
 
@@ -191,20 +190,27 @@ def main():
     prob = make_problem(jax.random.key(0), t * n, d, args.d_ff, args.experts, k, dtype, layout=layout)
     variants = []
     if n == 1:
-      variants.append(("moe_mlp (1 device)", single_layer(args.impl), None, None))
+      variants.append(("moe_mlp (1 device)", single_layer(args.impl), None, None, layout, False))
       if args.capacity_factor:
         variants.append((f"moe_mlp capacity {args.capacity_factor}",
-                         single_layer(args.impl, args.capacity_factor), None, None))
+                         single_layer(args.impl, args.capacity_factor), None, None, layout, False))
     else:
       for bf in factors:
         cfg = parallel.ExpertParallelConfig(buffer_factor=bf)
         variants.append((f"EP dropless buffer={'safe' if bf is None else bf}",
-                         ep_layer(mesh, args.impl, cfg), bf, None))
+                         ep_layer(mesh, args.impl, cfg), bf, None, layout, False))
       if args.capacity_factor:
         variants.append((f"EP capacity {args.capacity_factor}",
                          ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(), args.capacity_factor),
-                         None, args.capacity_factor))
-    for name, layer, bf, cf in variants:
+                         None, args.capacity_factor, layout, False))
+      if n >= 4 and n % 2 == 0:  # SMILE's two-level exchange, groups of n/2 devices standing for hosts
+        mesh2 = meshlib.make_expert_mesh(1, n // 2, expert_groups=2, devices=devices)
+        cfg2 = parallel.ExpertParallelConfig(expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT),
+                                             hierarchical=True, buffer_factor=factors[0])
+        variants.append((f"EP dropless hierarchical 2x{n // 2} buffer={factors[0] or 'safe'}",
+                         ep_layer(mesh2, args.impl, cfg2), factors[0], None,
+                         meshlib.expert_layout(mesh2, args.experts, expert_axis=cfg2.expert_axis), True))
+    for name, layer, bf, cf, var_layout, hierarchical in variants:
       if time.perf_counter() - START > args.budget_s:
         print(f"time budget spent; skipping {name}", flush=True)
         continue
@@ -218,7 +224,7 @@ def main():
         experts_per_peer = args.experts // n
         slots = (parallel.buffer_slots(t, k, n, experts_per_peer, bf) if cf is None
                  else experts_per_peer * sj.capacity(t, args.experts, k, cf))
-        a2a = a2a_time(mesh, layout, slots, d, dtype, args)
+        a2a = a2a_time(var_layout, slots, d, dtype, args, hierarchical)
         run.update(slots_per_peer=slots, a2a_ms=a2a * 1e3, a2a_share=4 * a2a / sec,
                    exchange_overflow=int(stats.exchange_overflow),
                    assignments=int(stats.tokens_per_expert.sum()), num_dropped=int(stats.num_dropped))
