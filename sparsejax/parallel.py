@@ -193,6 +193,8 @@ def _gather_slices(a, layout: ExpertLayout):
 
 
 def _reduce_slices(a, layout: ExpertLayout):
+  # Sums the M partial FFN outputs in the compute dtype (bf16 partials lose a little precision,
+  # the price of not moving float32 rows over the slice axis).
   if layout.slice_axis is None:
     return a
   return jax.lax.psum_scatter(a, layout.slice_axis, scatter_dimension=0, tiled=True)
@@ -215,7 +217,7 @@ class _Static:
 
 
 def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int):
-  """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, overflow)."""
+  """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement)."""
   layout = st.layout
   num_peers, d = layout.num_peers, x.shape[1]
   experts_per_peer = st.num_experts // num_peers
