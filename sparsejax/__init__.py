@@ -33,3 +33,12 @@ __all__ = [
 from sparsejax.models import PRESETS, ModelStats, Transformer, TransformerConfig, get_preset  # noqa: E402
 
 __all__ += ["PRESETS", "ModelStats", "Transformer", "TransformerConfig", "get_preset"]
+
+# --- Expert parallelism (sparsejax.parallel, sparsejax.mesh) ---
+from sparsejax.mesh import ExpertLayout, expert_layout, make_expert_mesh, param_shardings
+from sparsejax.parallel import ExpertParallelConfig, ExpertParallelStats, expert_parallel_moe_mlp
+
+__all__ += [
+    "ExpertLayout", "ExpertParallelConfig", "ExpertParallelStats", "expert_layout",
+    "expert_parallel_moe_mlp", "make_expert_mesh", "param_shardings",
+]

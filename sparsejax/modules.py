@@ -13,7 +13,7 @@ import flax.struct
 from flax import nnx
 from jaxtyping import Array, Float
 
-from sparsejax import losses, routing
+from sparsejax import losses, parallel, routing
 from sparsejax.config import MoEConfig
 from sparsejax.moe import expert_choice_mlp, moe_mlp
 
@@ -70,9 +70,14 @@ class MoE(nnx.Module):
   Pass rng (a jax key) while training: it drives the router's jitter and the DTS gate's noise.
   """
 
-  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: MoEConfig, *, rngs: nnx.Rngs, mesh=None, parallel=None):
     self.config = config
     c = config
+    # --- expert parallelism (sparsejax.parallel): mesh=None keeps the single-device layer.
+    self.mesh, self.parallel = mesh, parallel
+    if mesh is not None and c.router == "expert_choice":
+      raise NotImplementedError("expert parallelism supports the token-choice routers only.")
+    # ---
     self.router = Router(c.d_model, c.num_experts, jitter_eps=c.jitter_eps,
                          param_dtype=c.param_dtype, rngs=rngs)
     shape_in, shape_out = (c.num_experts, c.d_model, c.d_ff), (c.num_experts, c.d_ff, c.d_model)
@@ -105,9 +110,13 @@ class MoE(nnx.Module):
       else:
         r = routing.dense_to_sparse_routing(logits, dts_temperature, c.dts_threshold,
                                             max_k=c.dts_max_k, rng=gate_rng)
-      y, stats = moe_mlp(x2, r.expert_ids, r.combine_weights.astype(c.dtype), w_in, w_out,
-                         w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
-                         impl=c.impl)
+      layer = moe_mlp
+      if self.mesh is not None:  # expert parallelism: same contract, experts sharded over the mesh
+        layer = functools.partial(parallel.expert_parallel_moe_mlp, mesh=self.mesh,
+                                  parallel=self.parallel or parallel.ExpertParallelConfig())
+      y, stats = layer(x2, r.expert_ids, r.combine_weights.astype(c.dtype), w_in, w_out,
+                       w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
+                       impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)
     z = losses.router_z_loss(logits)
     layer_stats = MoELayerStats(

@@ -1,0 +1,385 @@
+"""Expert parallelism: the MoE layer with its experts sharded over devices, inside `jax.shard_map`.
+
+Every device holds its own tokens (sharded over the data and expert axes) and E/P of the experts
+(P = devices along the expert axes). One layer call, per device:
+
+  1. place:    sort the local (token, slot) assignments by destination device and expert into a
+               [P, S, d] send buffer (S rows reserved for each peer);
+  2. exchange: all-to-all the buffer and the per-expert counts, so each device holds the rows for
+               its own experts, [P(source), S, d];
+  3. compute:  re-sort those rows by local expert and run the same `expert_ffn` (grouped matmul,
+               Pallas on GPU) as one device;
+  4. return:   the inverse all-to-all, then the usual weighted combine in token order.
+
+Why a dense all-to-all of a static [P, S, d] buffer and not `jax.lax.ragged_all_to_all`: the ragged
+op has no XLA:CPU implementation ("HLO opcode ragged-all-to-all is not supported by XLA:CPU", jax
+0.10.2), so it could not be tested here; the dense op runs everywhere and, with the counts sent
+beside it, carries the same information. Its cost is that S is static: it moves P * S rows even when
+fewer are real.
+
+The bound S (dropless mode). A sender can put at most T_local * min(k, E/P) rows on one peer (each
+token's k experts are distinct), so S_safe = T_local * min(k, E/P) can never overflow, whatever the
+routing; that is the default. `buffer_factor` f chooses S = ceil(f * T_local * k / P) instead
+(f = 1 is a perfectly balanced load), which moves less data; if any device would overflow its S, the
+layer either falls back to S_safe for that call (a `lax.cond` on a flag all devices agree on, so the
+result is still exact) or raises (on_overflow="raise"); it never drops silently.
+
+Capacity mode (GShard/Switch) is the baseline: each device is a GShard "group": it keeps the first
+C = ceil(cf * T_local * k / E) assignments per expert of its own tokens (token order) and drops the
+rest; the [E, C, d] buffer is the send buffer. So the result equals `moe_mlp(..., capacity_factor=cf)`
+run on each device's token shard separately, concatenated.
+
+Hierarchical exchange (SMILE's bi-level all-to-all): with two expert axes (groups, devices per group)
+the all-to-all is done as two, first across groups (hosts), then within each group; same result.
+
+Expert slicing (fewer experts than devices, MegaBlocks' weight parallelism): the expert axis of
+P = E * M devices is split into ("expert": E, "expert_slice": M); each device holds d_ff / M of one
+expert. Rows go to the expert's E-axis peer, are all-gathered over the slice axis, each slice
+computes its partial FFN act(x W_in[:, f_m]) W_out[f_m, :] (exact, since act is elementwise over
+d_ff), and a reduce-scatter sums the partials and hands each slice device back its own rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import flax.struct
+import jax
+import numpy as np
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from sparsejax import _checks, permute
+from sparsejax.grouped_matmul import IMPLS, resolve_impl
+from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
+from sparsejax.moe import BLOCK_SIZE, capacity, expert_ffn
+from sparsejax.topology import make_topology
+
+ON_OVERFLOW = ("fallback", "raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelConfig:
+  """Static options of the expert-parallel layer (hashable, so it can sit on an nnx module).
+
+  data_axis: mesh axis (or axes, or None) that shards only tokens.
+  expert_axis: mesh axis that shards experts (and tokens); a pair (groups, devices) for two levels.
+  hierarchical: with a pair of expert axes, do the all-to-all in two stages (across groups, then
+    within); otherwise one all-to-all over both axes.
+  buffer_factor: None = the safe worst-case buffer; f > 0 = ceil(f * T_local * k / P) rows per peer.
+  on_overflow: what a call whose routing overflows buffer_factor's buffer does: "fallback" reruns
+    the exchange with the safe buffer (exact, slower for that call), "raise" raises at run time.
+  """
+  data_axis: str | tuple[str, ...] | None = DATA
+  expert_axis: str | tuple[str, ...] = EXPERT
+  hierarchical: bool = False
+  buffer_factor: float | None = None
+  on_overflow: str = "fallback"
+
+  def __post_init__(self):
+    if self.on_overflow not in ON_OVERFLOW:
+      raise ValueError(f"on_overflow must be one of {ON_OVERFLOW}; got {self.on_overflow!r}.")
+    if self.buffer_factor is not None:
+      _checks.check_positive("buffer_factor", self.buffer_factor)
+    if self.hierarchical and (isinstance(self.expert_axis, str) or len(self.expert_axis) != 2):
+      raise ValueError("hierarchical=True needs expert_axis=(group_axis, device_axis).")
+
+
+@flax.struct.dataclass
+class ExpertParallelStats:
+  """MoEStats of the whole (global) batch, plus the exchange's own counter.
+
+  exchange_overflow: assignments that did not fit the buffer_factor buffer in this call, summed over
+  devices (0 with the safe buffer). Under "fallback" they were still computed, by the fallback.
+  """
+  tokens_per_expert: Int[Array, "experts"]
+  num_dropped: Int[Array, ""]
+  dropped_fraction: Float[Array, ""]
+  exchange_overflow: Int[Array, ""]
+
+
+# ----------------------------------------------------------------------------------------------
+# Small pure pieces of the data path (usable, and tested, outside shard_map).
+
+
+def safe_slots(tokens_local: int, top_k: int, experts_per_peer: int) -> int:
+  """S_safe = T_local * min(k, E/P): the most rows one device can route to one peer."""
+  return tokens_local * min(top_k, experts_per_peer)
+
+
+def buffer_slots(tokens_local: int, top_k: int, num_peers: int, experts_per_peer: int,
+                 buffer_factor: float | None) -> int:
+  """S = min(S_safe, ceil(f * T_local * k / P)); S_safe when f is None."""
+  safe = safe_slots(tokens_local, top_k, experts_per_peer)
+  if buffer_factor is None:
+    return safe
+  return max(1, min(safe, math.ceil(buffer_factor * tokens_local * top_k / num_peers)))
+
+
+def peer_placement(
+    expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int, slots: int
+) -> tuple[permute.Placement, Int[Array, "peers experts_per_peer"]]:
+  """Send-buffer rows: (t, j) routed to expert e on peer p = e // (E/P) lands at p*S + o_e + rank.
+
+  o_e counts the rows of the experts before e on the same peer, rank the earlier tokens routed to e,
+  so each peer's S rows hold its experts' rows sorted by expert, then token. Assignments past S are
+  overflow (row P*S, read as zeros; counted in num_dropped). Also returns the [P, E/P] counts that
+  were actually sent, which the receiver needs to tell its experts' rows apart.
+  """
+  experts_per_peer = num_experts // num_peers
+  rank, counts = permute.rank_within_expert(expert_ids, num_experts)
+  per_peer = counts.reshape(num_peers, experts_per_peer)
+  ends = jnp.cumsum(per_peer, axis=1)
+  starts = (ends - per_peer).reshape(-1)
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  e = jnp.clip(expert_ids, 0, num_experts - 1)
+  pos = starts[e] + rank
+  kept = valid & (pos < slots)
+  num_rows = num_peers * slots
+  rows = jnp.where(kept, (e // experts_per_peer) * slots + pos, num_rows).astype(jnp.int32)
+  clipped = jnp.minimum(ends, slots)
+  sent = (clipped - jnp.concatenate([jnp.zeros_like(clipped[:, :1]), clipped[:, :-1]], axis=1))
+  overflow = jnp.sum(valid & ~kept).astype(jnp.int32)
+  placement = permute.Placement(rows, sent.reshape(-1).astype(jnp.int32), counts, overflow, num_rows)
+  return placement, sent.astype(jnp.int32)
+
+
+def received_expert_ids(
+    recv_counts: Int[Array, "sources experts_per_peer"], slots: int
+) -> Int[Array, "rows"]:
+  """Local expert of each received row: row j of source s is expert l iff ends[s, l-1] <= j < ends[s, l].
+
+  ends = cumsum(recv_counts[s]); rows past a source's total are empty (-1, routing.NO_EXPERT).
+  """
+  experts_per_peer = recv_counts.shape[1]
+  ends = jnp.cumsum(recv_counts, axis=1)
+  j = jnp.arange(slots, dtype=ends.dtype)
+  local = jax.vmap(lambda en: jnp.searchsorted(en, j, side="right"))(ends)
+  return jnp.where(local < experts_per_peer, local, -1).reshape(-1).astype(jnp.int32)
+
+
+def ungather_rows(buffer: Float[Array, "rows d"], placement: permute.Placement) -> Float[Array, "n d"]:
+  """out[i] = buffer[placement.rows[i, 0]], zero for unplaced i: undoes gather_rows for k = 1."""
+  padded = jnp.concatenate([buffer, jnp.zeros((1, buffer.shape[1]), buffer.dtype)], axis=0)
+  return padded[placement.rows[:, 0]]
+
+
+# ----------------------------------------------------------------------------------------------
+# The collective steps (inside shard_map).
+
+
+def _all_to_all(buf, layout: ExpertLayout, hierarchical: bool):
+  """buf[p] goes to peer p; returns out[s] = what peer s sent here. Its own inverse."""
+  axes = layout.expert_axes
+  if hierarchical and len(axes) == 2:
+    outer, inner = axes
+    n_outer, n_inner = layout.mesh.shape[outer], layout.mesh.shape[inner]
+    b = buf.reshape(n_outer, n_inner, *buf.shape[1:])
+    # Stage 1 crosses groups (hosts): one message per group pair, carrying all its devices' rows.
+    b = jax.lax.all_to_all(b, outer, 0, 0, tiled=True)
+    # Stage 2 stays within a group. Peer index = outer * n_inner + inner, as jax flattens axes.
+    b = jax.lax.all_to_all(b, inner, 1, 1, tiled=True)
+    return b.reshape(buf.shape)
+  name = axes[0] if len(axes) == 1 else axes
+  return jax.lax.all_to_all(buf, name, 0, 0, tiled=True)
+
+
+def _gather_slices(a, layout: ExpertLayout):
+  if layout.slice_axis is None:
+    return a
+  return jax.lax.all_gather(a, layout.slice_axis, axis=0, tiled=True)
+
+
+def _reduce_slices(a, layout: ExpertLayout):
+  # Sums the M partial FFN outputs in the compute dtype (bf16 partials lose a little precision,
+  # the price of not moving float32 rows over the slice axis).
+  if layout.slice_axis is None:
+    return a
+  return jax.lax.psum_scatter(a, layout.slice_axis, scatter_dimension=0, tiled=True)
+
+
+def _ffn(rows, group_sizes, weights, st, topology=None):
+  w_in, w_out, w_gate = weights
+  return expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=st.activation,
+                    impl=st.impl, topology=topology)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  layout: ExpertLayout
+  config: ExpertParallelConfig
+  num_experts: int
+  activation: Callable
+  capacity_factor: float | None
+  impl: str
+
+
+def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int):
+  """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement)."""
+  layout = st.layout
+  num_peers, d = layout.num_peers, x.shape[1]
+  experts_per_peer = st.num_experts // num_peers
+  send, sent_counts = peer_placement(expert_ids, st.num_experts, num_peers, slots)
+  x_recv = _all_to_all(permute.gather_rows(x, send).reshape(num_peers, slots, d), layout,
+                       st.config.hierarchical)
+  recv_counts = _all_to_all(sent_counts, layout, st.config.hierarchical)
+  x_recv, recv_counts = _gather_slices(x_recv, layout), _gather_slices(recv_counts, layout)
+
+  block = BLOCK_SIZE if st.impl == "pallas" else 1
+  local = permute.dropless_placement(received_expert_ids(recv_counts, slots)[:, None],
+                                     experts_per_peer, block_size=block)
+  rows = permute.gather_rows(x_recv.reshape(-1, d), local)
+  # As in moe_mlp: on the Pallas path one block topology serves all three products. Its row blocks
+  # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
+  topology = make_topology(local.group_sizes, local.num_rows, block) if st.impl == "pallas" else None
+  out = _ffn(rows, local.group_sizes, weights, st, topology)
+  y_recv = ungather_rows(out, local).reshape(x_recv.shape)
+
+  y_send = _all_to_all(_reduce_slices(y_recv, layout), layout, st.config.hierarchical)
+  y = permute.scatter_rows(y_send.reshape(-1, d), send, combine_weights, x.dtype)
+  return y, send
+
+
+def _capacity_local(x, expert_ids, combine_weights, weights, st: _Static):
+  """One device's GShard layer: its own [E, C] capacity buffer is the send buffer."""
+  layout = st.layout
+  num_peers, d = layout.num_peers, x.shape[1]
+  experts_per_peer = st.num_experts // num_peers
+  c = capacity(x.shape[0], st.num_experts, expert_ids.shape[1], st.capacity_factor)
+  send = permute.capacity_placement(expert_ids, st.num_experts, c)
+  buf = permute.gather_rows(x, send).reshape(num_peers, experts_per_peer * c, d)
+  x_recv = _gather_slices(_all_to_all(buf, layout, st.config.hierarchical), layout)
+  sources = x_recv.shape[0]
+  # [sources, E/P, C, d] -> [E/P, sources * C, d]: every local expert gets sources * C equal rows.
+  rows = x_recv.reshape(sources, experts_per_peer, c, d).transpose(1, 0, 2, 3).reshape(-1, d)
+  out = _ffn(rows, None, weights, st)
+  y_recv = out.reshape(experts_per_peer, sources, c, d).transpose(1, 0, 2, 3).reshape(x_recv.shape)
+  y_send = _all_to_all(_reduce_slices(y_recv, layout), layout, st.config.hierarchical)
+  y = permute.scatter_rows(y_send.reshape(-1, d), send, combine_weights, x.dtype)
+  return y, send
+
+
+def _raise_on_overflow(overflow):
+  if int(overflow) > 0:
+    raise RuntimeError(
+        f"expert-parallel exchange overflow: {int(overflow)} assignments did not fit the buffer set "
+        "by buffer_factor. Raise buffer_factor, set it to None (the safe bound), or use "
+        "on_overflow='fallback'.")
+  return np.zeros((), np.int32)
+
+
+def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _Static):
+  """The per-device body of shard_map: local tokens and local experts in, local tokens out."""
+  layout, cfg = st.layout, st.config
+  all_axes = tuple(layout.mesh.axis_names)
+  weights = (w_in, w_out, w_gate)
+  overflow = jnp.zeros((), jnp.int32)
+  if st.capacity_factor is not None:
+    y, send = _capacity_local(x, expert_ids, combine_weights, weights, st)
+    dropped = send.num_dropped
+  else:
+    dropped = jnp.zeros((), jnp.int32)
+    run = lambda slots: _dropless_local(x, expert_ids, combine_weights, weights, st, slots)[0]
+    experts_per_peer = st.num_experts // layout.num_peers
+    k = expert_ids.shape[1]
+    safe = safe_slots(x.shape[0], k, experts_per_peer)
+    slots = buffer_slots(x.shape[0], k, layout.num_peers, experts_per_peer, cfg.buffer_factor)
+    if slots >= safe:
+      y = run(safe)
+    else:
+      _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
+      per_peer = counts.reshape(layout.num_peers, experts_per_peer).sum(axis=1)
+      overflow = jnp.sum(jnp.maximum(per_peer - slots, 0)).astype(jnp.int32)
+      if cfg.on_overflow == "raise":
+        # A pure_callback whose (zero) result feeds y: the error lands on y's buffers (raised when
+        # y is read), not on the runtime's effect tokens as a debug.callback's would.
+        total = jax.lax.stop_gradient(jax.lax.psum(overflow, all_axes))
+        zero = jax.pure_callback(_raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), total)
+        y = run(slots)
+        y = y + zero.astype(y.dtype)
+      else:
+        # Both branches hold collectives, so every device must take the same one: agree on the flag.
+        any_overflow = jax.lax.pmax(overflow, all_axes) > 0
+        y = jax.lax.cond(any_overflow, lambda: run(safe), lambda: run(slots))
+  _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
+  psum = lambda a: jax.lax.psum(a, st.layout.token_axes)
+  return y, psum(counts), psum(dropped), psum(overflow)
+
+
+def _shard_map(f, mesh, in_specs, out_specs, check=True):
+  """jax.shard_map (jax >= 0.7), else the experimental one. check=False turns off the varying-axes
+  type check, which pallas_call outputs (no varying-axes annotation) cannot pass."""
+  shard_map = getattr(jax, "shard_map", None)
+  if shard_map is not None:
+    return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
+  from jax.experimental.shard_map import shard_map  # jax < 0.7
+
+  return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+def expert_parallel_moe_mlp(
+    x: Float[Array, "tokens d_model"],
+    expert_ids: Int[Array, "tokens k"],
+    combine_weights: Float[Array, "tokens k"],
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    *,
+    mesh: Mesh,
+    parallel: ExpertParallelConfig = ExpertParallelConfig(),
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    capacity_factor: float | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "tokens d_model"], ExpertParallelStats]:
+  """y[t] = sum_j combine_weights[t, j] * FFN_{expert_ids[t, j]}(x[t]), experts sharded over mesh.
+
+  Same contract as `moe_mlp` on global arrays. Dropless (capacity_factor=None) it equals `moe_mlp`
+  exactly; with a capacity factor it equals `moe_mlp` applied to each device's token shard (GShard's
+  per-group capacity C = ceil(cf * T_local * k / E)). Tokens are sharded over (data, expert) axes
+  (T divisible by their device count), experts over the expert axes; jit it, and the inputs are
+  resharded to that layout if they are not already (see `expert_layout`).
+  """
+  _checks.check_rank("x", x, 2, "[tokens, d_model]")
+  _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
+  _checks.check_rank("w_in", w_in, 3, "[experts, d_model, d_ff]")
+  _checks.check_same_dtype(x=x, w_in=w_in, w_out=w_out, w_gate=w_gate)
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  num_experts = w_in.shape[0]
+  _checks.check_top_k(expert_ids.shape[1], num_experts)
+  layout = expert_layout(mesh, num_experts, data_axis=parallel.data_axis,
+                         expert_axis=parallel.expert_axis)
+  shards = math.prod(layout.mesh.shape[a] for a in layout.token_axes)
+  if x.shape[0] % shards:
+    raise ValueError(f"{x.shape[0]} tokens do not split over {shards} devices ({layout.token_axes}).")
+  if layout.slice_axis is not None and w_in.shape[2] % layout.num_slices:
+    raise ValueError(f"d_ff={w_in.shape[2]} does not split into {layout.num_slices} expert slices.")
+  st = _Static(layout, parallel, num_experts, activation, capacity_factor, resolve_impl(impl))
+  tok = layout.tokens
+  in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in())
+  out_specs = (tok, P(), P(), P())
+  body = lambda *a: _local_layer(*a, st=st)
+  y, tokens_per_expert, num_dropped, overflow = _shard_map(
+      body, layout.mesh, in_specs, out_specs, check=st.impl != "pallas")(
+      x, expert_ids, combine_weights, w_in, w_out, w_gate)
+  stats = ExpertParallelStats(
+      tokens_per_expert=tokens_per_expert,
+      num_dropped=num_dropped,
+      dropped_fraction=num_dropped.astype(jnp.float32) / expert_ids.size,
+      exchange_overflow=overflow,
+  )
+  return y, stats
+
+
+def shard_moe_arrays(layout: ExpertLayout, **arrays):
+  """device_put each named array to its layout sharding: x/expert_ids/combine_weights on tokens,
+  w_in/w_gate/w_out on experts (and d_ff slices). Returns a dict of the same names."""
+  specs = {"x": layout.tokens, "expert_ids": layout.tokens, "combine_weights": layout.tokens,
+           "w_in": layout.w_in(), "w_gate": layout.w_in(), "w_out": layout.w_out()}
+  return {n: jax.device_put(a, layout.sharding(specs[n])) for n, a in arrays.items()}
