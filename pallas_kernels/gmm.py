@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from sparsejax.topology import Topology, make_topology
+from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +255,6 @@ def tgmm_reference(lhs, dout, topo: Topology):
 # ----------------------------------------------------------------------------------------------
 # grouped_matmul's "pallas" backend for arbitrary (unpadded) group sizes.
 # ----------------------------------------------------------------------------------------------
-BLOCK_SIZE = 128
-
-
 def grouped_matmul_pallas(
     lhs: Float[Array, "rows k"],
     rhs: Float[Array, "groups k n"],

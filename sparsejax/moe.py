@@ -12,10 +12,8 @@ from jaxtyping import Array, Float, Int
 from sparsejax import _checks, permute
 from sparsejax.grouped_matmul import IMPLS, grouped_matmul, resolve_impl
 from sparsejax.routing import ExpertChoiceRouting
-from sparsejax.topology import Topology, make_topology
+from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 
-# Rows per block of the padded (MegaBlocks) layout the Pallas kernels run on.
-BLOCK_SIZE = 128
 
 
 @flax.struct.dataclass

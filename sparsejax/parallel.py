@@ -54,7 +54,8 @@ from jaxtyping import Array, Float, Int
 from sparsejax import _checks, permute
 from sparsejax.grouped_matmul import IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
-from sparsejax.moe import BLOCK_SIZE, capacity, expert_ffn
+from sparsejax.moe import capacity, expert_ffn
+from sparsejax.topology import BLOCK_SIZE
 from sparsejax.topology import make_topology
 
 ON_OVERFLOW = ("fallback", "raise")

@@ -15,6 +15,9 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
+# Rows per block of the padded layout: MegaBlocks' block size, one Pallas row tile.
+BLOCK_SIZE = 128
+
 
 @flax.struct.dataclass
 class Topology:
