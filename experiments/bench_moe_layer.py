@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import sparsejax as sj  # noqa: E402
-from pallas_kernels import gmm as G  # noqa: E402
+from sparsejax.kernels.gmm import triton as G  # noqa: E402
 from sparsejax import permute  # noqa: E402
 from sparsejax.topology import make_topology  # noqa: E402
 
@@ -98,7 +98,7 @@ def make_variants(T, d, f, E, k, tiling):
   variants["ragged_dot"] = ("grouped", ragged)
 
   def pallas(rows_padded, topo, w_in, w_out):
-    mm = lambda a, w: G.gmm(a, w, topo, tiling)
+    mm = lambda a, w: G.gmm(a, w, topo, False, a.dtype, tiling)
     return mlp_on_rows(mm, rows_padded, w_in, w_out)
   variants["sparsejax_pallas"] = ("padded", pallas)
 
@@ -292,9 +292,9 @@ def bench_kernels(T, d, f, E, dtype):
   for bn, bk, w, st in GMM_TILINGS:
     ti = G.Tiling(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
     ops = {
-        "x@Win": (jax.jit(lambda a, w: G._gmm_call(a, w, topo, False, ti)), (a, w_in)),
-        "h@Wout": (jax.jit(lambda a, w: G._gmm_call(a, w, topo, False, ti)), (h, w_out)),
-        "dh@Win^T": (jax.jit(lambda a, w: G._gmm_call(a, w, topo, True, ti)), (h, w_in)),
+        "x@Win": (jax.jit(lambda a, w: G.gmm(a, w, topo, False, a.dtype, ti)), (a, w_in)),
+        "h@Wout": (jax.jit(lambda a, w: G.gmm(a, w, topo, False, a.dtype, ti)), (h, w_out)),
+        "dh@Win^T": (jax.jit(lambda a, w: G.gmm(a, w, topo, True, a.dtype, ti)), (h, w_in)),
     }
     total = 0.0
     for op, (fn, args) in ops.items():
@@ -310,7 +310,7 @@ def bench_kernels(T, d, f, E, dtype):
   for bk, bn, w, st in TGMM_TILINGS:
     ti = G.Tiling(tgmm_block_k=bk, tgmm_block_n=bn, tgmm_num_warps=w, tgmm_num_stages=st)
     try:
-      t = timeit(jax.jit(lambda a, g: G.tgmm(a, g, topo, ti)), a, h)
+      t = timeit(jax.jit(lambda a, g: G.tgmm(a, g, topo, a.dtype, ti)), a, h)
       rows.append(dict(op="x^T@dh", tiling=[bk, bn, w, st], ms=t * 1e3, tflops=flops / t / 1e12))
       if t < best_tgmm[1]:
         best_tgmm = ((bk, bn, w, st), t)

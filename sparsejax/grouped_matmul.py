@@ -11,7 +11,10 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 
-IMPLS = ("auto", "reference", "ragged_dot", "pallas")
+IMPLS = ("auto", "reference", "ragged_dot", "pallas", "mosaic", "triton")
+# The Pallas kernels: "pallas" is the best of them for the GPU at hand (Mosaic GPU on Hopper,
+# Triton elsewhere); "mosaic" and "triton" name one. All of them use the 128-row padded layout.
+BLOCK_IMPLS = ("pallas", "mosaic", "triton")
 
 
 def resolve_impl(impl: str) -> str:
@@ -21,6 +24,11 @@ def resolve_impl(impl: str) -> str:
   if impl != "auto":
     return impl
   return "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
+
+
+def kernel_backend(impl: str) -> str:
+  """The sparsejax.kernels.gmm backend of a block-layout impl ("pallas" lets the GPU decide)."""
+  return "auto" if impl == "pallas" else impl
 
 
 def check_grouped_matmul_args(lhs, rhs, group_sizes) -> None:
@@ -122,6 +130,6 @@ def grouped_matmul(
     return grouped_matmul_reference(lhs, rhs, group_sizes)
   if impl == "ragged_dot":
     return _ragged_dot(lhs, rhs, group_sizes)
-  from pallas_kernels import gmm  # the GPU kernels live beside their references
+  from sparsejax.kernels import gmm  # the GPU kernels live beside their references
 
-  return gmm.grouped_matmul_pallas(lhs, rhs, group_sizes)
+  return gmm.grouped_matmul_padded(lhs, rhs, group_sizes, backend=kernel_backend(impl))

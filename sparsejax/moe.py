@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
-from sparsejax.grouped_matmul import IMPLS, grouped_matmul, resolve_impl
+from sparsejax.grouped_matmul import BLOCK_IMPLS, IMPLS, grouped_matmul, kernel_backend, resolve_impl
 from sparsejax.routing import ExpertChoiceRouting
 from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 
@@ -63,14 +63,17 @@ def expert_ffn(
   kernels with one topology, built once.
   """
   if topology is not None:
-    from pallas_kernels import gmm
+    from sparsejax.kernels import gmm
 
     r = rows
-    mm = lambda a, w: gmm.gmm(a, w, topology)
+    backend = kernel_backend(impl) if impl in BLOCK_IMPLS else "auto"
+    mm = lambda a, w: gmm.gmm(a, w, topology, backend=backend)
   elif group_sizes is None:
     num_experts = w_in.shape[0]
     r = rows.reshape(num_experts, -1, rows.shape[-1])
-    mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+    # A plain einsum: the matmul accumulates in float32 inside, and its backward stays in the
+    # input dtype (an f32 preferred_element_type would make the backward run float32 matmuls).
+    mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)
   else:
     r = rows
     mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl)
@@ -118,10 +121,11 @@ def moe_mlp(
 
   if capacity_factor is None:
     impl = resolve_impl(impl)
-    block = BLOCK_SIZE if impl == "pallas" else 1
+    blocked = impl in BLOCK_IMPLS
+    block = BLOCK_SIZE if blocked else 1
     placement = permute.dropless_placement(expert_ids, num_experts, block_size=block)
     group_sizes = placement.group_sizes
-    topology = make_topology(group_sizes, placement.num_rows, block) if impl == "pallas" else None
+    topology = make_topology(group_sizes, placement.num_rows, block) if blocked else None
   else:
     c = capacity(x.shape[0], num_experts, expert_ids.shape[1], capacity_factor)
     placement = permute.capacity_placement(expert_ids, num_experts, c)

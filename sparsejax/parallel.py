@@ -52,7 +52,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
-from sparsejax.grouped_matmul import IMPLS, resolve_impl
+from sparsejax.grouped_matmul import BLOCK_IMPLS, IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import capacity, expert_ffn
 from sparsejax.topology import BLOCK_SIZE
@@ -228,13 +228,13 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   recv_counts = _all_to_all(sent_counts, layout, st.config.hierarchical)
   x_recv, recv_counts = _gather_slices(x_recv, layout), _gather_slices(recv_counts, layout)
 
-  block = BLOCK_SIZE if st.impl == "pallas" else 1
+  block = BLOCK_SIZE if st.impl in BLOCK_IMPLS else 1
   local = permute.dropless_placement(received_expert_ids(recv_counts, slots)[:, None],
                                      experts_per_peer, block_size=block)
   rows = permute.gather_rows(x_recv.reshape(-1, d), local)
   # As in moe_mlp: on the Pallas path one block topology serves all three products. Its row blocks
   # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
-  topology = make_topology(local.group_sizes, local.num_rows, block) if st.impl == "pallas" else None
+  topology = make_topology(local.group_sizes, local.num_rows, block) if st.impl in BLOCK_IMPLS else None
   out = _ffn(rows, local.group_sizes, weights, st, topology)
   y_recv = ungather_rows(out, local).reshape(x_recv.shape)
 
@@ -367,7 +367,7 @@ def expert_parallel_moe_mlp(
   out_specs = (tok, P(), P(), P())
   body = lambda *a: _local_layer(*a, st=st)
   y, tokens_per_expert, num_dropped, overflow = _shard_map(
-      body, layout.mesh, in_specs, out_specs, check=st.impl != "pallas")(
+      body, layout.mesh, in_specs, out_specs, check=st.impl not in BLOCK_IMPLS)(
       x, expert_ids, combine_weights, w_in, w_out, w_gate)
   stats = ExpertParallelStats(
       tokens_per_expert=tokens_per_expert,

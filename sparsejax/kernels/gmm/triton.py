@@ -1,4 +1,6 @@
-"""Grouped GEMM over the padded block layout: MegaBlocks' SDD / DSD and their transposes.
+"""The Pallas-Triton backend of gmm / tgmm: any CUDA GPU (the Hopper backend is mosaic.py beside it).
+
+Grouped GEMM over the padded block layout: MegaBlocks' SDD / DSD and their transposes.
 
 On the block-diagonal topology (sparsejax/topology.py) each block-sparse product is one of two
 kernels:
@@ -6,8 +8,8 @@ kernels:
                                                         as dense row blocks), DSD (H W_out -> Y)
   gmm   with transpose_rhs: lhs[r-block] @ rhs[e(r)]^T  D S D^T (dX = dH W_in^T, dH = dY W_out^T)
   tgmm  out[e] = sum over e's row blocks lhs^T @ dout    DS^T D (dW_in = X^T dH, dW_out = H^T dY)
-`gmm` carries the custom_vjp that wires them together. References: `gmm_reference` and
-`tgmm_reference` below (pure jnp), tested in interpret mode in tests/test_pallas_gmm.py.
+The custom_vjp that wires them together is in op.py; the references in reference.py; tests in
+tests/test_gmm_kernels.py (interpret mode on the CPU).
 Row blocks past the active ones skip their K loop and write zeros, so the static bound on the
 buffer costs no arithmetic.
 """
@@ -19,9 +21,9 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
+from sparsejax.topology import Topology
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,16 @@ def _gmm_kernel(row_block_expert_ref, num_active_ref, lhs_ref, rhs_ref, out_ref,
     out_ref[...] = jnp.zeros((block_m, block_n), out_ref.dtype)
 
 
-def _gmm_call(lhs, rhs, topo: Topology, transpose_rhs: bool, tiling: Tiling):
+def gmm(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "experts k n"] | Float[Array, "experts n k"],
+    topo: Topology,
+    transpose_rhs: bool,
+    out_dtype,
+    tiling: Tiling | None = None,
+) -> Float[Array, "rows n"]:
+  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs); zero rows past the active blocks."""
+  tiling = tiling or DEFAULT_TILING
   num_rows, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   block_m = topo.block_size
@@ -126,7 +137,7 @@ def _gmm_call(lhs, rhs, topo: Topology, transpose_rhs: bool, tiling: Tiling):
       grid=(num_rows // block_m, n_p // block_n),
       in_specs=[pl.no_block_spec] * 4,
       out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((num_rows, n_p), lhs.dtype),
+      out_shape=jax.ShapeDtypeStruct((num_rows, n_p), out_dtype),
       interpret=_interpret(),
       compiler_params=None if _interpret() else _compiler_params(tiling.num_warps, tiling.num_stages),
       name="sparsejax_gmm_t" if transpose_rhs else "sparsejax_gmm",
@@ -158,9 +169,11 @@ def tgmm(
     lhs: Float[Array, "rows k"],
     dout: Float[Array, "rows n"],
     topo: Topology,
-    tiling: Tiling = DEFAULT_TILING,
+    out_dtype,
+    tiling: Tiling | None = None,
 ) -> Float[Array, "experts k n"]:
   """out[e] = lhs[rows of e]^T @ dout[rows of e]: the weight gradient (MegaBlocks' DS^T D); f32 accumulate."""
+  tiling = tiling or DEFAULT_TILING
   k, n = lhs.shape[1], dout.shape[1]
   block_k, block_n = _tile(k, tiling.tgmm_block_k), _tile(n, tiling.tgmm_block_n)
   lhs_p, dout_p = _pad_to(lhs, 1, block_k), _pad_to(dout, 1, block_n)
@@ -171,114 +184,10 @@ def tgmm(
       grid=(topo.num_experts, lhs_p.shape[1] // block_k, dout_p.shape[1] // block_n),
       in_specs=[pl.no_block_spec] * 3,
       out_specs=pl.BlockSpec((None, block_k, block_n), lambda e, i, j: (e, i, j)),
-      out_shape=jax.ShapeDtypeStruct((topo.num_experts, lhs_p.shape[1], dout_p.shape[1]), lhs.dtype),
+      out_shape=jax.ShapeDtypeStruct((topo.num_experts, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
       interpret=_interpret(),
       compiler_params=None if _interpret() else _compiler_params(
           tiling.tgmm_num_warps, tiling.tgmm_num_stages),
       name="sparsejax_tgmm",
   )(topo.expert_block_offsets, lhs_p, dout_p)
   return out[:, :k, :n]
-
-
-# ----------------------------------------------------------------------------------------------
-# The differentiable op.
-# ----------------------------------------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _gmm(lhs, rhs, topo, tiling):
-  return _gmm_call(lhs, rhs, topo, False, tiling)
-
-
-def _gmm_fwd(lhs, rhs, topo, tiling):
-  return _gmm_call(lhs, rhs, topo, False, tiling), (lhs, rhs, topo)
-
-
-def _gmm_bwd(tiling, res, dout):
-  lhs, rhs, topo = res
-  dout = dout.astype(lhs.dtype)
-  dlhs = _gmm_call(dout, rhs, topo, True, tiling)
-  drhs = tgmm(lhs, dout, topo, tiling)
-  return dlhs, drhs, None
-
-
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
-
-
-def gmm(
-    lhs: Float[Array, "rows k"],
-    rhs: Float[Array, "experts k n"],
-    topo: Topology,
-    tiling: Tiling | None = None,
-) -> Float[Array, "rows n"]:
-  """out[r] = lhs[r] @ rhs[e(r)] for rows of active blocks, zero past them; differentiable in lhs, rhs.
-
-  tiling=None uses DEFAULT_TILING, read at call time so a benchmark's autotune can set it.
-  """
-  tiling = tiling or DEFAULT_TILING
-  if lhs.shape[0] != topo.num_row_blocks * topo.block_size:
-    raise ValueError(f"lhs has {lhs.shape[0]} rows; the topology covers "
-                     f"{topo.num_row_blocks} blocks of {topo.block_size}.")
-  if rhs.shape[0] != topo.num_experts:
-    raise ValueError(f"rhs has {rhs.shape[0]} experts; the topology has {topo.num_experts}.")
-  return _gmm(lhs, rhs, topo, tiling)
-
-
-# ----------------------------------------------------------------------------------------------
-# References (pure jnp, float32) the kernels are tested against.
-# ----------------------------------------------------------------------------------------------
-_HI = jax.lax.Precision.HIGHEST  # references are float32 on every backend (no TF32 on GPU)
-
-
-def _active_rows(topo: Topology):
-  blocks = jnp.arange(topo.num_row_blocks)
-  return jnp.repeat(blocks < topo.num_active_blocks[0], topo.block_size)
-
-
-def gmm_reference(lhs, rhs, topo: Topology, transpose_rhs: bool = False):
-  """out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T), per row block, masked to active blocks."""
-  w = rhs[topo.row_block_expert].astype(jnp.float32)  # [blocks, K, N]
-  if transpose_rhs:
-    w = jnp.swapaxes(w, 1, 2)
-  a = lhs.astype(jnp.float32).reshape(topo.num_row_blocks, topo.block_size, -1)
-  out = jnp.einsum("bmk,bkn->bmn", a, w, precision=_HI).reshape(lhs.shape[0], -1)
-  return jnp.where(_active_rows(topo)[:, None], out, 0.0).astype(lhs.dtype)
-
-
-def tgmm_reference(lhs, dout, topo: Topology):
-  """out[e] = sum_r [e(r) = e, r active] lhs[r]^T dout[r]."""
-  rows_expert = jnp.repeat(topo.row_block_expert, topo.block_size)
-  mask = jax.nn.one_hot(rows_expert, topo.num_experts) * _active_rows(topo)[:, None]
-  out = jnp.einsum("re,rk,rn->ekn", mask, lhs.astype(jnp.float32), dout.astype(jnp.float32),
-                   precision=_HI)
-  return out.astype(lhs.dtype)
-
-
-# ----------------------------------------------------------------------------------------------
-# grouped_matmul's "pallas" backend for arbitrary (unpadded) group sizes.
-# ----------------------------------------------------------------------------------------------
-def grouped_matmul_pallas(
-    lhs: Float[Array, "rows k"],
-    rhs: Float[Array, "groups k n"],
-    group_sizes: Int[Array, "groups"],
-    *,
-    block_size: int = BLOCK_SIZE,
-    tiling: Tiling = DEFAULT_TILING,
-) -> Float[Array, "rows n"]:
-  """ragged_dot semantics through the padded kernels: rows moved into block-padded groups and back."""
-  from sparsejax.permute import dropless_num_rows
-
-  num_rows, num_groups = lhs.shape[0], rhs.shape[0]
-  ends = jnp.cumsum(group_sizes)
-  starts = ends - group_sizes
-  padded = (group_sizes + block_size - 1) // block_size * block_size
-  padded_starts = jnp.cumsum(padded) - padded
-  row = jnp.arange(num_rows, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
-  valid = row < ends[-1]
-  rows_bound = dropless_num_rows(num_rows, num_groups, block_size)
-  dest = jnp.where(valid, padded_starts[group] + row - starts[group], rows_bound)
-  src = jnp.full((rows_bound,), num_rows, jnp.int32).at[dest].set(row, mode="drop")
-  lhs_ext = jnp.concatenate([lhs, jnp.zeros((1, lhs.shape[1]), lhs.dtype)])
-  topo = make_topology(padded, rows_bound, block_size)
-  out = gmm(lhs_ext[src], rhs, topo, tiling)
-  out_ext = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
-  return out_ext[dest]

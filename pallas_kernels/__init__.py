@@ -1,1 +1,0 @@
-"""Pallas GPU kernels, each file beside the pure-jnp reference it is tested against."""

@@ -1,0 +1,1 @@
+"""GPU kernels, one folder per op (contract + reference, one file per backend)."""

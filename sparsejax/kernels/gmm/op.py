@@ -1,0 +1,140 @@
+"""gmm / tgmm: one contract, one custom_vjp, several Pallas backends.
+
+  gmm   out[r] = lhs[r] @ rhs[e(r)]          SDD (X W_in -> H) and DSD (H W_out -> Y) on the
+                                              block-diagonal topology of sparsejax/topology.py
+  gmm   transpose_rhs: lhs[r] @ rhs[e(r)]^T   D S D^T (dX = dH W_in^T, dH = dY W_out^T)
+  tgmm  out[e] = sum_{r in e} lhs[r]^T dout[r]  DS^T D (dW_in = X^T dH, dW_out = H^T dY)
+Rows of inactive blocks are zero. Backends: "triton" (triton.py, any CUDA GPU) and "mosaic"
+(mosaic.py, Hopper: TMA + wgmma, warp-specialized, persistent); "auto" takes mosaic on sm_90.
+Off the GPU both run in Pallas' interpret mode. The reference is reference.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
+
+BACKENDS = ("auto", "triton", "mosaic")
+
+
+def _gpu_compute_capability() -> str | None:
+  if jax.default_backend() != "gpu":
+    return None
+  return getattr(jax.devices()[0], "compute_capability", None)
+
+
+def resolve_backend(backend: str) -> str:
+  """"auto": Mosaic GPU on Hopper (sm_90), Triton on other GPUs and (interpret mode) off the GPU."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+  if backend != "auto":
+    return backend
+  cc = _gpu_compute_capability()
+  return "mosaic" if cc is not None and str(cc).startswith("9") else "triton"
+
+
+def _impl(backend: str):
+  if backend == "mosaic":
+    from sparsejax.kernels.gmm import mosaic
+    return mosaic
+  from sparsejax.kernels.gmm import triton
+  return triton
+
+
+# The differentiable op. The cotangent of a transposed product is itself a (non-)transposed gmm
+# and a tgmm, so both settings share one rule.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _gmm(lhs, rhs, topo, transpose_rhs, backend, out_dtype):
+  return _impl(backend).gmm(lhs, rhs, topo, transpose_rhs, out_dtype)
+
+
+def _gmm_fwd(lhs, rhs, topo, transpose_rhs, backend, out_dtype):
+  return _gmm(lhs, rhs, topo, transpose_rhs, backend, out_dtype), (lhs, rhs, topo)
+
+
+def _gmm_bwd(transpose_rhs, backend, out_dtype, res, dout):
+  lhs, rhs, topo = res
+  impl = _impl(backend)
+  dout = dout.astype(lhs.dtype)
+  dlhs = impl.gmm(dout, rhs, topo, not transpose_rhs, lhs.dtype)
+  if transpose_rhs:  # out = lhs rhs^T: drhs[e] = dout_e^T lhs_e
+    drhs = impl.tgmm(dout, lhs, topo, rhs.dtype)
+  else:
+    drhs = impl.tgmm(lhs, dout, topo, rhs.dtype)
+  return dlhs, drhs, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def _check(lhs, rhs, topo):
+  if lhs.shape[0] != topo.num_row_blocks * topo.block_size:
+    raise ValueError(f"lhs has {lhs.shape[0]} rows; the topology covers "
+                     f"{topo.num_row_blocks} blocks of {topo.block_size}.")
+  if rhs.shape[0] != topo.num_experts:
+    raise ValueError(f"rhs has {rhs.shape[0]} experts; the topology has {topo.num_experts}.")
+
+
+def gmm(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "experts k n"] | Float[Array, "experts n k"],
+    topo: Topology,
+    *,
+    transpose_rhs: bool = False,
+    backend: str = "auto",
+    out_dtype=None,
+) -> Float[Array, "rows n"]:
+  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for rows of active blocks, zero past
+  them; float32 accumulation, out_dtype (default lhs.dtype) output; differentiable in lhs and rhs."""
+  _check(lhs, rhs, topo)
+  return _gmm(lhs, rhs, topo, transpose_rhs, resolve_backend(backend),
+              jnp.dtype(out_dtype or lhs.dtype))
+
+
+def tgmm(
+    lhs: Float[Array, "rows k"],
+    dout: Float[Array, "rows n"],
+    topo: Topology,
+    *,
+    backend: str = "auto",
+    out_dtype=None,
+) -> Float[Array, "experts k n"]:
+  """out[e] = sum over active rows r of expert e of lhs[r]^T dout[r] (the weight gradient)."""
+  if lhs.shape[0] != dout.shape[0]:
+    raise ValueError(f"lhs has {lhs.shape[0]} rows but dout has {dout.shape[0]}.")
+  _check(lhs, jnp.zeros((topo.num_experts,)), topo)
+  return _impl(resolve_backend(backend)).tgmm(lhs, dout, topo, jnp.dtype(out_dtype or lhs.dtype))
+
+
+def grouped_matmul_padded(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "groups k n"],
+    group_sizes: Int[Array, "groups"],
+    *,
+    backend: str = "auto",
+    out_dtype=None,
+    block_size: int = BLOCK_SIZE,
+) -> Float[Array, "rows n"]:
+  """ragged_dot semantics through the padded kernels: rows moved into block-padded groups and back."""
+  from sparsejax.permute import dropless_num_rows
+
+  num_rows, num_groups = lhs.shape[0], rhs.shape[0]
+  ends = jnp.cumsum(group_sizes)
+  starts = ends - group_sizes
+  padded = (group_sizes + block_size - 1) // block_size * block_size
+  padded_starts = jnp.cumsum(padded) - padded
+  row = jnp.arange(num_rows, dtype=jnp.int32)
+  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
+  valid = row < ends[-1]
+  rows_bound = dropless_num_rows(num_rows, num_groups, block_size)
+  dest = jnp.where(valid, padded_starts[group] + row - starts[group], rows_bound)
+  src = jnp.full((rows_bound,), num_rows, jnp.int32).at[dest].set(row, mode="drop")
+  lhs_ext = jnp.concatenate([lhs, jnp.zeros((1, lhs.shape[1]), lhs.dtype)])
+  topo = make_topology(padded, rows_bound, block_size)
+  out = gmm(lhs_ext[src], rhs, topo, backend=backend, out_dtype=out_dtype)
+  out_ext = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
+  return out_ext[dest]
