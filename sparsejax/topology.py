@@ -24,10 +24,14 @@ class Topology:
   """row_block_expert: [num_row_blocks] expert of each row block (E - 1 for blocks past the active ones).
   expert_block_offsets: [E + 1] first row block of each expert (CSC offsets); the last is the active count.
   num_active_blocks: [1] row blocks in use; the rest of the buffer is padding the kernels skip.
+  row_block_rows: [num_row_blocks] rows of each block that hold a token: block_size, fewer in an
+    expert's last block, 0 past the active blocks. The products treat the other rows as zero, and
+    the Hopper kernels skip a 64-row half-block that holds none.
   """
   row_block_expert: Int[Array, "row_blocks"]
   expert_block_offsets: Int[Array, "experts_plus_one"]
   num_active_blocks: Int[Array, "1"]
+  row_block_rows: Int[Array, "row_blocks"]
   block_size: int = flax.struct.field(pytree_node=False)
 
   @property
@@ -40,9 +44,13 @@ class Topology:
 
 
 def make_topology(
-    padded_group_sizes: Int[Array, "experts"], num_rows: int, block_size: int
+    padded_group_sizes: Int[Array, "experts"],
+    num_rows: int,
+    block_size: int,
+    group_sizes: Int[Array, "experts"] | None = None,
 ) -> Topology:
-  """Topology of a buffer whose expert e owns padded_group_sizes[e] rows (multiples of block_size)."""
+  """Topology of a buffer whose expert e owns padded_group_sizes[e] rows (multiples of block_size),
+  the first group_sizes[e] of them real (all of them when group_sizes is None)."""
   if num_rows % block_size:
     raise ValueError(f"num_rows={num_rows} must be a multiple of block_size={block_size}.")
   num_experts = padded_group_sizes.shape[0]
@@ -51,4 +59,8 @@ def make_topology(
   row_blocks = jnp.arange(num_rows // block_size, dtype=jnp.int32)
   expert = jnp.searchsorted(offsets[1:], row_blocks, side="right").astype(jnp.int32)
   expert = jnp.minimum(expert, num_experts - 1)
-  return Topology(expert, offsets, offsets[-1:], block_size)
+  real = padded_group_sizes if group_sizes is None else jnp.minimum(group_sizes, padded_group_sizes)
+  local = row_blocks - offsets[expert]
+  rows = jnp.clip(real.astype(jnp.int32)[expert] - local * block_size, 0, block_size)
+  rows = jnp.where(row_blocks < offsets[-1], rows, 0).astype(jnp.int32)
+  return Topology(expert, offsets, offsets[-1:], rows, block_size)

@@ -1,13 +1,21 @@
-"""The Pallas grouped-GEMM kernels (every backend) in interpret mode against their pure-jnp references."""
+"""The grouped-GEMM kernels of every backend, in interpret mode on the CPU, against their reference.
+
+The Triton backend runs every case in float32 and bf16. The Mosaic GPU (Hopper) backend is slower
+to interpret, so it runs a few bf16 cases through the custom_vjp (its three kernels: gmm, gmm with
+the transposed weight, tgmm) on shapes that cross several K and N tiles; its float32 calls are
+served by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
+"""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mosaic_interpret_compat
 import sparsejax as sj
 from sparsejax.kernels import gmm as G
-from sparsejax.kernels.gmm import triton as T
 from sparsejax.topology import make_topology
+
+mosaic_interpret_compat.install()
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
@@ -17,15 +25,17 @@ def rel_err(a, b):
   return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
-def topology_for(group_sizes, num_rows_bound=None, block=128):
+def topology_for(group_sizes, num_rows_bound=None, block=128, real=True):
+  """real=True: the topology knows each expert's real row count (its last block is part padding)."""
   gs = np.asarray(group_sizes)
   padded = (gs + block - 1) // block * block
   rows = num_rows_bound or int(padded.sum()) + block  # one spare block, inactive
-  return make_topology(jnp.asarray(padded, jnp.int32), rows, block)
+  return make_topology(jnp.asarray(padded, jnp.int32), rows, block,
+                       jnp.asarray(gs, jnp.int32) if real else None)
 
 
-# Group sizes (in rows of the padded layout, before padding): empty experts, everything on one
-# expert, sizes that are not multiples of the block, a single expert.
+# Group sizes (real rows before padding): empty experts, everything on one expert, sizes that are
+# not multiples of the block, a single expert.
 GROUPS = [
     [130, 0, 5, 200],
     [0, 0, 300, 0],
@@ -34,48 +44,77 @@ GROUPS = [
 ]
 
 
-@pytest.mark.parametrize("groups", GROUPS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("k,n", [(32, 48), (64, 16)])
-def test_gmm_and_tgmm_match_reference(groups, dtype, k, n):
-  seed = hash((tuple(groups), str(dtype), k, n)) % 2**31
+def _operands(groups, dtype, k, n, seed):
   keys = jax.random.split(jax.random.key(seed), 4)
   topo = topology_for(groups)
   rows = topo.num_row_blocks * topo.block_size
   e = len(groups)
-  lhs = jax.random.normal(keys[0], (rows, k), dtype)
-  rhs = jax.random.normal(keys[1], (e, k, n), dtype)
-  rhs_t = jax.random.normal(keys[2], (e, n, k), dtype)
-  dout = jax.random.normal(keys[3], (rows, n), dtype)
+  return (topo, jax.random.normal(keys[0], (rows, k), dtype), jax.random.normal(keys[1], (e, k, n), dtype),
+          jax.random.normal(keys[2], (e, n, k), dtype), jax.random.normal(keys[3], (rows, n), dtype))
 
-  out = G.gmm(lhs, rhs, topo)
+
+@pytest.mark.parametrize("groups", GROUPS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", [(32, 48), (300, 330)])  # one tile; several K and N tiles
+def test_triton_kernels_match_reference(groups, dtype, k, n):
+  topo, lhs, rhs, rhs_t, dout = _operands(groups, dtype, k, n, hash((tuple(groups), k)) % 2**31)
+  rows = lhs.shape[0]
+  out = G.gmm(lhs, rhs, topo, backend="triton")
   assert out.dtype == dtype and out.shape == (rows, n)
   assert rel_err(out, G.gmm_reference(lhs, rhs, topo)) < TOL[dtype]
-  # Inactive blocks (the spare one at the end) are exactly zero.
-  active = int(topo.num_active_blocks[0]) * topo.block_size
-  assert np.all(np.asarray(out[active:]) == 0)
-
-  out_t = G.gmm(lhs, rhs_t, topo, transpose_rhs=True)
+  # Rows that hold no token (padding, and the spare inactive block) are exactly zero.
+  real = np.asarray(G.reference.real_rows(topo))
+  assert np.all(np.asarray(out)[~real] == 0)
+  out_t = G.gmm(lhs, rhs_t, topo, transpose_rhs=True, backend="triton")
   assert rel_err(out_t, G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True)) < TOL[dtype]
-
-  dw = G.tgmm(lhs, dout, topo)
-  ref = G.tgmm_reference(lhs, dout, topo)
-  assert dw.shape == (e, k, n)
-  assert rel_err(dw, ref) < TOL[dtype]
+  dw = G.tgmm(lhs, dout, topo, backend="triton")
+  assert dw.shape == (len(groups), k, n)
+  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[dtype]
   empty = [i for i, g in enumerate(groups) if g == 0]
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
+def _grads(f, lhs, rhs, topo, ct):
+  loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)
+  return jax.value_and_grad(loss, argnums=(0, 1))(lhs, rhs)
+
+
+@pytest.mark.parametrize("groups", [[130, 0, 5, 200], [0, 0, 300, 0]])
+def test_mosaic_kernels_and_vjp_match_reference(groups):
+  """All three Hopper kernels (the forward gmm, then gmm with rhs^T and tgmm in its VJP) against
+  the reference, with K = 300 and N = 330: several K steps and N tiles, padded to the tiles."""
+  k, n = 300, 330
+  topo, lhs, rhs, _, ct = _operands(groups, jnp.bfloat16, k, n, 7 + len(groups))
+  out = G.gmm(lhs, rhs, topo, backend="mosaic")
+  ref = G.gmm_reference(lhs, rhs, topo)
+  assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
+  assert rel_err(out, ref) < TOL[jnp.bfloat16]
+  real = np.asarray(G.reference.real_rows(topo))
+  assert np.all(np.asarray(out)[~real] == 0)
+  ct = ct.astype(jnp.float32)
+  (_, g), (_, g_ref) = (_grads(lambda a, b: G.gmm(a, b, topo, backend="mosaic"), lhs, rhs, topo, ct),
+                        _grads(lambda a, b: G.gmm_reference(a, b, topo), lhs, rhs, topo, ct))
+  for a, b in zip(g, g_ref):
+    assert rel_err(a, b) < TOL[jnp.bfloat16]
+  empty = [i for i, s in enumerate(groups) if s == 0]
+  assert np.all(np.asarray(g[1])[empty] == 0)  # an expert with no rows gets a zero gradient
+  assert np.all(np.asarray(g[0])[~real] == 0)
+
+
+def test_mosaic_float32_is_exact():
+  """wgmma would read float32 as TF32: float32 operands take the exact Triton kernels instead."""
+  topo, lhs, rhs, _, _ = _operands([130, 0, 5, 200], jnp.float32, 32, 48, 3)
+  out = G.gmm(lhs, rhs, topo, backend="mosaic")
+  assert out.dtype == jnp.float32
+  assert rel_err(out, G.gmm_reference(lhs, rhs, topo)) < TOL[jnp.float32]
+
+
 @pytest.mark.parametrize("groups", GROUPS[:2])
-def test_gmm_gradients_match_reference(groups):
-  keys = jax.random.split(jax.random.key(len(groups) + sum(groups)), 3)
-  topo = topology_for(groups)
-  rows = topo.num_row_blocks * topo.block_size
-  lhs = jax.random.normal(keys[0], (rows, 32))
-  rhs = jax.random.normal(keys[1], (len(groups), 32, 16))
-  ct = jax.random.normal(keys[2], (rows, 16))
+def test_triton_gradients_match_reference(groups):
+  topo, lhs, rhs, _, _ = _operands(groups, jnp.float32, 32, 16, len(groups) + sum(groups))
+  ct = jax.random.normal(jax.random.key(5), (lhs.shape[0], 16))
   loss = lambda f: lambda a, b: jnp.sum(jnp.tanh(f(a, b, topo)) * ct)
-  g = jax.grad(loss(G.gmm), argnums=(0, 1))(lhs, rhs)
+  g = jax.grad(loss(lambda a, b, t: G.gmm(a, b, t, backend="triton")), argnums=(0, 1))(lhs, rhs)
   g_ref = jax.grad(loss(G.gmm_reference), argnums=(0, 1))(lhs, rhs)
   for a, b in zip(g, g_ref):
     assert rel_err(a, b) < 2e-5
@@ -89,7 +128,7 @@ def test_grouped_matmul_pallas_has_ragged_dot_semantics(group_sizes, m, dtype):
   gs = jnp.asarray(group_sizes, jnp.int32)
   lhs = jax.random.normal(keys[0], (m, 24), dtype)  # K=24: exercises padding to the tile
   rhs = jax.random.normal(keys[1], (len(group_sizes), 24, 40), dtype)
-  out = sj.grouped_matmul(lhs, rhs, gs, impl="pallas")
+  out = sj.grouped_matmul(lhs, rhs, gs, impl="triton")
   ref = sj.grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, impl="reference")
   assert out.dtype == dtype
   assert rel_err(out, ref) < TOL[dtype]
@@ -97,7 +136,7 @@ def test_grouped_matmul_pallas_has_ragged_dot_semantics(group_sizes, m, dtype):
   assert np.all(np.asarray(out[tail:]) == 0)  # rows past the groups are zero
   ct = jax.random.normal(keys[2], (m, 40))
   loss = lambda impl: lambda a, b: jnp.sum(sj.grouped_matmul(a, b, gs, impl=impl).astype(jnp.float32) * ct)
-  g = jax.grad(loss("pallas"), argnums=(0, 1))(lhs, rhs)
+  g = jax.grad(loss("triton"), argnums=(0, 1))(lhs, rhs)
   g_ref = jax.grad(loss("reference"), argnums=(0, 1))(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
   for a, b in zip(g, g_ref):
     assert rel_err(a, b) < TOL[dtype]
@@ -107,9 +146,24 @@ def test_topology_is_block_csr_of_the_padded_layout():
   topo = topology_for([130, 0, 5, 200], num_rows_bound=6 * 128)
   np.testing.assert_array_equal(topo.row_block_expert, [0, 0, 2, 3, 3, 3])
   np.testing.assert_array_equal(topo.expert_block_offsets, [0, 2, 2, 3, 5])
+  np.testing.assert_array_equal(topo.row_block_rows, [128, 2, 5, 128, 72, 0])
   assert int(topo.num_active_blocks[0]) == 5
+  full = topology_for([130, 0, 5, 200], num_rows_bound=6 * 128, real=False)
+  np.testing.assert_array_equal(full.row_block_rows, [128, 128, 128, 128, 128, 0])
   with pytest.raises(ValueError, match="multiple of block_size"):
     make_topology(jnp.array([128]), 130, 128)
+
+
+def test_auto_backend_is_mosaic_only_on_hopper(monkeypatch):
+  from sparsejax.kernels.gmm import op
+  monkeypatch.setattr(op, "_gpu_compute_capability", lambda: "9.0")
+  assert op.resolve_backend("auto") == "mosaic"
+  monkeypatch.setattr(op, "_gpu_compute_capability", lambda: "8.0")
+  assert op.resolve_backend("auto") == "triton"
+  monkeypatch.setattr(op, "_gpu_compute_capability", lambda: None)
+  assert op.resolve_backend("auto") == "triton"
+  with pytest.raises(ValueError, match="backend must be one of"):
+    op.resolve_backend("cuda")
 
 
 def test_gmm_rejects_mismatched_topology():

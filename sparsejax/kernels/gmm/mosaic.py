@@ -11,7 +11,10 @@ a CTA tile never spans two experts: gmm reads one expert's weight tile per outpu
 tgmm reduces over whole row blocks of one expert. Nothing is computed twice and nothing is
 masked (unlike jax's ragged_dot_mgpu, which recomputes tiles that straddle a group boundary).
 Inactive row blocks, and experts with no rows, run a pipeline of zero steps, so they store the
-zero accumulator: the output is fully written with no separate memset.
+zero accumulator: the output is fully written with no separate memset. Rows that hold no token
+(an expert's last block is padded up to 128 rows) cost nothing where a whole 64-row wgmma is
+padding: gmm's consumer of that half issues no wgmma, and tgmm stops its reduction at the
+expert's last real row (masking the padding rows of its last step).
 
 The tile order is `planar_snake` over (row tiles, column tiles): with minor dimension M and a
 width of about one expert's row blocks, the CTAs in flight share each expert's weight tiles
@@ -39,23 +42,34 @@ M_DIM, N_DIM = 0, 1
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Tiles of one kernel. The CTA tile is block_m x (2 * tile_n): one tile_n per consumer warpgroup."""
-  tile_n: int = 128
+  """Tiles of one kernel.
+
+  gmm: the CTA tile is block_m (128) x tile_n; each consumer warpgroup owns 64 of its rows.
+  (A 64-row CTA tile, which would skip the padding half of an expert's last block outright,
+  measured 35-50% slower on an H100: experiments/results/gmm_kernels_*.json.)
+  tgmm: the CTA tile is block_m (128, of K) x (2 * tile_n); each consumer owns tile_n columns,
+  and tile_k rows of the reduction (64 or 128: it divides the row block) are one step.
+  """
+  tile_n: int = 256
   tile_k: int = 64
-  max_concurrent_steps: int = 3
+  max_concurrent_steps: int = 4
   epi_tile_n: int = 64
   grid_minor_dim: int = M_DIM
-  grid_tile_width: int = 2
+  grid_tile_width: int = 4
+  delay_release: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Configs:
-  gmm: Config = Config()
+  gmm: Config = Config(grid_tile_width=8)
   gmm_t: Config = Config()
-  tgmm: Config = Config(tile_k=64, grid_minor_dim=N_DIM, grid_tile_width=1)
+  tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
+                        grid_tile_width=1)
 
 
-# Read at call time, so a benchmark's tuning can set it.
+# The defaults won or tied experiments/tune_gmm.py --sweep on an H100 (jax 0.11.2, bf16) for the
+# issue's shapes (results in experiments/results/gmm_kernels_*.json). Read at call time, so a
+# benchmark's tuning can set it.
 DEFAULT_CONFIGS = Configs()
 
 
@@ -71,7 +85,7 @@ def _interpret():
 
 def _num_sms() -> int:
   if jax.default_backend() != "gpu":
-    return 4  # interpret mode: a few "SMs" so the persistent loop takes several tiles each
+    return 2  # interpret mode: two "SMs", so each walks several tiles of the persistent loop
   return jax.devices()[0].core_count
 
 
@@ -90,28 +104,42 @@ def _pad_to(x, axis: int, multiple: int):
   return jnp.pad(x, widths)
 
 
-def _fit(cfg: Config, k: int, n: int) -> Config:
-  """Shrink tiles for small problems: tile_k and tile_n to 64 when the dimension is that small,
-  and no more pipeline slots than there are K steps."""
+_SMEM_BYTES = 227 * 1024  # per block on sm_90
+
+
+def _fit(cfg: Config, k: int, n: int, *, stage_bytes, out_bytes) -> Config:
+  """Shrink tiles for small problems (tile_k, tile_n down to 64), then the epilogue tile and the
+  ring until shared memory holds them: stage_bytes(cfg) is one pipeline stage, out_bytes(cfg) the
+  epilogue's buffers (a float32 output needs twice a bf16 one's)."""
   tile_k = min(cfg.tile_k, max(64, pl.next_power_of_2(k)))
-  tile_n = min(cfg.tile_n, max(64, pl.next_power_of_2(n) // 2))
-  return dataclasses.replace(cfg, tile_k=tile_k, tile_n=tile_n,
-                             epi_tile_n=min(cfg.epi_tile_n, tile_n))
+  tile_n = min(cfg.tile_n, max(64, pl.next_power_of_2(n)))
+  cfg = dataclasses.replace(cfg, tile_k=tile_k, tile_n=tile_n, epi_tile_n=min(cfg.epi_tile_n, tile_n))
+  fits = lambda c: c.max_concurrent_steps * stage_bytes(c) + out_bytes(c) + 1024 <= _SMEM_BYTES
+  while not fits(cfg) and cfg.epi_tile_n > 16:
+    cfg = dataclasses.replace(cfg, epi_tile_n=cfg.epi_tile_n // 2)
+  while not fits(cfg) and cfg.max_concurrent_steps > 2:
+    cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+  return cfg
 
 
-def _store_tile(acc, out_smem, out_ref, wg_idx, block_m, tile_n, epi_tile_n):
-  """Write one consumer's [block_m, tile_n] accumulator to out_ref[:, its half] via smem + TMA,
-  in epi_tile_n-wide pieces through two smem slots, so a store overlaps the next conversion."""
+def _store_tile(acc, out_smem, out_ref, wg_idx, epi_tile_n):
+  """Write one consumer's accumulator to out_ref (its [rows, cols] window) via smem + TMA, in
+  epi_tile_n-wide pieces through two smem slots, so a store overlaps the next conversion."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  for j in range(tile_n // epi_tile_n):
+  for j in range(acc.shape[1] // epi_tile_n):
     cols = slice(j * epi_tile_n, (j + 1) * epi_tile_n)
     slot = j % 2
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
     out_smem[wg_idx, slot] = acc[:, cols]
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(
-        out_smem.at[wg_idx, slot],
-        out_ref.at[:, pl.ds(wg_idx * tile_n + j * epi_tile_n, epi_tile_n)])
+    plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[:, pl.ds(j * epi_tile_n, epi_tile_n)])
+
+
+def _row_iota(shape):
+  """Row index of each element of a wgmma-shaped register array."""
+  iota = lax.broadcasted_iota(jnp.int32, shape, 0)
+  # The layout is a hint for the compiler only; the CPU interpreter (jax 0.10) has no rule for it.
+  return iota if _interpret() is not None else plgpu.layout_cast(iota, plgpu.Layout.WGMMA)
 
 
 def _warp_specialized(body, grid, in_specs, cfg, compute_context):
@@ -133,31 +161,37 @@ def _launch(body, out_shape, *args):
 # ----------------------------------------------------------------------------------------------
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
-def _gmm_padded(lhs, rhs, row_block_expert, num_active, *, block_m, transpose_rhs, out_dtype,
+def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpose_rhs, out_dtype,
                 cfg: Config):
   rows, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tile_n, tile_k, epi_tile_n = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
-  cta_n = 2 * tile_n
-  m_iters, n_iters, k_iters = rows // block_m, n // cta_n, k // tile_k
-  cfg = dataclasses.replace(cfg, max_concurrent_steps=min(cfg.max_concurrent_steps, k_iters))
+  delay = min(cfg.delay_release, cfg.max_concurrent_steps - 1)
+  half = block_m // 2  # rows per consumer warpgroup: one wgmma M of 64
+  m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
   dtype = lhs.dtype
-  a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype))
+  a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
+                           delay_release=delay)
   if transpose_rhs:
-    b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype))
+    b_spec = plgpu.BlockSpec((tile_n, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
+                             delay_release=delay)
   else:
-    b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda s: (s, 0), transforms=_transforms(cta_n, dtype))
+    b_spec = plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_transforms(tile_n, dtype),
+                             delay_release=delay)
   out_transforms = _transforms(epi_tile_n, out_dtype)
 
-  def body(rbe_gmem, nact_gmem, lhs_gmem, rhs_gmem, out_gmem):
+  def body(rbe_gmem, rbr_gmem, lhs_gmem, rhs_gmem, out_gmem):
     ignore = lambda *_, **__: None
-    allocs = _warp_specialized(ignore, (k_iters,), [a_spec, b_spec], cfg, ignore).get_allocations(
+    # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
+    # (a shorter static grid would shrink it below the dynamic pipeline's).
+    allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), [a_spec, b_spec], cfg,
+                               ignore).get_allocations(
         lhs_gmem.at[pl.ds(0, block_m), :],
-        rhs_gmem.at[0, pl.ds(0, cta_n), :] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, cta_n)])
+        rhs_gmem.at[0, pl.ds(0, tile_n), :] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, tile_n)])
 
     @functools.partial(
         pl.run_scoped, pipeline_allocs=allocs,
-        out_smem=plgpu.SMEM((2, 2, block_m, epi_tile_n), out_dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, 2, half, epi_tile_n), out_dtype, transforms=out_transforms),
         collective_axes="wg")
     def _scope(pipeline_allocs, out_smem):
       wg_idx = lax.axis_index("wg")
@@ -167,26 +201,32 @@ def _gmm_padded(lhs, rhs, row_block_expert, num_active, *, block_m, transpose_rh
         m_idx, n_idx = plgpu.planar_snake(
             info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
         expert = rbe_gmem[m_idx]
+        num_real = rbr_gmem[m_idx]
         # Inactive blocks run zero K steps and store the zero accumulator.
-        steps = jnp.where(m_idx < nact_gmem[0], k_iters, 0)
+        steps = jnp.where(num_real > 0, k_iters, 0)
         m_slice = pl.ds(m_idx * block_m, block_m)
-        n_slice = pl.ds(n_idx * cta_n, cta_n)
-        wg_n = pl.ds(wg_idx * tile_n, tile_n)
+        n_slice = pl.ds(n_idx * tile_n, tile_n)
+        wg_m = pl.ds(wg_idx * half, half)
+        # A consumer whose 64 rows hold no token issues no wgmma: its zero accumulator is right.
+        has_rows = num_real > wg_idx * half
 
         def compute_context(eval_pipeline):
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_m, tile_n), jnp.float32))
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((half, tile_n), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            _store_tile(acc_ref[...].astype(out_dtype), out_smem, out_gmem.at[m_slice, n_slice],
-                        wg_idx, block_m, tile_n, epi_tile_n)
+            acc = acc_ref[...]
+            real = _row_iota((half, tile_n)) < num_real - wg_idx * half
+            acc = jnp.where(real, acc, 0.0).astype(out_dtype)
+            _store_tile(acc, out_smem, out_gmem.at[m_slice, n_slice].at[wg_m], wg_idx, epi_tile_n)
 
         def mma(_, a_smem, b_smem, acc_ref):
-          if transpose_rhs:
-            b = plgpu.transpose_ref(b_smem.at[wg_n, :], (1, 0))
-          else:
-            b = b_smem.at[:, wg_n]
-          plgpu.wgmma(acc_ref, a_smem, b)
-          plgpu.wgmma_wait(0)
+          b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
+
+          @pl.when(has_rows)
+          def _():
+            plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
+
+          plgpu.wgmma_wait(delay)
           return acc_ref
 
         w = rhs_gmem.at[expert]
@@ -197,7 +237,7 @@ def _gmm_padded(lhs, rhs, row_block_expert, num_active, *, block_m, transpose_rh
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _launch(body, jax.ShapeDtypeStruct((rows, n), out_dtype),
-                 row_block_expert, num_active, lhs, rhs)
+                 row_block_expert, row_block_rows, lhs, rhs)
 
 
 def gmm(
@@ -208,20 +248,24 @@ def gmm(
     out_dtype,
     configs: Configs | None = None,
 ) -> Float[Array, "rows n"]:
-  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs); zero rows past the active blocks."""
+  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for real rows r, zero elsewhere."""
   if lhs.dtype == jnp.float32:
     from sparsejax.kernels.gmm import triton
     return triton.gmm(lhs, rhs, topo, transpose_rhs, out_dtype)
   configs = configs or DEFAULT_CONFIGS
   k = lhs.shape[1]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  cfg = _fit(configs.gmm_t if transpose_rhs else configs.gmm, k, n)
+  size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  block_m = topo.block_size
+  cfg = _fit(configs.gmm_t if transpose_rhs else configs.gmm, k, n,
+             stage_bytes=lambda c: (block_m + c.tile_n) * c.tile_k * size,
+             out_bytes=lambda c: 2 * 2 * (block_m // 2) * c.epi_tile_n * out_size)
   lhs_p = _pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
-    rhs_p = _pad_to(_pad_to(rhs, 1, 2 * cfg.tile_n), 2, cfg.tile_k)
+    rhs_p = _pad_to(_pad_to(rhs, 1, cfg.tile_n), 2, cfg.tile_k)
   else:
-    rhs_p = _pad_to(_pad_to(rhs, 1, cfg.tile_k), 2, 2 * cfg.tile_n)
-  out = _gmm_padded(lhs_p, rhs_p, topo.row_block_expert, topo.num_active_blocks,
+    rhs_p = _pad_to(_pad_to(rhs, 1, cfg.tile_k), 2, cfg.tile_n)
+  out = _gmm_padded(lhs_p, rhs_p, topo.row_block_expert, topo.row_block_rows,
                     block_m=topo.block_size, transpose_rhs=transpose_rhs,
                     out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1] == n else out[:, :n]
@@ -230,22 +274,24 @@ def gmm(
 # ----------------------------------------------------------------------------------------------
 # tgmm: out[e] = sum over row blocks r of expert e of lhs[r]^T @ dout[r]
 # ----------------------------------------------------------------------------------------------
-def _tgmm_padded(lhs, dout, offsets, *, block_m, out_dtype, cfg: Config):
+def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
   rows, k = lhs.shape
   n = dout.shape[1]
   num_experts = offsets.shape[0] - 1
-  # Output tiles are [tile_m of K] x [2 * tile_n of N]; the reduction runs over rows, tile_k at a
-  # time (tile_k divides the 128-row block, so a step never leaves the expert).
+  # Output tiles are [block_m of K] x [2 * tile_n of N]; the reduction runs over an expert's real
+  # rows, tile_r at a time (tile_r divides the 128-row block, so a step never leaves the expert).
   tile_m, tile_n, tile_r, epi_tile_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
   cta_n = 2 * tile_n
   m_iters, n_iters = k // tile_m, n // cta_n
   steps_per_block = block_m // tile_r
+  delay = min(cfg.delay_release, cfg.max_concurrent_steps - 1)
   dtype = lhs.dtype
-  a_spec = plgpu.BlockSpec((tile_r, tile_m), lambda s: (s, 0), transforms=_transforms(tile_m, dtype))
-  b_spec = plgpu.BlockSpec((tile_r, cta_n), lambda s: (s, 0), transforms=_transforms(cta_n, dtype))
+  a_tf, b_tf = _transforms(tile_m, dtype), _transforms(cta_n, dtype)
+  a_spec = plgpu.BlockSpec((tile_r, tile_m), lambda s: (s, 0), transforms=a_tf, delay_release=delay)
+  b_spec = plgpu.BlockSpec((tile_r, cta_n), lambda s: (s, 0), transforms=b_tf, delay_release=delay)
   out_transforms = _transforms(epi_tile_n, out_dtype)
 
-  def body(offsets_gmem, lhs_gmem, dout_gmem, out_gmem):
+  def body(offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
     ignore = lambda *_, **__: None
     allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), [a_spec, b_spec], cfg,
                                ignore).get_allocations(
@@ -264,8 +310,12 @@ def _tgmm_padded(lhs, dout, offsets, *, block_m, out_dtype, cfg: Config):
         e = info.index[0]
         m_idx, n_idx = plgpu.planar_snake(
             info.index[1], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
-        first, last = offsets_gmem[e], offsets_gmem[e + 1]
-        steps = (last - first) * steps_per_block  # zero for an expert with no rows
+        first, end = offsets_gmem[e], offsets_gmem[e + 1]
+        # Real rows of the expert: full blocks, then its last block's real rows.
+        last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
+        num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
+        steps = (num_rows + tile_r - 1) // tile_r  # zero for an expert with no rows
+        tail = num_rows - (steps - 1) * tile_r  # real rows in the last step
         row0 = first * steps_per_block
         m_slice = pl.ds(m_idx * tile_m, tile_m)
         n_slice = pl.ds(n_idx * cta_n, cta_n)
@@ -276,23 +326,35 @@ def _tgmm_padded(lhs, dout, offsets, *, block_m, out_dtype, cfg: Config):
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
             _store_tile(acc_ref[...].astype(out_dtype), out_smem,
-                        out_gmem.at[e, m_slice, n_slice], wg_idx, tile_m, tile_n, epi_tile_n)
+                        out_gmem.at[e, m_slice, n_slice].at[:, wg_n], wg_idx, epi_tile_n)
 
-        def mma(_, a_smem, b_smem, acc_ref):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem.at[:, wg_n])
-          plgpu.wgmma_wait(0)
+        def mma(idx, a_smem, b_smem, acc_ref):
+          b = b_smem.at[:, wg_n]
+
+          # The last step may reach into padding rows: zero them in this consumer's own columns.
+          @pl.when((idx[0] == steps - 1) & (tail < tile_r))
+          def _():
+            keep = (_row_iota((tile_r, tile_n)) < tail).astype(b.dtype)
+            b[...] = b[...] * keep
+            plgpu.commit_smem()
+
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b)
+          plgpu.wgmma_wait(delay)
           return acc_ref
 
-        a_specs = [
-            plgpu.BlockSpec((tile_r, tile_m), lambda s: (row0 + s, 0), transforms=a_spec.transforms),
-            plgpu.BlockSpec((tile_r, cta_n), lambda s: (row0 + s, 0), transforms=b_spec.transforms),
+        specs = [
+            plgpu.BlockSpec((tile_r, tile_m), lambda s: (row0 + s, 0), transforms=a_tf,
+                            delay_release=delay),
+            plgpu.BlockSpec((tile_r, cta_n), lambda s: (row0 + s, 0), transforms=b_tf,
+                            delay_release=delay),
         ]
-        _warp_specialized(mma, (steps,), a_specs, cfg, compute_context)(
+        _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
             lhs_gmem.at[:, m_slice], dout_gmem.at[:, n_slice], allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype), offsets, lhs, dout)
+  return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
+                 offsets, row_block_rows, lhs, dout)
 
 
 def tgmm(
@@ -302,14 +364,19 @@ def tgmm(
     out_dtype,
     configs: Configs | None = None,
 ) -> Float[Array, "experts k n"]:
-  """out[e] = lhs[rows of e]^T @ dout[rows of e]: the weight gradient (MegaBlocks' DS^T D)."""
+  """out[e] = lhs[real rows of e]^T @ dout[real rows of e]: the weight gradient (MegaBlocks' DS^T D)."""
   if lhs.dtype == jnp.float32:
     from sparsejax.kernels.gmm import triton
     return triton.tgmm(lhs, dout, topo, out_dtype)
   configs = configs or DEFAULT_CONFIGS
   k, n = lhs.shape[1], dout.shape[1]
-  cfg = _fit(configs.tgmm, topo.block_size, n)
+  size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  block_m = topo.block_size
+  cfg = _fit(configs.tgmm, block_m, n,
+             stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
+             out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
   lhs_p, dout_p = _pad_to(lhs, 1, topo.block_size), _pad_to(dout, 1, 2 * cfg.tile_n)
-  out = _tgmm_padded(lhs_p, dout_p, topo.expert_block_offsets, block_m=topo.block_size,
+  out = _tgmm_padded(lhs_p, dout_p, topo.expert_block_offsets, topo.row_block_rows,
+                     block_m=topo.block_size,
                      out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]

@@ -134,7 +134,7 @@ def grouped_matmul_padded(
   dest = jnp.where(valid, padded_starts[group] + row - starts[group], rows_bound)
   src = jnp.full((rows_bound,), num_rows, jnp.int32).at[dest].set(row, mode="drop")
   lhs_ext = jnp.concatenate([lhs, jnp.zeros((1, lhs.shape[1]), lhs.dtype)])
-  topo = make_topology(padded, rows_bound, block_size)
+  topo = make_topology(padded, rows_bound, block_size, group_sizes)
   out = gmm(lhs_ext[src], rhs, topo, backend=backend, out_dtype=out_dtype)
   out_ext = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])
   return out_ext[dest]

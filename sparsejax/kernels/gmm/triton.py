@@ -11,7 +11,8 @@ kernels:
 The custom_vjp that wires them together is in op.py; the references in reference.py; tests in
 tests/test_gmm_kernels.py (interpret mode on the CPU).
 Row blocks past the active ones skip their K loop and write zeros, so the static bound on the
-buffer costs no arithmetic.
+buffer costs no arithmetic; rows that hold no token (topology.row_block_rows) are zero in gmm's
+output and masked out of tgmm's sum.
 """
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ def _precision(dtype):
 # ----------------------------------------------------------------------------------------------
 # gmm: out[R, N] = lhs[R, K] @ rhs[e(r)]   (rhs [E, K, N], or [E, N, K] with transpose_rhs)
 # ----------------------------------------------------------------------------------------------
-def _gmm_kernel(row_block_expert_ref, num_active_ref, lhs_ref, rhs_ref, out_ref, *,
+def _gmm_kernel(row_block_expert_ref, row_block_rows_ref, lhs_ref, rhs_ref, out_ref, *,
                 block_m, block_n, block_k, num_k_steps, transpose_rhs, precision):
   i, j = pl.program_id(0), pl.program_id(1)
   expert = row_block_expert_ref[i]
-  active = i < num_active_ref[0]
+  num_real = row_block_rows_ref[i]
+  active = num_real > 0
   rows = pl.ds(pl.multiple_of(i * block_m, block_m), block_m)
   cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
 
@@ -101,7 +103,8 @@ def _gmm_kernel(row_block_expert_ref, num_active_ref, lhs_ref, rhs_ref, out_ref,
   @pl.when(active)
   def _():
     acc = jax.lax.fori_loop(0, num_k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
-    out_ref[...] = acc.astype(out_ref.dtype)
+    real = jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0) < num_real
+    out_ref[...] = jnp.where(real, acc, 0.0).astype(out_ref.dtype)
 
   @pl.when(jnp.logical_not(active))
   def _():
@@ -141,14 +144,15 @@ def gmm(
       interpret=_interpret(),
       compiler_params=None if _interpret() else _compiler_params(tiling.num_warps, tiling.num_stages),
       name="sparsejax_gmm_t" if transpose_rhs else "sparsejax_gmm",
-  )(topo.row_block_expert, topo.num_active_blocks, lhs_p, rhs_p)
+  )(topo.row_block_expert, topo.row_block_rows, lhs_p, rhs_p)
   return out[:, :n]
 
 
 # ----------------------------------------------------------------------------------------------
 # tgmm: out[e] = sum over row blocks r of expert e of lhs[r]^T @ dout[r]   ([E, K, N])
 # ----------------------------------------------------------------------------------------------
-def _tgmm_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m, block_k, block_n, precision):
+def _tgmm_kernel(offsets_ref, row_block_rows_ref, lhs_ref, dout_ref, out_ref, *, block_m, block_k,
+                 block_n, precision):
   e, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
   ns = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
@@ -156,6 +160,8 @@ def _tgmm_kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, block_m, block_k, b
   def step(r, acc):
     rows = pl.ds(pl.multiple_of(r * block_m, block_m), block_m)
     a = lhs_ref[rows, ks]
+    real = jax.lax.broadcasted_iota(jnp.int32, (block_m, block_k), 0) < row_block_rows_ref[r]
+    a = jnp.where(real, a, jnp.zeros_like(a))
     g = dout_ref[rows, ns]
     return acc + jax.lax.dot_general(a, g, (((0,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
@@ -182,12 +188,12 @@ def tgmm(
   out = pl.pallas_call(
       kernel,
       grid=(topo.num_experts, lhs_p.shape[1] // block_k, dout_p.shape[1] // block_n),
-      in_specs=[pl.no_block_spec] * 3,
+      in_specs=[pl.no_block_spec] * 4,
       out_specs=pl.BlockSpec((None, block_k, block_n), lambda e, i, j: (e, i, j)),
       out_shape=jax.ShapeDtypeStruct((topo.num_experts, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
       interpret=_interpret(),
       compiler_params=None if _interpret() else _compiler_params(
           tiling.tgmm_num_warps, tiling.tgmm_num_stages),
       name="sparsejax_tgmm",
-  )(topo.expert_block_offsets, lhs_p, dout_p)
+  )(topo.expert_block_offsets, topo.row_block_rows, lhs_p, dout_p)
   return out[:, :k, :n]

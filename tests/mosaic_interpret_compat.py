@@ -1,0 +1,73 @@
+"""Lets jax < 0.11's Mosaic GPU interpreter run wgmma on a transposed shared-memory operand.
+
+The Hopper kernels feed wgmma `plgpu.transpose_ref(...)` views (the transposed weight of
+dX = dH W^T, the transposed rows of dW = X^T dH), which compile on the GPU with every jax we
+support, but jax 0.10's GPU interpreter reads wgmma operands through a helper that knows only
+indexing transforms (AttributeError: 'TransposeTransform' object has no attribute 'indices').
+jax 0.11 reads them properly. For older jax this replaces the interpreter's wgmma callback with
+one that reads the operand through its indexers and then applies the transpose; the kernels
+under test are unchanged. Nothing here runs on the GPU or outside the tests.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+
+def install() -> None:
+  if tuple(jax.__version_info__[:2]) >= (0, 11):
+    return
+  from jax._src.pallas.mosaic.interpret import utils as interpret_utils
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks as cb
+  from jax._src.state import types as state_types
+
+  if getattr(cb.wgmma, "sparsejax_compat", False):
+    return
+  original = cb.wgmma
+
+  def split(transforms):
+    """(indexers before the transpose, the transpose's permutation or None)."""
+    for i, t in enumerate(transforms):
+      if isinstance(t, state_types.TransposeTransform):
+        if i != len(transforms) - 1:
+          raise NotImplementedError("compat wgmma: indexing after a transpose")
+        return transforms[:i], t.permutation
+    return transforms, None
+
+  def wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key_as_array,
+            acc_transforms, acc_dtype, a_allocation_key_as_array, a_transforms,
+            b_allocation_key_as_array, b_transforms, source_info=None):
+    a_tf = cb._remove_noop_transforms(a_transforms)
+    b_tf = cb._remove_noop_transforms(b_transforms)
+    if split(a_tf)[1] is None and split(b_tf)[1] is None:
+      return original(
+          token=token, device_id=device_id, grid_point_coords=grid_point_coords,
+          thread_id=thread_id, acc_allocation_key_as_array=acc_allocation_key_as_array,
+          acc_transforms=acc_transforms, acc_dtype=acc_dtype,
+          a_allocation_key_as_array=a_allocation_key_as_array, a_transforms=a_transforms,
+          b_allocation_key_as_array=b_allocation_key_as_array, b_transforms=b_transforms,
+          source_info=source_info)
+    device_id, thread_id = int(device_id), int(thread_id)
+    shared_memory = cb._get_shared_memory()
+    tid = shared_memory.get_global_thread_id(device_id, thread_id)
+    info = interpret_utils.GPULoggingInfo(
+        device_id=device_id, grid_point_coords=tuple(int(x) for x in grid_point_coords),
+        thread_id=thread_id, source_info=source_info)
+
+    def read(key_as_array, transforms):
+      indexers, perm = split(transforms)
+      key = cb.HostAllocationKey.from_array(key_as_array)
+      rnge = interpret_utils.to_range(jax.tree.map(int, indexers))
+      value, _, _ = shared_memory.get_buffer_content(key, rnge, tid, logging_info=info)
+      return value if perm is None else np.transpose(value, perm)
+
+    a, b = read(a_allocation_key_as_array, a_tf), read(b_allocation_key_as_array, b_tf)
+    acc_key = cb.HostAllocationKey.from_array(acc_allocation_key_as_array)
+    acc_range = interpret_utils.to_range(jax.tree.map(int, cb._remove_noop_transforms(acc_transforms)))
+    acc, _, _ = shared_memory.get_buffer_content(acc_key, acc_range, tid, logging_info=info)
+    shared_memory.store_buffer_content(acc_key, acc_range, acc + np.matmul(a, b, dtype=acc_dtype),
+                                       tid, logging_info=info)
+    return token
+
+  wgmma.sparsejax_compat = True
+  cb.wgmma = wgmma

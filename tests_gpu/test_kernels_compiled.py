@@ -1,0 +1,82 @@
+"""The Pallas kernels compiled on a GPU (not interpret mode), against their references.
+
+Run on a GPU machine after any kernel change, and keep the log:
+  python -m pytest -q tests_gpu tests/test_gmm_kernels.py 2>&1 | tee experiments/results/gpu_tests_<gpu>.log
+(tests/test_gmm_kernels.py then runs compiled too: off the CPU, the kernels are not interpreted.)
+These need a GPU, so the CPU suite (tests/) does not collect them.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsejax as sj
+from sparsejax import permute
+from sparsejax.kernels import gmm as G
+from sparsejax.kernels.gmm import op
+from sparsejax.topology import make_topology
+
+if jax.default_backend() != "gpu":
+  pytest.exit("tests_gpu/ needs a GPU", returncode=1)
+
+HOPPER = str(op._gpu_compute_capability()).startswith("9")
+BACKENDS = ["triton", "mosaic"] if HOPPER else ["triton"]
+
+
+def rel_err(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def routed_topology(key, tokens, experts, k, skew=0.0):
+  logits = -skew * jnp.log(jnp.arange(1, experts + 1, dtype=jnp.float32))
+  ids = jax.lax.top_k(jax.random.gumbel(key, (tokens, experts)) + logits, k)[1].astype(jnp.int32)
+  plc = permute.dropless_placement(ids, experts, block_size=128)
+  return make_topology(plc.group_sizes, plc.num_rows, 128, plc.tokens_per_expert), ids
+
+
+# (tokens, d, f, experts, k, skew): the issue's small sibling shapes, one expert, all on one expert
+SHAPES = [(4096, 1024, 2048, 64, 1, 0.0), (4096, 512, 1536, 8, 2, 0.5), (1000, 384, 640, 1, 1, 0.0),
+          (2048, 256, 512, 16, 1, 40.0)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernels_compiled_match_reference(backend, shape):
+  T, d, f, E, k, skew = shape
+  keys = jax.random.split(jax.random.key(T + E), 5)
+  topo, _ = routed_topology(keys[0], T, E, k, skew)
+  rows = topo.num_row_blocks * 128
+  x = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
+  w = (jax.random.normal(keys[2], (E, d, f)) / d**0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(keys[3], (rows, f), jnp.float32)
+  for out_dtype in (jnp.bfloat16, jnp.float32):
+    out = jax.jit(lambda a, b: G.gmm(a, b, topo, backend=backend, out_dtype=out_dtype))(x, w)
+    assert out.dtype == out_dtype
+    assert rel_err(out, G.gmm_reference(x, w, topo)) < 1e-2
+  real = np.asarray(G.reference.real_rows(topo))
+  assert np.all(np.asarray(out)[~real] == 0)
+  loss = lambda fn: lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * ct)
+  g = jax.jit(jax.grad(loss(lambda a, b: G.gmm(a, b, topo, backend=backend)), argnums=(0, 1)))(x, w)
+  g_ref = jax.jit(jax.grad(loss(lambda a, b: G.gmm_reference(a, b, topo)), argnums=(0, 1)))(x, w)
+  for a, b in zip(g, g_ref):
+    assert rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("impl", ["pallas"] + BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_moe_mlp_compiled_matches_reference(impl, dtype):
+  T, d, f, E, k = 2048, 256, 512, 16, 2
+  keys = jax.random.split(jax.random.key(1), 5)
+  x = jax.random.normal(keys[0], (T, d), dtype)
+  ids = jax.lax.top_k(jax.random.gumbel(keys[1], (T, E)), k)[1].astype(jnp.int32)
+  cw = jax.nn.softmax(jax.random.normal(keys[2], (T, k)), axis=-1)
+  w_in = (jax.random.normal(keys[3], (E, d, f)) / d**0.5).astype(dtype)
+  w_out = (jax.random.normal(keys[4], (E, f, d)) / f**0.5).astype(dtype)
+  fn = lambda x, wi, wo, impl: jnp.sum(jnp.sin(sj.moe_mlp(x, ids, cw.astype(x.dtype), wi, wo, impl=impl)[0].astype(jnp.float32)))
+  val, g = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)), static_argnums=3)(x, w_in, w_out, impl)
+  val_r, g_r = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)), static_argnums=3)(x, w_in, w_out, "reference")
+  tol = 1e-2 if dtype == jnp.bfloat16 else 1e-4
+  assert abs(float(val) - float(val_r)) <= tol * max(1.0, abs(float(val_r)))
+  for a, b in zip(g, g_r):
+    assert rel_err(a, b) < tol
