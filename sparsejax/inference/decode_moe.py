@@ -102,10 +102,13 @@ def decode_moe_mlp(
   valid = ids >= 0
   # NO_EXPERT sorts last (as E), so when it does not fit in the n slots it is the one left out.
   key = jnp.where(valid, ids, num_experts)
-  uniq = jnp.unique(key, size=n)  # sorted; padded with the smallest id (a duplicate, never matched)
-  hit = key[:, None] == uniq[None, :]  # [T k, n]
-  slot = jnp.argmax(hit, axis=1)  # the first matching slot
-  picked = valid & jnp.any(hit, axis=1)
+  if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
+    uniq, slot, picked = key, jnp.arange(k), valid
+  else:
+    uniq = jnp.unique(key, size=n)  # sorted; padded with the smallest id (a duplicate, never matched)
+    hit = key[:, None] == uniq[None, :]  # [T k, n]
+    slot = jnp.argmax(hit, axis=1)  # the first matching slot
+    picked = valid & jnp.any(hit, axis=1)
   c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
   combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
                        jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n))

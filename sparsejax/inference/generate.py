@@ -2,7 +2,7 @@
 
 The KV cache lives in the model's nnx.Cache variables (Transformer.init_cache), as in Flax's own
 decoding examples. The model is split once into (graphdef, params, cache); prefill and step are
-plain jax.jit functions of those pytrees, the cache donated so that XLA updates it in place. All
+plain jax.jit functions of their arrays, the cache donated so that XLA updates it in place. All
 shapes are fixed (cache of P + N - 1 slots), so one compile of the step serves every token.
 """
 from __future__ import annotations
@@ -65,22 +65,31 @@ def left_pad(prompts: Sequence[Sequence[int]] | np.ndarray | jax.Array
   return tokens, lengths
 
 
-def _run(graphdef, params, cache, tokens, rng, step, sampling):
-  model = nnx.merge(graphdef, params, cache)
-  logits, _ = model(tokens, decode=True)
-  nxt = sample_logits(logits[:, -1], jax.random.fold_in(rng, step), sampling)
-  return nxt, nnx.state(model, nnx.Cache)
+@functools.lru_cache(maxsize=64)
+def _compiled_step(graphdef, params_def, cache_def, sampling: Sampling):
+  """One jitted function per model structure and sampling rule, shared by every Decoder of it.
 
+  It takes the params and the cache as flat lists of arrays and closes over the graphdef: a jit
+  with the graphdef as a static argument would hash it, and flatten nnx.State pytrees, on every
+  call, costing more host time than a small model's whole decode step on a GPU.
+  """
 
-# Module level, so that every generate() call of the same shapes reuses the compiled executables.
-_decode_jit = jax.jit(_run, static_argnames=("graphdef", "sampling"), donate_argnames=("cache",))
+  def run(params, cache, tokens, rng, step):
+    model = nnx.merge(graphdef, params_def.unflatten(params), cache_def.unflatten(cache))
+    logits, stats = model(tokens, decode=True)
+    nxt = sample_logits(logits[:, -1], jax.random.fold_in(rng, step), sampling)
+    return nxt, jax.tree.leaves(nnx.state(model, nnx.Cache)), stats.tokens_per_expert
+
+  return jax.jit(run, donate_argnums=(1,))
 
 
 class Decoder:
   """A model with a KV cache of `cache_length` slots for `batch_size` rows, and its jitted step.
 
-  prefill(tokens, start) fills the cache with left-padded prompts and samples each row's next token;
-  step(tokens) appends one token per row and samples the next. Both return int32 [batch] tokens.
+  decoder(prompts [B, P]) fills the cache with the left-padded prompts (row b's padding is start[b])
+  and samples each row's next token; decoder(tokens [B, 1]) then appends one token per row and samples
+  the next. Each call returns int32 [B] tokens; tokens_per_expert holds the last call's
+  [moe_layers, experts] routing counts. Each shape of call compiles once.
   """
 
   def __init__(self, model: nnx.Module, batch_size: int, cache_length: int, sampling: Sampling,
@@ -88,14 +97,17 @@ class Decoder:
     graphdef, params = nnx.split(model)
     decoding = nnx.merge(graphdef, params)  # a second view on the same arrays: the caller's model stays cache-free
     decoding.init_cache(batch_size, cache_length, start=start)
-    self.graphdef, self.cache, self.params = nnx.split(decoding, nnx.Cache, ...)
-    self.sampling = sampling
+    graphdef, cache, params = nnx.split(decoding, nnx.Cache, ...)
+    self.params, params_def = jax.tree.flatten(params)
+    self.cache, cache_def = jax.tree.flatten(cache)
+    self._step = _compiled_step(graphdef, params_def, cache_def, sampling)
     self.rng = jax.random.key(0) if rng is None else rng
     self.steps = 0
+    self.tokens_per_expert = None
 
   def __call__(self, tokens: Int[Array, "b t"]) -> Int[Array, "b"]:
-    nxt, self.cache = _decode_jit(self.graphdef, self.params, self.cache, tokens, self.rng,
-                                  jnp.int32(self.steps), self.sampling)
+    nxt, self.cache, self.tokens_per_expert = self._step(self.params, self.cache, tokens, self.rng,
+                                                         np.int32(self.steps))
     self.steps += 1
     return nxt
 
