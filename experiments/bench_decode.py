@@ -255,6 +255,24 @@ def write_outputs(results: dict, out_dir: str, name: str) -> str:
   return report
 
 
+def quantization_val_loss(run: str, data: str | None, batch_size: int, seq_len: int, batches: int) -> dict:
+  """Validation loss (nats/token) of a trained run's checkpoint with float experts and with int8 experts."""
+  from sparsejax.data import eval_batches, load_corpus
+  from sparsejax.inference.cli import load_model
+  from sparsejax.models import cross_entropy
+  model, meta = load_model(run)
+  val = eval_batches(load_corpus(data).val, batch_size, seq_len, batches)
+  loss = nnx.jit(lambda m, x, y: cross_entropy(m(x)[0], y))
+  mean = lambda m: float(np.mean([loss(m, x, y) for x, y in val]))
+  before = mean(model)
+  after = mean(quantize_model(model))
+  rec = dict(run=run, step=meta["step"], preset_config=meta["model_config"], val_loss_float=before,
+             val_loss_int8=after, val_batches=batches, batch_size=batch_size, seq_len=seq_len)
+  log(f"{run} (step {meta['step']}): val loss {before:.4f} float experts, {after:.4f} int8 experts "
+      f"({after - before:+.4f})")
+  return rec
+
+
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--smoke", action="store_true", help="tiny presets, few steps (runs on a CPU)")
@@ -269,7 +287,21 @@ def main(argv=None) -> dict:
   ap.add_argument("--no-int8", action="store_true")
   ap.add_argument("--copy-mb", type=int, default=2048)
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+  ap.add_argument("--val-runs", default="", help="comma-separated trained MoE runs: report their validation "
+                  "loss with float and with int8 experts (and skip the timing unless --presets is given)")
+  ap.add_argument("--val-data", default=None, help="the runs' corpus (default: the stdlib, as sparsejax-train)")
+  ap.add_argument("--val-seq-len", type=int, default=128)
   args = ap.parse_args(argv)
+  if args.val_runs:
+    recs = [quantization_val_loss(r, args.val_data, 16, args.val_seq_len, 8) for r in args.val_runs.split(",")]
+    os.makedirs(args.out_dir, exist_ok=True)
+    path = os.path.join(args.out_dir, "int8_val_loss.json")
+    with open(path, "w") as fh:
+      json.dump(recs, fh, indent=1)
+    if os.environ.get("OUT"):
+      shutil.copy(path, os.environ["OUT"])
+    if "--presets" not in (argv or sys.argv):
+      return dict(val=recs)
   dev = jax.devices()[0]
   args.dtype = args.dtype or ("float32" if dev.platform == "cpu" else "bfloat16")
   if args.smoke:

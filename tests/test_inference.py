@@ -105,6 +105,7 @@ def test_bad_arguments_fail_before_compiling():
       (dict(top_p=1.5), ValueError, r"top_p must lie in \(0, 1\]"),
       (dict(top_k=0), ValueError, "top_k must be an int >= 1"),
       (dict(temperature=0.7), ValueError, "needs rng"),
+      (dict(temperature=0.7, rng=3), TypeError, "rng must be a jax key"),
       (dict(n=60), ValueError, "more than the model's max_seq_len=48"),
       (dict(cache_length=8), ValueError, "needs 10 cache slots; cache_length is 8"),
       (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 must be a non-empty"),

@@ -117,6 +117,9 @@ def _check_args(model, max_new_tokens, sampling, rng):
     raise ValueError(f"max_new_tokens must be an int >= 1; got {max_new_tokens!r}.")
   if not sampling.greedy and rng is None:
     raise ValueError("sampling with temperature > 0 needs rng=jax.random.key(seed) (or temperature=0: greedy).")
+  if rng is not None and not (isinstance(rng, jax.Array) and (jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+                                                               or rng.shape == (2,))):
+    raise TypeError(f"rng must be a jax key (jax.random.key(seed)); got {rng!r}.")
   if not hasattr(model, "init_cache"):
     raise TypeError(f"generate needs a model with init_cache and decode=True (a sparsejax Transformer); "
                     f"got {type(model).__name__}.")
