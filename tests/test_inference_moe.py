@@ -42,6 +42,8 @@ CASES = {  # name: (tokens, experts, k, glu, ids)
     "repeated_experts": (6, 8, 2, False, np.array([[3, 5], [5, 3], [3, 1], [5, 7], [3, 5], [1, 3]])),
     "no_expert_slots": (4, 6, 2, False, np.array([[2, NO_EXPERT], [NO_EXPERT, NO_EXPERT], [4, 2], [0, 5]])),
     "one_token": (1, 64, 1, False, None),
+    "one_token_top3_glu": (1, 8, 3, True, None),
+    "one_token_no_expert": (1, 4, 2, False, np.array([[NO_EXPERT, 2]])),
 }
 
 

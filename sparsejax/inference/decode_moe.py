@@ -115,18 +115,26 @@ def decode_moe_mlp(
                        jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n))
   experts = jnp.minimum(uniq, num_experts - 1)
 
-  def product(a, name, w, spec):
-    wi = jnp.take(w, experts, axis=0).astype(dt)  # int8 -> dt fuses into the gather, inside the step
-    y = jnp.einsum(spec, a, wi, preferred_element_type=jnp.float32)
+  def product(a, name, w):
+    """[n, T, out] = a @ W[experts[s]] for every slot s; a is [T, in] (shared) or [n, T, in]."""
+    if num_tokens == 1:
+      # One dynamic slice per slot instead of a gather: XLA can fuse a dynamic slice (and the int8
+      # convert) into the dot's operand, where a gather is first written out as a copy.
+      y = jnp.stack([jnp.dot(a if a.ndim == 2 else a[i],
+                             jax.lax.dynamic_index_in_dim(w, experts[i], 0, keepdims=False).astype(dt),
+                             preferred_element_type=jnp.float32) for i in range(n)])
+    else:
+      wi = jnp.take(w, experts, axis=0).astype(dt)  # int8 -> dt fuses into the gather, inside the step
+      y = jnp.einsum("td,ndf->ntf" if a.ndim == 2 else "ntd,ndf->ntf", a, wi, preferred_element_type=jnp.float32)
     s = scales.get(name)
     return y if s is None else y * jnp.take(s, experts, axis=0).astype(jnp.float32)[:, None, :]
 
-  h = product(x, "w_in", w_in, "td,ndf->ntf").astype(dt)
+  h = product(x, "w_in", w_in).astype(dt)
   if w_gate is not None:
-    h = activation(product(x, "w_gate", w_gate, "td,ndf->ntf").astype(dt)) * h
+    h = activation(product(x, "w_gate", w_gate).astype(dt)) * h
   else:
     h = activation(h)
-  out = product(h, "w_out", w_out, "ntf,nfd->ntd").astype(dt)  # rounded like moe_mlp's expert rows
+  out = product(h, "w_out", w_out).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32)).astype(dt)
   counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
   zero = jnp.zeros((), jnp.int32)
