@@ -42,3 +42,13 @@ __all__ += [
     "ExpertLayout", "ExpertParallelConfig", "ExpertParallelStats", "expert_layout",
     "expert_parallel_moe_mlp", "make_expert_mesh", "param_shardings",
 ]
+
+# --- Inference: KV-cache generation, small-batch MoE decoding, int8 experts (sparsejax.inference) ---
+from sparsejax.inference import (  # noqa: E402
+    Decoder, Generation, Sampling, decode_moe_mlp, dequantize_model, generate, generate_timed,
+    quantize_experts, quantize_model, quantize_weight)
+
+__all__ += [
+    "Decoder", "Generation", "Sampling", "decode_moe_mlp", "dequantize_model", "generate", "generate_timed",
+    "quantize_experts", "quantize_model", "quantize_weight",
+]

@@ -88,7 +88,8 @@ class MoE(nnx.Module):
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), names_out)
 
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
-               dts_temperature: float | jax.Array = 1.0):
+               dts_temperature: float | jax.Array = 1.0, decode: bool = False):
+    """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts."""
     c = self.config
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).astype(c.dtype)
@@ -98,6 +99,10 @@ class MoE(nnx.Module):
     logits = self.router(x2, rng=jitter_rng)
     cast = lambda p: None if p is None else p[...].astype(c.dtype)
     w_in, w_gate, w_out = cast(self.w_in), cast(self.w_gate), cast(self.w_out)
+    if getattr(self, "w_in_scale", None) is not None:  # int8 experts (inference.quantize_model)
+      from sparsejax.inference import decode_moe
+      w = decode_moe.expert_weights(self, c.dtype, quantized=False)
+      w_in, w_gate, w_out = w["w_in"], w["w_gate"], w["w_out"]
     act = c.activation_fn
     if c.router == "expert_choice":
       r = routing.expert_choice_routing(logits, c.capacity_factor)
@@ -114,6 +119,9 @@ class MoE(nnx.Module):
       if self.mesh is not None:  # expert parallelism: same contract, experts sharded over the mesh
         layer = functools.partial(parallel.expert_parallel_moe_mlp, mesh=self.mesh,
                                   parallel=self.parallel or parallel.ExpertParallelConfig())
+      if decode:  # generation: the small-batch path of sparsejax.inference (reads int8 as stored)
+        from sparsejax.inference import decode_moe
+        layer = functools.partial(decode_moe.moe_decode_layer, self)
       y, stats = layer(x2, r.expert_ids, r.combine_weights.astype(c.dtype), w_in, w_out,
                        w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
                        impl=c.impl)

@@ -3,6 +3,10 @@
 logits, stats = model(tokens): pre-norm blocks h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)), rotary
 positions, causal attention through jax.nn.dot_product_attention. Aux losses of the MoE layers are
 summed into stats.aux_loss (already weighted); nothing is stashed in module state.
+
+Decoding (sparsejax.inference.generate): model.init_cache(batch, length, start=...) adds nnx.Cache
+variables (keys and values per block, the write index and the left-padding of each row), and
+model(tokens, decode=True) appends tokens to that cache and attends over it.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax.models.config import DTYPES, TransformerConfig
 from sparsejax.modules import MLP, MoE
+from sparsejax.inference import kv_cache
 
 
 @flax.struct.dataclass
@@ -39,12 +44,17 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary(x: Float[Array, "b t h d"], base: float) -> Float[Array, "b t h d"]:
-  """RoPE (Su et al.): rotate pairs (x_i, x_{i+d/2}) by angle t * base^(-2i/d), in float32."""
+def rotary(x: Float[Array, "b t h d"], base: float,
+           positions: Int[Array, "b t"] | None = None) -> Float[Array, "b t h d"]:
+  """RoPE (Su et al.): rotate pairs (x_i, x_{i+d/2}) by angle p * base^(-2i/d), in float32.
+
+  p is the token's position: positions[b, t] when given (cached decoding), else t.
+  """
   t, d = x.shape[1], x.shape[-1]
   inv_freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-  angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [t, d/2]
-  cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+  pos = jnp.arange(t, dtype=jnp.float32)[None, :] if positions is None else positions.astype(jnp.float32)
+  angles = pos[:, :, None] * inv_freq  # [b or 1, t, d/2]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
@@ -70,10 +80,22 @@ class Attention(nnx.Module):
     out_init = nnx.initializers.normal(0.02 / (2 * cfg.num_layers) ** 0.5)
     self.w_out = nnx.Param(out_init(rngs.params(), (h, dh, d), pd))
 
-  def __call__(self, x: Float[Array, "b t d"]) -> Float[Array, "b t d"]:
+  def init_cache(self, batch_size: int, max_length: int, dtype) -> None:
+    """Preallocated keys and values for decode=True, as flax.nnx.MultiHeadAttention keeps them."""
+    shape = (batch_size, max_length, self.cfg.num_heads, self.cfg.head_dim)
+    self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+    self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+
+  def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None) -> Float[Array, "b t d"]:
     cfg, dt = self.cfg, self.cfg.compute_dtype
     qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if cache is not None:  # decoding: write the new keys/values at cache.index, attend over the cache
+      q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
+      self.cached_key[...] = kv_cache.write(self.cached_key[...], k, cache.index)
+      self.cached_value[...] = kv_cache.write(self.cached_value[...], v, cache.index)
+      o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
+      return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     impl = attention_impl(cfg)
     try:
@@ -96,10 +118,19 @@ class Block(nnx.Module):
     self.is_moe = moe
     self.ffn = MoE(cfg.moe_config(), rngs=rngs) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
-  def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None):
-    x = x + self.attn(self.attn_norm(x))
-    y, stats = self.ffn(self.ffn_norm(x), rng=rng)
+  def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
+               cache: "DecodeView | None" = None):
+    x = x + self.attn(self.attn_norm(x), cache=cache)
+    y, stats = self.ffn(self.ffn_norm(x), rng=rng, decode=cache is not None)
     return x + y.astype(x.dtype), stats
+
+
+@flax.struct.dataclass
+class DecodeView:
+  """What every block's attention needs in a decode call: where to write, RoPE positions, the mask."""
+  index: Int[Array, ""]
+  positions: Int[Array, "b t"]
+  mask: jax.Array  # bool [b, 1, t, cache_len]
 
 
 class Transformer(nnx.Module):
@@ -117,16 +148,44 @@ class Transformer(nnx.Module):
     self.final_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.d_model, cfg.vocab_size), pd))
 
-  def __call__(self, tokens: Int[Array, "b t"], *, rng: jax.Array | None = None
+  def init_cache(self, batch_size: int, max_length: int, *, start: Int[Array, "b"] | None = None) -> None:
+    """Adds the KV caches (nnx.Cache) that decode=True calls fill: max_length slots per row.
+
+    start[b] (default 0) is the number of left-padding slots of row b: its slot s holds position
+    s - start[b], and slots before start[b] are never attended to (see inference.kv_cache).
+    """
+    if not 1 <= max_length <= self.cfg.max_seq_len:
+      raise ValueError(f"cache length {max_length} must lie in [1, max_seq_len={self.cfg.max_seq_len}].")
+    start = jnp.zeros((batch_size,), jnp.int32) if start is None else jnp.asarray(start, jnp.int32)
+    if start.shape != (batch_size,):
+      raise ValueError(f"start must have shape ({batch_size},); got {start.shape}.")
+    self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+    self.cache_start = nnx.Cache(start)
+    for block in self.blocks:
+      block.attn.init_cache(batch_size, max_length, self.cfg.compute_dtype)
+
+  def __call__(self, tokens: Int[Array, "b t"], *, rng: jax.Array | None = None, decode: bool = False
                ) -> tuple[Float[Array, "b t vocab"], ModelStats]:
     cfg, dt = self.cfg, self.cfg.compute_dtype
     if tokens.shape[1] > cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={cfg.max_seq_len}.")
+    cache = None
+    if decode:
+      if getattr(self, "cache_index", None) is None:
+        raise ValueError("decode=True needs a KV cache: call model.init_cache(batch_size, max_length) first.")
+      index, start = self.cache_index[...], self.cache_start[...]
+      batch, length = self.blocks[0].attn.cached_key[...].shape[:2]
+      if tokens.shape[0] != batch or tokens.shape[1] > length:
+        raise ValueError(f"decode=True got tokens of shape {tokens.shape} for a cache of {batch} rows "
+                         f"x {length} slots.")
+      t = tokens.shape[1]
+      cache = DecodeView(index, kv_cache.positions(index, start, t), kv_cache.mask(index, start, t, length))
+      self.cache_index[...] = index + t
     h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     moe_stats = []
     for i, block in enumerate(self.blocks):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-      h, s = block(h, rng=layer_rng)
+      h, s = block(h, rng=layer_rng, cache=cache)
       if block.is_moe:
         moe_stats.append(s)
     h = self.final_norm(h)

@@ -1,0 +1,196 @@
+"""The MoE layer at small batch (decoding): read only the experts that tokens chose.
+
+At decode time T (tokens in the step) times k is tiny next to E * 128, the rows the block-sparse
+layer pads to. The layer is then bound by the bytes of expert weights it reads, so this path
+gathers the weights of the (at most min(T k, E)) distinct chosen experts and runs every token of
+the step through each of them in one small batched product; the combine matrix keeps only the
+chosen (token, expert) pairs. What it reads grows with T k, never with E.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, Num
+
+from sparsejax import _checks
+from sparsejax.moe import MoEStats, moe_mlp
+
+# MoE.__call__(decode=True) takes this path when T * k is at most this (a static shape decision).
+# Every token runs through every gathered expert: T * n expert FFNs for n = min(T k, E) experts read,
+# i.e. T FLOPs per weight byte-pair. Up to T = 64 that is still below an H100's ~300 FLOPs per byte
+# of bandwidth, so the step stays bound by the bytes of the experts it reads.
+SMALL_BATCH_MAX_ASSIGNMENTS = 64
+
+
+def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
+  _checks.check_rank("x", x, 2, "[tokens, d_model]")
+  _checks.check_floating("x", x)
+  _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
+  _checks.check_integer("expert_ids", expert_ids)
+  _checks.check_rank("combine_weights", combine_weights, 2, "[tokens, k]")
+  _checks.check_floating("combine_weights", combine_weights)
+  if expert_ids.shape != combine_weights.shape or expert_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"expert_ids {expert_ids.shape} and combine_weights {combine_weights.shape} must both "
+                     f"be [tokens={x.shape[0]}, k].")
+  _checks.check_rank("w_in", w_in, 3, "[experts, d_model, d_ff]")
+  _checks.check_rank("w_out", w_out, 3, "[experts, d_ff, d_model]")
+  num_experts, d_model, d_ff = w_in.shape
+  if x.shape[1] != d_model:
+    raise ValueError(f"x has d_model={x.shape[1]} but w_in is [E, {d_model}, {d_ff}].")
+  if w_out.shape != (num_experts, d_ff, d_model):
+    raise ValueError(f"w_out must be [E, d_ff, d_model] = {(num_experts, d_ff, d_model)}; got {w_out.shape}.")
+  if w_gate is not None and w_gate.shape != w_in.shape:
+    raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
+  _checks.check_top_k(expert_ids.shape[1], num_experts)
+  weights = {"w_in": w_in, "w_out": w_out, "w_gate": w_gate}
+  if scales is None:
+    _checks.check_same_dtype(x=x, w_in=w_in, w_out=w_out, w_gate=w_gate)
+    return
+  out_dims = {"w_in": d_ff, "w_out": d_model, "w_gate": d_ff}
+  for name, w in weights.items():
+    s = scales.get(name)
+    if w is None:
+      if s is not None:
+        raise ValueError(f"{name}_scale given without {name}.")
+      continue
+    if jnp.result_type(w) != jnp.int8:
+      raise TypeError(f"{name} must be int8 when scales are given (quantize_experts makes it); "
+                      f"got dtype {jnp.result_type(w)}.")
+    if s is None:
+      raise ValueError(f"{name} is int8 but {name}_scale is missing.")
+    _checks.check_floating(f"{name}_scale", s)
+    if s.shape != (num_experts, out_dims[name]):
+      raise ValueError(f"{name}_scale must be [experts, out channels] = {(num_experts, out_dims[name])}; "
+                       f"got {s.shape}.")
+
+
+def decode_moe_mlp(
+    x: Float[Array, "tokens d_model"],
+    expert_ids: Int[Array, "tokens k"],
+    combine_weights: Float[Array, "tokens k"],
+    w_in: Num[Array, "experts d_model d_ff"],
+    w_out: Num[Array, "experts d_ff d_model"],
+    *,
+    w_gate: Num[Array, "experts d_model d_ff"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    w_in_scale: Float[Array, "experts d_ff"] | None = None,
+    w_out_scale: Float[Array, "experts d_model"] | None = None,
+    w_gate_scale: Float[Array, "experts d_ff"] | None = None,
+) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
+  """y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]), reading only the distinct chosen experts.
+
+  With n = min(T k, E) (static): u = the distinct ids of e, padded to n; W_s = W[u_s];
+  Y[s, t] = FFN_{W_s}(x[t]) for every slot s and token t; y[t] = sum_s C[t, s] Y[s, t] with
+  C[t, s] = sum_j c[t, j] [e[t, j] = u_s] (first matching slot only, so padding never counts twice).
+  int8 weights (with *_scale given): W[e][:, o] = q[e][:, o] * scale[e, o], and since the scale is per
+  output column, x W = (x q) * scale: the int8 values enter the product as x's dtype (exact: |q| <= 127)
+  and the scale multiplies the float32 result, so no dequantized weight is ever formed.
+  Equals moe_mlp (dropless) on the same inputs; ids of -1 (NO_EXPERT) add nothing.
+  """
+  scales = None
+  if any(s is not None for s in (w_in_scale, w_out_scale, w_gate_scale)) or jnp.result_type(w_in) == jnp.int8:
+    scales = {"w_in": w_in_scale, "w_out": w_out_scale, "w_gate": w_gate_scale}
+  _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales)
+  scales = scales or {}
+  num_tokens, k = expert_ids.shape
+  num_experts = w_in.shape[0]
+  n = min(num_tokens * k, num_experts)
+  dt = x.dtype
+
+  ids = expert_ids.reshape(-1).astype(jnp.int32)
+  valid = ids >= 0
+  # NO_EXPERT sorts last (as E), so when it does not fit in the n slots it is the one left out.
+  key = jnp.where(valid, ids, num_experts)
+  if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
+    uniq, slot, picked = key, jnp.arange(k), valid
+  else:
+    uniq = jnp.unique(key, size=n)  # sorted; padded with the smallest id (a duplicate, never matched)
+    hit = key[:, None] == uniq[None, :]  # [T k, n]
+    slot = jnp.argmax(hit, axis=1)  # the first matching slot
+    picked = valid & jnp.any(hit, axis=1)
+  c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
+  combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
+                       jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n))
+  experts = jnp.minimum(uniq, num_experts - 1)
+
+  def product(a, name, w):
+    """[n, T, out] = a @ W[experts[s]] for every slot s; a is [T, in] (shared) or [n, T, in]."""
+    if num_tokens == 1:
+      # One dynamic slice per slot instead of a gather: XLA can fuse a dynamic slice (and the int8
+      # convert) into the dot's operand, where a gather is first written out as a copy.
+      y = jnp.stack([jnp.dot(a if a.ndim == 2 else a[i],
+                             jax.lax.dynamic_index_in_dim(w, experts[i], 0, keepdims=False).astype(dt),
+                             preferred_element_type=jnp.float32) for i in range(n)])
+    else:
+      wi = jnp.take(w, experts, axis=0).astype(dt)  # int8 -> dt fuses into the gather, inside the step
+      y = jnp.einsum("td,ndf->ntf" if a.ndim == 2 else "ntd,ndf->ntf", a, wi, preferred_element_type=jnp.float32)
+    s = scales.get(name)
+    return y if s is None else y * jnp.take(s, experts, axis=0).astype(jnp.float32)[:, None, :]
+
+  h = product(x, "w_in", w_in).astype(dt)
+  if w_gate is not None:
+    h = activation(product(x, "w_gate", w_gate).astype(dt)) * h
+  else:
+    h = activation(h)
+  out = product(h, "w_out", w_out).astype(dt)  # rounded like moe_mlp's expert rows
+  y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32)).astype(dt)
+  counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
+  zero = jnp.zeros((), jnp.int32)
+  return y, MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
+
+
+def dequantize(q: Num[Array, "experts n_in n_out"], scale: Float[Array, "experts n_out"], dtype
+               ) -> Float[Array, "experts n_in n_out"]:
+  """W[e, i, o] = q[e, i, o] * scale[e, o], in dtype."""
+  return (q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]).astype(dtype)
+
+
+def expert_weights(moe, dtype, *, quantized: bool) -> dict:
+  """The MoE module's expert weights as decode_moe_mlp takes them: int8 + scales as stored (quantized),
+  or in dtype (dequantized on the fly when the module holds int8)."""
+  out = {}
+  for name in ("w_in", "w_gate", "w_out"):
+    p = getattr(moe, name)
+    if p is None:
+      out[name] = None
+      continue
+    w = p[...]
+    s = getattr(moe, f"{name}_scale", None)
+    if s is not None and quantized:
+      out[name], out[f"{name}_scale"] = w, s[...]
+    else:
+      out[name] = w.astype(dtype) if s is None else dequantize(w, s[...], dtype)
+  return out
+
+
+def moe_decode_layer(
+    moe,
+    x: Float[Array, "tokens d_model"],
+    expert_ids: Int[Array, "tokens k"],
+    combine_weights: Float[Array, "tokens k"],
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    *,
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    capacity_factor: float | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
+  """The layer MoE.__call__(decode=True) runs, with moe_mlp's contract; always dropless (capacity_factor
+  is ignored: generation must not depend on which other prompts share the batch).
+
+  T k <= SMALL_BATCH_MAX_ASSIGNMENTS (the decode step): decode_moe_mlp on the module's stored weights,
+  int8 and scales as they are; the compute-dtype copies passed in are then unused and XLA drops them.
+  Otherwise (the prefill): moe_mlp on the weights passed in.
+  """
+  del capacity_factor
+  if getattr(moe, "mesh", None) is not None:
+    raise NotImplementedError("decoding runs on one device: build the model without a mesh for generation.")
+  if expert_ids.shape[0] * expert_ids.shape[1] <= SMALL_BATCH_MAX_ASSIGNMENTS:
+    w = expert_weights(moe, x.dtype, quantized=True)
+    return decode_moe_mlp(x, expert_ids, combine_weights, w.pop("w_in"), w.pop("w_out"),
+                          activation=activation, **w)
+  return moe_mlp(x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
+                 capacity_factor=None, impl=impl)

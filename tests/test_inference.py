@@ -1,0 +1,200 @@
+"""Generation with the KV cache: the same tokens as recomputing the full forward, sampling, errors, CLI."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparsejax.inference import (Sampling, dequantize_model, expert_bytes, generate, generate_timed,
+                                 quantize_model, sample_logits)
+from sparsejax.models import Transformer, TransformerConfig
+
+BASE = TransformerConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=4, top_k=2,
+                         max_seq_len=48)
+PROMPTS = [[5, 17, 99, 3, 200, 41, 8], [7], [250, 1, 64, 128]]  # different lengths in one batch
+
+
+def _model(moe_every, seed=0):
+  return Transformer(BASE.replace(moe_every=moe_every), rngs=nnx.Rngs(seed))
+
+
+def greedy_by_full_forward(model, prompts, steps):
+  """Recompute the whole forward at every step. Rows are right-padded to one fixed length, so one
+  compile serves every step: causal attention and dropless experts keep padding out of real rows."""
+  fwd = nnx.jit(lambda m, t: m(t)[0])
+  seqs = [list(p) for p in prompts]
+  width = max(map(len, prompts)) + steps
+  for _ in range(steps):
+    batch = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+      batch[i, :len(s)] = s
+    logits = np.asarray(fwd(model, jnp.asarray(batch)))
+    for i, s in enumerate(seqs):
+      s.append(int(np.argmax(logits[i, len(s) - 1])))
+  return np.array([s[len(p):] for s, p in zip(seqs, prompts)])
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe", "moe_int8"])
+def test_greedy_cached_decoding_equals_full_forward(variant):
+  model = _model(0 if variant == "dense" else 1)
+  reference = model
+  if variant == "moe_int8":
+    model = quantize_model(model)
+    reference = dequantize_model(model)  # the full forward of the very weights the int8 model holds
+  steps = 9
+  got = np.asarray(generate(model, PROMPTS, steps, temperature=0.0))
+  want = greedy_by_full_forward(reference, PROMPTS, steps)
+  np.testing.assert_array_equal(got, want)
+  assert len({tuple(r) for r in got}) > 1  # the rows really differ: padding did not leak across rows
+  assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
+
+
+def test_quantized_model_halves_expert_bytes_and_keeps_logits_close():
+  model = _model(1)
+  q = quantize_model(model)
+  e, d, f, layers = BASE.num_experts, BASE.d_model, BASE.d_ff, 2
+  scales = 4 * layers * e * (f + d)  # one float32 per output column of w_in and of w_out
+  assert expert_bytes(model) == 4 * layers * 2 * e * d * f
+  assert expert_bytes(q) == expert_bytes(model) // 4 + scales  # float32 -> int8
+  tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]])
+  fwd = nnx.jit(lambda m, t: m(t)[0])
+  a, b = fwd(model, tokens), fwd(q, tokens)
+  assert float(jnp.max(jnp.abs(a - b))) < 0.05 * float(jnp.max(jnp.abs(a)))
+  with pytest.raises(ValueError, match="already quantized"):
+    quantize_model(q)
+  with pytest.raises(ValueError, match="no MoE layer"):
+    quantize_model(_model(0))
+
+
+def test_sampling_respects_top_k_top_p_and_the_key():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000))
+  key = jax.random.key(0)
+  draw = jax.jit(sample_logits, static_argnames="sampling")
+  counts = lambda s: np.bincount(np.asarray(draw(logits, key, sampling=s)), minlength=4)
+  c = counts(Sampling(1.0))
+  np.testing.assert_allclose(c / c.sum(), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+  assert counts(Sampling(1.0, top_k=2))[2:].sum() == 0
+  assert counts(Sampling(1.0, top_p=0.7))[2:].sum() == 0  # 0.5 < 0.7 <= 0.8: the top two
+  assert counts(Sampling(1.0, top_p=0.81))[3] == 0
+  np.testing.assert_array_equal(counts(Sampling(0.0)), [4000, 0, 0, 0])
+  model = _model(0)
+  run = lambda seed: np.asarray(generate(model, PROMPTS, 6, temperature=1.0, top_k=20,
+                                         rng=jax.random.key(seed)))
+  a, b, c = run(1), run(1), run(2)
+  np.testing.assert_array_equal(a, b)
+  assert not np.array_equal(a, c)
+  assert a.min() >= 0 and a.max() < 256
+
+
+def test_timings_and_shapes():
+  g = generate_timed(_model(0), PROMPTS, 9, temperature=0.0)  # the shapes (and compiles) of the tests above
+  assert g.tokens.shape == (3, 9) and g.prompt_lengths == (7, 1, 4)
+  assert g.prefill_s > 0 and g.decode_s > 0 and g.decode_tokens_per_s > 0
+  assert np.asarray(generate(_model(0), [1, 2, 3], 1, temperature=0.0)).shape == (1, 1)
+
+
+def test_bad_arguments_fail_before_compiling():
+  model = _model(0)
+  call = lambda prompts=PROMPTS, n=4, **kw: generate(model, prompts, n, **{"temperature": 0.0, **kw})
+  cases = [
+      (dict(n=0), ValueError, "max_new_tokens must be an int >= 1"),
+      (dict(n=2.0), ValueError, "max_new_tokens must be an int >= 1"),
+      (dict(temperature=-1.0), ValueError, "temperature must be a finite number >= 0"),
+      (dict(temperature=float("nan")), ValueError, "temperature must be a finite number >= 0"),
+      (dict(top_p=0.0), ValueError, r"top_p must lie in \(0, 1\]"),
+      (dict(top_p=1.5), ValueError, r"top_p must lie in \(0, 1\]"),
+      (dict(top_k=0), ValueError, "top_k must be an int >= 1"),
+      (dict(temperature=0.7), ValueError, "needs rng"),
+      (dict(temperature=0.7, rng=3), TypeError, "rng must be a jax key"),
+      (dict(n=60), ValueError, "more than the model's max_seq_len=48"),
+      (dict(cache_length=8), ValueError, "needs 10 cache slots; cache_length is 8"),
+      (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 must be a non-empty"),
+      (dict(prompts=[]), ValueError, "prompt_tokens is empty"),
+      (dict(prompts=[[1, 256]]), ValueError, r"must lie in \[0, vocab_size=256\)"),
+      (dict(prompts=[[1.5, 2.0]]), TypeError, "integer token ids"),
+      (dict(prompts=np.zeros((2, 2, 2), np.int32)), ValueError, r"\[batch, length\]"),
+  ]
+  for kw, err, msg in cases:
+    with pytest.raises(err, match=msg):
+      call(**kw)
+  with pytest.raises(TypeError, match="init_cache"):
+    generate(object(), PROMPTS, 2, temperature=0.0)
+  with pytest.raises(ValueError, match="call model.init_cache"):
+    model(jnp.zeros((1, 2), jnp.int32), decode=True)
+  with pytest.raises(ValueError, match="cache length 100"):
+    model.init_cache(1, 100)
+
+
+# ------------------------------------------------------------------------------------------ CLI
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """A tiny MoE run trained for a few steps, with its corpus."""
+  from sparsejax.train import TrainConfig, train
+  tmp = tmp_path_factory.mktemp("run")
+  corpus = tmp / "corpus"
+  corpus.mkdir()
+  rng = np.random.default_rng(0)
+  words = ["def", "return", "self", "import", "class", "moe", "expert", "router"]
+  for i in range(8):
+    (corpus / f"doc{i}.py").write_text(" ".join(rng.choice(words, 300)))
+  cfg = TrainConfig(preset="tiny-moe", data=str(corpus), out=str(tmp / "run"), steps=6, batch_size=4,
+                    seq_len=32, lr=1e-2, warmup=2, eval_every=0, eval_batches=2, ckpt_every=6, log_every=6,
+                    progress=False, model_overrides=dict(d_model=32, num_layers=2, num_heads=2, d_ff=64,
+                                                         num_experts=4, max_seq_len=64))
+  final = train(cfg)
+  return tmp / "run", str(corpus), final
+
+
+def test_cli_generates_from_a_trained_run(trained_run, capsys):
+  from sparsejax.inference import cli
+  run, _, _ = trained_run
+  cli.main(["--run", str(run), "--prompt", "def ", "--max-new-tokens", "12", "--temperature", "0"])
+  out = capsys.readouterr().out.splitlines()
+  assert out[0].startswith("def ") and len(out[0].encode()) >= 4
+  assert "tokens/s" in out[-1] and "step 6" in out[-1]
+  # Greedy from the CLI is the greedy continuation of the restored model.
+  model, _ = cli.load_model(str(run))
+  want = np.asarray(generate(model, [list(b"def ")], 12, temperature=0.0))[0]
+  text = "\n".join(out[:-1])
+  assert text == "def " + bytes(want.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+  cli.main(["--run", str(run), "--prompt", "x", "--max-new-tokens", "3", "--int8", "--num-samples", "2",
+            "--top-p", "0.9"])
+  out = capsys.readouterr().out
+  assert out.count("--- sample") == 2 and "tokens/s" in out
+
+
+@pytest.mark.parametrize("args,msg,code", [
+    (["--run", "{missing}"], "no run folder at", 1),
+    (["--run", "{empty}"], "no checkpoint in", 1),
+    (["--run", "{run}", "--step", "7"], "no checkpoint of step 7", 1),
+    (["--run", "{run}", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1", 2),
+    (["--run", "{run}", "--top-p", "1.5"], r"--top-p must lie in (0, 1]", 2),
+    (["--run", "{run}", "--max-new-tokens", "500"], "more than the model's max_seq_len=64", 1),
+    (["--prompt", "x"], "the following arguments are required: --run", 2),
+])
+def test_cli_errors_are_one_line(trained_run, tmp_path, capsys, args, msg, code):
+  from sparsejax.inference import cli
+  run, _, _ = trained_run
+  (tmp_path / "empty").mkdir()
+  args = [a.format(missing=tmp_path / "nope", empty=tmp_path / "empty", run=run) for a in args]
+  with pytest.raises(SystemExit) as e:
+    cli.main(args)
+  assert e.value.code == code
+  err = capsys.readouterr().err.strip()
+  assert len(err.splitlines()) == 1 and err.startswith("sparsejax-generate: error:") and msg in err, err
+
+
+def test_int8_experts_keep_the_validation_loss(trained_run):
+  """Validation loss of the trained tiny MoE before and after int8 experts (printed for the report)."""
+  from sparsejax.data import eval_batches, load_corpus
+  from sparsejax.inference import cli
+  from sparsejax.models import cross_entropy
+  run, corpus, final = trained_run
+  model, _ = cli.load_model(str(run))
+  val = eval_batches(load_corpus(corpus).val, 4, 32, 2)
+  loss = nnx.jit(lambda m, x, y: cross_entropy(m(x)[0], y))
+  before = float(np.mean([loss(model, x, y) for x, y in val]))
+  after = float(np.mean([loss(quantize_model(model), x, y) for x, y in val]))
+  print(f"val loss float32 {before:.4f}, int8 experts {after:.4f}")
+  np.testing.assert_allclose(before, final["val_loss"], rtol=1e-5)  # the restored model is the trained one
+  assert abs(after - before) < 0.01 * before
