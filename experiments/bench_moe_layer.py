@@ -194,7 +194,10 @@ def bench_layer(s: Shape, args, timer) -> list[dict]:
 # Output: JSON, markdown, plot.
 # ----------------------------------------------------------------------------------------------
 def _fmt(v, spec="6.1f"):
-  return format(v, spec) if isinstance(v, (int, float)) and v == v else "—"
+  """A number for the table ("—" when absent or NaN); TFLOP/s under 1 (smoke runs) keep 3 digits."""
+  if not isinstance(v, (int, float)) or v != v:
+    return "—"
+  return format(v, ".3g" if spec == "6.1f" and abs(v) < 1 else spec)
 
 
 def _key(r):
@@ -322,7 +325,7 @@ def plot(results: dict, path: str) -> None:
   plt.close(fig)
 
 
-def write_outputs(results: dict, stem: str, merge: bool) -> str:
+def write_outputs(results: dict, stem: str, merge: bool, with_plot: bool = True) -> str:
   os.makedirs(os.path.dirname(stem), exist_ok=True)
   if merge:
     results = merge_previous(results, stem + ".json")
@@ -332,7 +335,8 @@ def write_outputs(results: dict, stem: str, merge: bool) -> str:
   with open(stem + ".md", "w") as fh:
     fh.write(table)
   try:
-    plot(results, stem + ".png")
+    if with_plot:
+      plot(results, stem + ".png")
   except Exception as e:  # noqa: BLE001 - the JSON and the table matter more than the picture
     log(f"plot failed: {type(e).__name__}: {e}")
   copy_to_out([stem + ext for ext in (".json", ".md", ".png")])
@@ -360,7 +364,8 @@ def parse_args(argv):
   ap.add_argument("--merge", action="store_true", help="keep earlier records of (shape, variant) not run now")
   ap.add_argument("--layer-only", action="store_true", help="time only the whole layer")
   ap.add_argument("--profile", action="store_true",
-                  help="only trace the dropless layer's fwd+bwd on the first shape (into $OUT or --out-dir)")
+                  help="only trace each --layer-variants layer's fwd+bwd on the first shape "
+                       "(3 files each, into $OUT or --out-dir)")
   ap.add_argument("--smoke-mosaic", action="store_true", help="with --smoke on a CPU, run the Mosaic backend too")
   ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
   args = ap.parse_args(argv)
@@ -397,8 +402,9 @@ def main(argv=None) -> dict:
   log(f"jax {jax.__version__} on {dev.device_kind}; pallas backend here: {resolve_backend('auto')}")
   if args.profile:
     dest = os.environ.get("OUT") or args.out_dir
-    files = layer.profile(args.shape_list[0], "dropless", dest)
-    log("profile written: " + ", ".join(os.path.basename(f) for f in files))
+    for label in args.layer_variants:
+      files = layer.profile(args.shape_list[0], label, dest)
+      log("profile written: " + ", ".join(os.path.basename(f) for f in files))
     return {}
   timer = common.SMOKE_TIMER if args.smoke else common.Timer()
   try:
@@ -419,7 +425,8 @@ def main(argv=None) -> dict:
     if not args.layer_only:
       results["mlp"] += bench_mlp(s, args, timer)
     results["layer"] += bench_layer(s, args, timer)
-    write_outputs(dict(results), stem, args.merge)  # partial results survive a time limit
+    if s is not args.shape_list[-1]:  # partial results survive a time limit
+      write_outputs(dict(results), stem, args.merge, with_plot=False)
     log(f"[{time.perf_counter() - t0:.0f} s so far]")
   table = write_outputs(results, stem, args.merge)
   log("\n" + table)

@@ -8,6 +8,7 @@ a torch tensor) outside the timed call, and maps its outputs back for the check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -53,10 +54,7 @@ class Problem:
   counts: np.ndarray  # [E] rows of each expert (host)
   rows: Float[Array, "N d"]  # x's rows sorted by expert, unpadded
   ct: Float[Array, "N d"]  # the cotangent of the expert outputs: fixed, random, never zeros
-
-  @property
-  def group_sizes(self) -> Int[Array, "E"]:
-    return jnp.asarray(self.counts, jnp.int32)
+  group_sizes: Int[Array, "E"]  # counts, on the device
 
 
 def routing_ids(key, T: int, E: int, k: int, skewed: bool) -> Int[Array, "T k"]:
@@ -67,8 +65,9 @@ def routing_ids(key, T: int, E: int, k: int, skewed: bool) -> Int[Array, "T k"]:
   return jax.lax.top_k(g, k)[1].astype(jnp.int32)
 
 
-def make_problem(s: Shape, dtype=jnp.bfloat16, seed: int = 0) -> Problem:
-  keys = jax.random.split(jax.random.key(seed), 5)
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _problem_arrays(s: Shape, dtype, key):
+  keys = jax.random.split(key, 5)
   x = jax.random.normal(keys[0], (s.T, s.d), dtype)
   w_in = (jax.random.normal(keys[1], (s.E, s.d, s.f), jnp.float32) / math.sqrt(s.d)).astype(dtype)
   w_out = (jax.random.normal(keys[2], (s.E, s.f, s.d), jnp.float32) / math.sqrt(s.f)).astype(dtype)
@@ -76,8 +75,12 @@ def make_problem(s: Shape, dtype=jnp.bfloat16, seed: int = 0) -> Problem:
   placement = permute.dropless_placement(ids, s.E)
   rows = permute.gather_rows(x, placement)
   ct = jax.random.normal(keys[4], (s.N, s.d), dtype)
-  counts = np.asarray(placement.tokens_per_expert)
-  return Problem(s, x, ids, w_in, w_out, counts, rows, ct)
+  return x, ids, w_in, w_out, placement.tokens_per_expert, rows, ct
+
+
+def make_problem(s: Shape, dtype=jnp.bfloat16, seed: int = 0) -> Problem:
+  x, ids, w_in, w_out, counts, rows, ct = _problem_arrays(s, jnp.dtype(dtype), jax.random.key(seed))
+  return Problem(s, x, ids, w_in, w_out, np.asarray(counts), rows, ct, counts.astype(jnp.int32))
 
 
 def mlp(mm: Callable, rows, w_in, w_out):
@@ -120,8 +123,13 @@ def to_groups(rows: Float[Array, "N d"], counts: np.ndarray) -> tuple[Array, np.
   starts = np.cumsum(counts) - counts
   expert = np.repeat(np.arange(E), counts)
   pos = expert * cmax + np.arange(len(expert)) - starts[expert]
-  buf = jnp.zeros((E * cmax, rows.shape[1]), rows.dtype).at[pos].set(rows)
+  buf = _scatter_rows(rows, jnp.asarray(pos), E * cmax)
   return buf.reshape(E, cmax, -1), pos
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _scatter_rows(rows, pos, num_rows):
+  return jnp.zeros((num_rows, rows.shape[1]), rows.dtype).at[pos].set(rows)
 
 
 def dropless_reference(p: Problem) -> Reference:
@@ -130,8 +138,9 @@ def dropless_reference(p: Problem) -> Reference:
   buf, pos = to_groups(p.rows, p.counts)
   ct_buf, _ = to_groups(p.ct, p.counts)
   r = batched_reference(buf, ct_buf, p.w_in, p.w_out)
-  back = lambda a: a.reshape(-1, a.shape[-1])[pos]
-  return Reference(back(r.y), back(r.h), back(r.dx), r.dw_in, r.dw_out)
+  back = jax.jit(lambda a, pos: a.reshape(-1, a.shape[-1])[pos])
+  pos = jnp.asarray(pos)
+  return Reference(back(r.y, pos), back(r.h, pos), back(r.dx, pos), r.dw_in, r.dw_out)
 
 
 @jax.jit
@@ -177,19 +186,20 @@ def jax_case(variant: str, f: Callable, args: tuple, ct, useful_rows: int, check
   check_outputs(y, (d_rows, d_w_in, d_w_out)) -> record entries (maps the variant's layout back).
   The forward+backward is jax.vjp with the fixed cotangent ct (no extra loss reduction)."""
   rows, *rest, w_in, w_out = args
+  rest = tuple(rest)  # layout operands (group sizes, topology): jit arguments, not constants
   fwd = jax.jit(f)
 
-  def fwdbwd(rows, w_in, w_out, ct):
+  def fwdbwd(rows, rest, w_in, w_out, ct):
     _, vjp = jax.vjp(lambda r, wi, wo: f(r, *rest, wi, wo), rows, w_in, w_out)
     return vjp(ct)
 
   fb = jax.jit(fwdbwd)
 
   def check():
-    return check_outputs(fwd(*args), fb(rows, w_in, w_out, ct))
+    return check_outputs(fwd(*args), fb(rows, rest, w_in, w_out, ct))
 
-  return Case(variant, lambda: fwd(*args), lambda: fb(rows, w_in, w_out, ct), jax.block_until_ready,
-              check, useful_rows, info)
+  return Case(variant, lambda: fwd(*args), lambda: fb(rows, rest, w_in, w_out, ct),
+              jax.block_until_ready, check, useful_rows, info)
 
 
 @dataclasses.dataclass(frozen=True)

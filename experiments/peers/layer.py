@@ -13,6 +13,7 @@ The check compares the layer's forward output with a float32 reference built fro
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -27,7 +28,7 @@ from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.kernels.gmm import resolve_backend
 from sparsejax.reference import capacity_keep_mask_reference
 
-from peers.common import HIGHEST, OUT_TOL, Shape, mlp, rel_err, to_groups
+from peers.common import HIGHEST, OUT_TOL, Shape, mlp, rel_err
 
 
 def parse_variant(label: str) -> tuple[str, float | None]:
@@ -41,6 +42,7 @@ def parse_variant(label: str) -> tuple[str, float | None]:
   raise ValueError(f"layer variant must be dropless, dropless_<impl> or capacity_<cf>; got {label!r}")
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
 def inputs(s: Shape, dtype=jnp.bfloat16) -> dict:
   keys = jax.random.split(jax.random.key(7), 6)
   bias = jax.random.gumbel(keys[5], (s.T, s.E))
@@ -80,22 +82,30 @@ def functions(s: Shape, impl: str, cf: float | None):
 
 def reference(x, expert_ids, combine_weights, w_in, w_out, capacity: int | None):
   """y[t] = sum_j keep[t, j] w[t, j] FFN_{e[t, j]}(x[t]) in float32, on the expert-sorted batch."""
-  T, k = expert_ids.shape
   E = w_in.shape[0]
   ids = np.asarray(expert_ids).reshape(-1)
   keep = np.ones_like(ids, bool) if capacity is None else np.asarray(
-      capacity_keep_mask_reference(expert_ids, E, capacity)).reshape(-1)
+      jax.jit(capacity_keep_mask_reference, static_argnums=(1, 2))(expert_ids, E, capacity)).reshape(-1)
   order = np.argsort(np.where(keep, ids, E), kind="stable")[: int(keep.sum())]
   counts = np.bincount(ids[order], minlength=E)
-  rows = x.astype(jnp.float32)[order // k]
-  buf, pos = to_groups(rows, counts)
+  cmax = max(1, int(counts.max()))
+  starts = np.cumsum(counts) - counts
+  pos = ids[order] * cmax + np.arange(len(order)) - starts[ids[order]]
+  return _reference(x, order // expert_ids.shape[1], pos, order, keep, combine_weights, w_in, w_out,
+                    E * cmax)
+
+
+@functools.partial(jax.jit, static_argnums=8)
+def _reference(x, token, pos, order, keep, combine_weights, w_in, w_out, buf_rows):
+  T, k = combine_weights.shape
+  E, d = w_in.shape[0], x.shape[1]
+  f32 = lambda a: a.astype(jnp.float32)
+  buf = jnp.zeros((buf_rows, d), jnp.float32).at[pos].set(f32(x)[token]).reshape(E, -1, d)
   mm = lambda a, w: jnp.einsum("eck,ekm->ecm", a, w, precision=HIGHEST)
-  out = jax.jit(lambda b, wi, wo: mlp(mm, b, wi, wo))(buf, w_in.astype(jnp.float32),
-                                                        w_out.astype(jnp.float32))
-  per_assignment = jnp.zeros((T * k, x.shape[1]), jnp.float32).at[order].set(
-      out.reshape(-1, x.shape[1])[pos])
-  w = jnp.where(jnp.asarray(keep), combine_weights.reshape(-1).astype(jnp.float32), 0.0)
-  return jnp.sum((per_assignment * w[:, None]).reshape(T, k, -1), axis=1)
+  out = mlp(mm, buf, f32(w_in), f32(w_out)).reshape(-1, d)[pos]
+  per_assignment = jnp.zeros((T * k, d), jnp.float32).at[order].set(out)
+  w = jnp.where(keep, f32(combine_weights).reshape(-1), 0.0)
+  return jnp.sum((per_assignment * w[:, None]).reshape(T, k, d), axis=1)
 
 
 def bench(s: Shape, label: str, timer) -> dict:
@@ -149,16 +159,16 @@ def profile(s: Shape, label: str, dest: str, calls: int = 5) -> list[str]:
   written = []
   for root, _, files in os.walk(tmp):
     for name in files:
-      if name.endswith(".xplane.pb"):
+      if name.endswith(".xplane.pb"):  # for TensorBoard / xprof
         ext = ".xplane.pb"
-      elif name.endswith(".json.gz"):
-        ext = ".trace.json.gz"
-      else:
-        ext = "." + name.rsplit(".", 1)[-1]
+      elif name == "perfetto_trace.json.gz":  # for ui.perfetto.dev
+        ext = ".perfetto.json.gz"
+      else:  # <host>.trace.json.gz holds the same events again
+        continue
       shutil.copy(os.path.join(root, name), stem + ext)
       written.append(stem + ext)
   shutil.rmtree(tmp, ignore_errors=True)
-  trace = stem + ".trace.json.gz"
+  trace = stem + ".perfetto.json.gz"
   if os.path.exists(trace):
     lines = summarize_trace(trace, calls)
     with open(stem + ".txt", "w") as fh:
@@ -168,29 +178,42 @@ def profile(s: Shape, label: str, dest: str, calls: int = 5) -> list[str]:
   return written
 
 
-def summarize_trace(path: str, calls: int, top: int = 25) -> list[str]:
-  """Total time per op name on the device (GPU streams; the CPU where there is no GPU), per call."""
+def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
+  """Device time per call by name, from a Chrome/Perfetto trace: on a GPU, the "XLA Ops" line (one
+  event per HLO op) and the streams' kernels, each on its own (they overlap); elsewhere all events
+  of the CPU device (nested ones are counted in each)."""
   import gzip
   import json
   from collections import defaultdict
 
   with gzip.open(path, "rt") as fh:
     events = json.load(fh)
-  events = events.get("traceEvents", events) if isinstance(events, dict) else events
-  names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
-  pids = gpu or {pid for pid, n in names.items() if "CPU" in n or "cpu" in n}
-  total, count = defaultdict(float), defaultdict(int)
+  events = events.get("traceEvents", []) if isinstance(events, dict) else events
+  meta = lambda kind: {(e.get("pid"), e.get("tid")) if kind == "thread_name" else e.get("pid"):
+                       e.get("args", {}).get("name", "") for e in events
+                       if e.get("ph") == "M" and e.get("name") == kind}
+  procs, threads = meta("process_name"), meta("thread_name")
+  gpu = {pid for pid, n in procs.items() if "GPU" in n}
+  pids = gpu or {pid for pid, n in procs.items() if "CPU" in n}
+
+  def line(e):
+    if not gpu:
+      return "CPU events"
+    name = threads.get((e.get("pid"), e.get("tid")), "")
+    return "GPU kernels (all streams)" if name.startswith("Stream") else name
+
+  total = defaultdict(lambda: defaultdict(float))
+  count = defaultdict(lambda: defaultdict(int))
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in pids:
-      total[e["name"]] += float(e.get("dur", 0.0))
-      count[e["name"]] += 1
-  ranked = sorted(total.items(), key=lambda kv: -kv[1])
-  all_us = sum(total.values())
-  lines = [f"device time per call by op ({'GPU' if gpu else 'CPU'} events, {calls} calls): "
-           f"{all_us / calls / 1e3:.3f} ms in all"]
-  for name, us in ranked[:top]:
-    lines.append(f"{us / calls / 1e3:9.3f} ms {100 * us / max(all_us, 1e-9):5.1f}%  x{count[name] // calls:<4d} "
-                 f"{name[:110]}")
+      total[line(e)][e["name"]] += float(e.get("dur", 0.0))
+      count[line(e)][e["name"]] += 1
+  sections = [g for g in ("XLA Ops", "GPU kernels (all streams)") if g in total] or list(total)
+  lines = []
+  for g in sections:
+    all_us = sum(total[g].values())
+    lines.append(f"{g}: {all_us / calls / 1e3:.3f} ms per call ({calls} calls)")
+    for name, us in sorted(total[g].items(), key=lambda kv: -kv[1])[:top]:
+      lines.append(f"  {us / calls / 1e3:9.3f} ms {100 * us / max(all_us, 1e-9):5.1f}%  "
+                   f"x{count[g][name] / calls:<5.3g} {name[:110]}")
   return lines

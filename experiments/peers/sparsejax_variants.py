@@ -9,8 +9,10 @@ outside the timed call; useful FLOPs count the N real rows, not the padding.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -32,23 +34,31 @@ def topology(placement: permute.Placement):
   return make_topology(placement.group_sizes, placement.num_rows, BLOCK_SIZE)
 
 
-def padded_positions(p: Problem) -> tuple[permute.Placement, np.ndarray]:
-  """The block-padded placement and, for each sorted row, its row in the padded buffer (both
-  placements put assignment (t, j) at its expert's offset plus the same rank)."""
-  s = p.shape
-  padded = permute.dropless_placement(p.ids, s.E, block_size=BLOCK_SIZE)
-  sorted_ = permute.dropless_placement(p.ids, s.E)
-  order = np.argsort(np.asarray(sorted_.rows).reshape(-1))
-  return padded, np.asarray(padded.rows).reshape(-1)[order]
+@functools.partial(jax.jit, static_argnums=1)
+def _placements(ids, num_experts):
+  padded = permute.dropless_placement(ids, num_experts, block_size=BLOCK_SIZE)
+  return padded, topology(padded), permute.dropless_placement(ids, num_experts).rows
+
+
+def padded_layout(p: Problem):
+  """The block-padded placement, its topology and, for each sorted row, its row in the padded
+  buffer (both placements put assignment (t, j) at its expert's offset plus the same rank)."""
+  padded, topo, sorted_rows = _placements(p.ids, p.shape.E)
+  order = np.argsort(np.asarray(sorted_rows).reshape(-1))
+  return padded, topo, np.asarray(padded.rows).reshape(-1)[order]
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _place(values, pos, num_rows):
+  return jnp.zeros((num_rows, values.shape[1]), values.dtype).at[pos].set(values)
 
 
 def sparsejax_case(p: Problem, ref: Reference, impl: str) -> Case:
   """impl in ("pallas", "mosaic", "triton")."""
   s = p.shape
-  placement, pos = padded_positions(p)
-  topo = topology(placement)
-  rows = jnp.zeros((placement.num_rows, s.d), p.rows.dtype).at[pos].set(p.rows)
-  ct = jnp.zeros_like(rows).at[pos].set(p.ct)
+  placement, topo, pos = padded_layout(p)
+  rows = _place(p.rows, pos, placement.num_rows)
+  ct = _place(p.ct, pos, placement.num_rows)
 
   def ffn(rows, topo, w_in, w_out):
     return sj.expert_ffn(rows, None, w_in, w_out, impl=impl, topology=topo)

@@ -12,8 +12,9 @@ by .astype(bf16) would make the backward run float32 matmuls: a handicapped base
 """
 from __future__ import annotations
 
+import functools
+
 import jax
-import jax.numpy as jnp
 
 import sparsejax as sj
 from sparsejax import permute
@@ -35,13 +36,19 @@ def balanced_bmm(p: Problem, ref: Reference) -> Case:
                   lambda y, g: compare(y, g, own_ref))
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _capacity_buffer(x, ids, num_experts, capacity):
+  placement = permute.capacity_placement(ids, num_experts, capacity)
+  return permute.gather_rows(x, placement), placement.num_dropped
+
+
 def capacity_einsum(p: Problem, ref: Reference, cf: float) -> Case:
   s = p.shape
   c = sj.capacity(s.T, s.E, s.k, cf)
-  placement = permute.capacity_placement(p.ids, s.E, c)
-  buf = permute.gather_rows(p.x, placement).reshape(s.E, c, s.d)
+  buf, dropped = _capacity_buffer(p.x, p.ids, s.E, c)
+  buf = buf.reshape(s.E, c, s.d)
   ct = jax.random.normal(jax.random.key(5), buf.shape, buf.dtype)
-  dropped = int(placement.num_dropped)
+  dropped = int(dropped)
   own_ref = batched_reference(buf, ct, p.w_in, p.w_out)
   return jax_case(f"capacity_einsum_cf{cf}", _batched, (buf, p.w_in, p.w_out), ct, s.N - dropped,
                   lambda y, g: compare(y, g, own_ref), capacity_factor=cf, capacity=c,
