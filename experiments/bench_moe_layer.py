@@ -22,18 +22,22 @@ Useful TFLOP/s: forward 4*N*d*f, forward+backward 12*N*d*f, with N the rows actu
 Timing (peers/common.py Timer, the same for JAX and torch): after two synchronized warm-up calls,
 the number of back-to-back asynchronous calls `iters` is grown until `iters` calls followed by one
 sync (jax.block_until_ready; torch.cuda.synchronize) last at least 20 ms; a call's time is the
-median over 7 such repeats of (repeat wall time) / iters. Launch overhead is hidden because the
-GPU queue never drains inside a repeat, and the one sync is amortized over >= 20 ms. The JSON
-keeps each timing's min and max over the repeats beside the median; the table shows the medians.
+median over 7 such repeats of (repeat wall time) / iters. Host launch overhead is hidden as long
+as the host enqueues a call faster than the GPU runs one (tens of microseconds against calls of
+half a millisecond or more here), and the one sync is amortized over >= 20 ms. The JSON keeps
+each timing's min, max and iters beside the median; the table shows the medians.
 
 Writes experiments/results/moe_layer_<gpu>.{json,md,png} (…_smoke.* with --smoke), copied to $OUT
-when set. Runs that must fit a time limit are split by shape and joined with --merge.
+when set; the JSON and table are rewritten after each shape. Runs that must fit a time limit are
+split by shape (or by --variants) and joined with --merge. --profile only traces the layer
+variants' forward+backward on the first shape: per variant a .xplane.pb (xprof / TensorBoard), a
+.perfetto.json.gz (ui.perfetto.dev) and a .txt of device time per op and per kernel.
 
   python experiments/bench_moe_layer.py                                   # all four shapes
   python experiments/bench_moe_layer.py --shapes E64_top1,E64_top1_skewed
   python experiments/bench_moe_layer.py --shapes E8_top2,E64_top8 --merge
   python experiments/bench_moe_layer.py --variants sparsejax_pallas,sparsejax_triton --merge
-  python experiments/bench_moe_layer.py --profile --shapes E64_top1       # trace of the layer
+  python experiments/bench_moe_layer.py --profile --shapes E64_top1       # traces of the layers
   python experiments/bench_moe_layer.py --smoke                           # tiny, on the CPU too
 """
 from __future__ import annotations
@@ -70,9 +74,12 @@ SHAPES = [
 ]
 # Mosaic GPU's interpret mode takes tens of seconds per product on a CPU: smoke shapes stay tiny.
 SMOKE_SHAPES = [Shape("smoke", 256, 128, 256, 4, 2, False), Shape("smoke_skewed", 256, 128, 256, 4, 1, True)]
-CAPACITY_FACTORS = (1.0, 1.25, 2.0)
+# Each capacity factor is one more XLA compile with GEMM autotuning (~20 s a shape on an H100):
+# 1.0 by default, --capacity-factors 1.0,1.25,2.0 for the others.
+CAPACITY_FACTORS = (1.0,)
 LAYER_VARIANTS = ("dropless", "capacity_1.0")
 SPARSEJAX = ("sparsejax_pallas", "sparsejax_mosaic", "sparsejax_triton")
+PEERS = ("torch_grouped_mm", "balanced_bmm", "jax_ragged_dot_mgpu", "ragged_dot")
 
 
 def log(*a):
@@ -99,7 +106,7 @@ def plan(p: common.Problem, ref: common.Reference, args, timer) -> list[tuple[st
   steps.append(("sparsejax_pallas", lambda: sparsejax_variants.sparsejax_case(p, ref, "pallas")))
   for backend in ("mosaic", "triton"):
     name = f"sparsejax_{backend}"
-    if backend == auto:
+    if backend == auto and (not args.variants or "sparsejax_pallas" in args.variants):
       steps.append((name, ("same_as", "sparsejax_pallas")))
     elif backend == "mosaic" and on_gpu and cc_major() != "9":
       steps.append((name, f"Mosaic GPU kernels need sm_90; this GPU is sm_{cc_major()}x"))
@@ -149,7 +156,7 @@ def run_case(s: Shape, variant: str, build, timer, done: dict) -> dict:
       rec.update(fwdbwd_ms=tb["median_s"] * 1e3,
                  fwdbwd_tflops=12 * n * s.d * s.f / tb["median_s"] / 1e12, fwdbwd_timing=tb)
     grad = max(rec.get("grad_rel_err") or [float("nan")])
-    log(f"{variant:26s} fwd {rec['fwd_tflops']:6.1f} TF/s  fwd+bwd {_fmt(rec.get('fwdbwd_tflops'))} TF/s  "
+    log(f"{variant:26s} fwd {_fmt(rec['fwd_tflops'])} TF/s  fwd+bwd {_fmt(rec.get('fwdbwd_tflops'))} TF/s  "
         f"err {rec['rel_err']:.1e} grad {grad:.1e}" + ("" if rec["check_ok"] else "  CHECK FAILED")
         + (f"  dropped {rec['dropped_fraction']:.3f}" if "dropped_fraction" in rec else ""))
   except Exception as e:  # noqa: BLE001 - an OOM or a failing config is a result too
@@ -378,7 +385,16 @@ def parse_args(argv):
     shapes = [s for s in shapes if s.name in names]
   args.shape_list = shapes
   args.variants = [v for v in args.variants.split(",") if v]
-  args.capacity_factors = [float(c) for c in args.capacity_factors.split(",") if c]
+  try:
+    args.capacity_factors = [float(c) for c in args.capacity_factors.split(",") if c]
+    for v in args.variants:  # a capacity variant named in --variants runs with its factor
+      if v.startswith("capacity_einsum_cf") and float(v[len("capacity_einsum_cf"):]) not in args.capacity_factors:
+        args.capacity_factors.append(float(v[len("capacity_einsum_cf"):]))
+  except ValueError:
+    ap.error("capacity factors are numbers: --capacity-factors 1.0,1.25 / --variants capacity_einsum_cf1.25")
+  unknown = [v for v in args.variants if v not in SPARSEJAX + PEERS and not v.startswith("capacity_einsum_cf")]
+  if unknown:
+    ap.error(f"unknown variants {unknown}; choose from {list(SPARSEJAX + PEERS)} or capacity_einsum_cf<cf>")
   args.layer_variants = [v for v in args.layer_variants.split(",") if v]
   for v in args.layer_variants:
     try:

@@ -9,7 +9,8 @@ sum(y * ct) + load-balancing loss in x, the router and both expert weights.
 
 The check compares the layer's forward output with a float32 reference built from the same routing
 (ids, combine weights, the capacity keep mask): each kept assignment's expert MLP on a zero-padded
-[E, max count, d] batch, weighted and summed per token.
+[E, max count, d] batch, weighted and summed per token. Its gradients are checked to be finite;
+the expert MLP table checks the experts' gradients against a reference.
 """
 from __future__ import annotations
 
