@@ -28,7 +28,7 @@ half a millisecond or more here), and the one sync is amortized over >= 20 ms. T
 each timing's min, max and iters beside the median; the table shows the medians.
 
 Writes experiments/results/moe_layer_<gpu>.{json,md,png} (…_smoke.* with --smoke), copied to $OUT
-when set; the JSON and table are rewritten after each shape. Runs that must fit a time limit are
+when set; the JSON and table are rewritten after each record. Runs that must fit a time limit are
 split by shape (or by --variants) and joined with --merge. --profile only traces the layer
 variants' forward+backward on the first shape: per variant a .xplane.pb (xprof / TensorBoard), a
 .perfetto.json.gz (ui.perfetto.dev) and a .txt of device time per op and per kernel.
@@ -166,7 +166,8 @@ def run_case(s: Shape, variant: str, build, timer, done: dict) -> dict:
   return rec
 
 
-def bench_mlp(s: Shape, args, timer) -> list[dict]:
+def bench_mlp(s: Shape, args, timer, out: list, save) -> None:
+  """Append one record per expert-MLP variant to out, calling save() after each."""
   log(f"\n=== {s.name}: T={s.T} d={s.d} f={s.f} E={s.E} k={s.k} skewed={s.skewed}")
   p = common.make_problem(s)
   log(f"rows per expert: min {p.counts.min()} max {p.counts.max()} mean {p.counts.mean():.0f}")
@@ -176,11 +177,12 @@ def bench_mlp(s: Shape, args, timer) -> list[dict]:
     done[variant] = run_case(s, variant, build, timer, done)
     if variant == "torch_grouped_mm" and callable(build):
       torch_grouped_mm.release()
-  return list(done.values())
+    out.append(done[variant])
+    save()
 
 
-def bench_layer(s: Shape, args, timer) -> list[dict]:
-  out = []
+def bench_layer(s: Shape, args, timer, out: list, save) -> None:
+  """Append one record per whole-layer variant to out, calling save() after each."""
   for label in args.layer_variants:
     t0 = time.perf_counter()
     try:
@@ -194,7 +196,7 @@ def bench_layer(s: Shape, args, timer) -> list[dict]:
     rec.setdefault("time", datetime.datetime.now().isoformat(timespec="seconds"))
     rec["bench_wall_s"] = round(time.perf_counter() - t0, 2)
     out.append(rec)
-  return out
+    save()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -437,12 +439,13 @@ def main(argv=None) -> dict:
       mlp=[], layer=[])
   stem = os.path.join(args.out_dir, f"moe_layer_{gpu}" + ("_smoke" if args.smoke else ""))
   t0 = time.perf_counter()
+  # The JSON and the table are rewritten after every record: a run stopped at a time limit
+  # keeps everything it measured.
+  save = lambda: write_outputs(dict(results), stem, args.merge, with_plot=False)
   for s in args.shape_list:
     if not args.layer_only:
-      results["mlp"] += bench_mlp(s, args, timer)
-    results["layer"] += bench_layer(s, args, timer)
-    if s is not args.shape_list[-1]:  # partial results survive a time limit
-      write_outputs(dict(results), stem, args.merge, with_plot=False)
+      bench_mlp(s, args, timer, results["mlp"], save)
+    bench_layer(s, args, timer, results["layer"], save)
     log(f"[{time.perf_counter() - t0:.0f} s so far]")
   table = write_outputs(results, stem, args.merge)
   log("\n" + table)
