@@ -1,499 +1,455 @@
-"""Expert-MLP and whole-layer benchmark of the dropless MoE against its peers, on one GPU.
+"""The dropless expert MLP and the whole MoE layer against their peers, on one GPU, in one process.
 
-Checks every variant against a float32 reference, then times forward and forward+backward with
-warm-up and medians. Useful TFLOP/s: forward 4*N*d*f, forward+backward 12*N*d*f, N = T*k (padding
-and dropped rows not counted). Writes experiments/results/moe_layer_<gpu>.{json,md,png} (and a copy
-under $OUT when set).
+Expert MLP, y = gelu(x W_in[e]) W_out[e] on the N = T*k routed rows, bf16 (peers in experiments/peers/):
+  sparsejax_pallas      sparsejax.expert_ffn on the 128-row padded layout, impl="pallas": what
+                        moe_mlp's "auto" runs on this GPU (the record's `backend` names it)
+  sparsejax_mosaic/_triton  one kernel backend each (a copy marked same_as where it is the above)
+  balanced_bmm          XLA batched einsum on E equal groups of N/E rows: the ceiling
+  capacity_einsum_cf*   XLA batched einsum on the capacity buffer (overflow dropped)
+  ragged_dot            jax.lax.ragged_dot on the sorted rows
+  torch_grouped_mm      torch._grouped_mm (CUTLASS), in this process, through DLPack
+  jax_ragged_dot_mgpu   JAX's Mosaic GPU ragged_dot example, forward only, its configs tuned here
+XLA peers are plain bf16 einsums / ragged_dots (float32 accumulation inside the matmul, bf16 out,
+and a bf16 backward). Every variant is first checked against a float32 reference: the forward
+output and the gradients in the rows, W_in and W_out (relative errors recorded; a failed check is
+marked in the record and the table). Inputs are random normal, never zeros.
+Whole layer (experiments/peers/layer.py): routing, placement, experts and combine, forward and
+forward+backward, dropless (impl="auto") against the capacity-1.0 layer.
 
-  python experiments/bench_moe_layer.py            # the four issue shapes
-  python experiments/bench_moe_layer.py --smoke    # tiny shapes, any backend (CPU: interpret mode)
+Useful TFLOP/s: forward 4*N*d*f, forward+backward 12*N*d*f, with N the rows actually computed
+(padding not counted, dropped rows not counted).
+
+Timing (peers/common.py Timer, the same for JAX and torch): after two synchronized warm-up calls,
+the number of back-to-back asynchronous calls `iters` is grown until `iters` calls followed by one
+sync (jax.block_until_ready; torch.cuda.synchronize) last at least 20 ms; a call's time is the
+median over 7 such repeats of (repeat wall time) / iters. Host launch overhead is hidden as long
+as the host enqueues a call faster than the GPU runs one (tens of microseconds against calls of
+half a millisecond or more here), and the one sync is amortized over >= 20 ms. The JSON keeps
+each timing's min, max and iters beside the median; the table shows the medians.
+
+Writes experiments/results/moe_layer_<gpu>.{json,md,png} (…_smoke.* with --smoke), copied to $OUT
+when set; the JSON and table are rewritten after each record. Runs that must fit a time limit are
+split by shape (or by --variants) and joined with --merge. --profile only traces the layer
+variants' forward+backward on the first shape: per variant a .xplane.pb (xprof / TensorBoard), a
+.perfetto.json.gz (ui.perfetto.dev) and a .txt of device time per op and per kernel.
+
+  python experiments/bench_moe_layer.py                                   # all four shapes
+  python experiments/bench_moe_layer.py --shapes E64_top1,E64_top1_skewed
+  python experiments/bench_moe_layer.py --shapes E8_top2,E64_top8 --merge
+  python experiments/bench_moe_layer.py --variants sparsejax_pallas,sparsejax_triton --merge
+  python experiments/bench_moe_layer.py --profile --shapes E64_top1       # traces of the layers
+  python experiments/bench_moe_layer.py --smoke                           # tiny, on the CPU too
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
-import math
 import os
 import shutil
-import statistics
-import subprocess
 import sys
 import time
-import traceback
 
-# torch shares the GPU in the same process: leave it room.
-os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.60")
+# torch shares the GPU with JAX in this process: JAX allocates on demand, up to a share of it.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-import sparsejax as sj  # noqa: E402
-from sparsejax.kernels.gmm import triton as G  # noqa: E402
-from sparsejax import permute  # noqa: E402
-from sparsejax.topology import make_topology  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from sparsejax.kernels.gmm import mosaic, resolve_backend, triton  # noqa: E402
 
-SHAPES = [  # name, T, d, f, E, k, skewed
-    ("E64_top1", 16384, 1024, 4096, 64, 1, False),
-    ("E64_top1_skewed", 16384, 1024, 4096, 64, 1, True),
-    ("E8_top2", 16384, 2048, 8192, 8, 2, False),
-    ("E64_top8", 8192, 2048, 1024, 64, 8, False),
+from peers import common, layer, ragged_dot_mgpu, sparsejax_variants, torch_grouped_mm, xla  # noqa: E402
+from peers.common import Shape  # noqa: E402
+
+SHAPES = [
+    Shape("E64_top1", 16384, 1024, 4096, 64, 1, False),
+    Shape("E64_top1_skewed", 16384, 1024, 4096, 64, 1, True),
+    Shape("E8_top2", 16384, 2048, 8192, 8, 2, False),
+    Shape("E64_top8", 8192, 2048, 1024, 64, 8, False),
 ]
-SMOKE_SHAPES = [("smoke", 256, 64, 128, 4, 2, False), ("smoke_skewed", 256, 64, 128, 4, 1, True)]
+# Mosaic GPU's interpret mode takes tens of seconds per product on a CPU: smoke shapes stay tiny.
+SMOKE_SHAPES = [Shape("smoke", 256, 128, 256, 4, 2, False), Shape("smoke_skewed", 256, 128, 256, 4, 1, True)]
+# Each capacity factor is one more XLA compile with GEMM autotuning (~20 s a shape on an H100):
+# 1.0 by default, --capacity-factors 1.0,1.25,2.0 for the others.
+CAPACITY_FACTORS = (1.0,)
+LAYER_VARIANTS = ("dropless", "capacity_1.0")
+SPARSEJAX = ("sparsejax_pallas", "sparsejax_mosaic", "sparsejax_triton")
+PEERS = ("torch_grouped_mm", "balanced_bmm", "jax_ragged_dot_mgpu", "ragged_dot")
 
 
 def log(*a):
   print(*a, flush=True)
 
 
-def timeit(fn, *args, warmup=2, iters=5, reps=5):
-  """Median over reps of (wall time of `iters` back-to-back calls) / iters, after warm-up."""
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
+def cc_major() -> str | None:
+  if jax.default_backend() != "gpu":
+    return None
+  return str(getattr(jax.devices()[0], "compute_capability", ""))[:1]
 
 
-def rel_err(a, b):
-  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+def plan(p: common.Problem, ref: common.Reference, args, timer) -> list[tuple[str, object]]:
+  """(variant, builder of its Case | reason it is skipped | ("same_as", variant)) in run order.
+  torch first: JAX's allocator keeps what it grows to, so torch takes its memory before."""
+  on_gpu = jax.default_backend() == "gpu"
+  steps = []
+  reason = "--no-torch" if args.no_torch else torch_grouped_mm.unavailable()
+  steps.append(("torch_grouped_mm", reason or (lambda: torch_grouped_mm.torch_grouped_mm(p, ref))))
+  steps.append(("balanced_bmm", lambda: xla.balanced_bmm(p, ref)))
+  for cf in args.capacity_factors:
+    steps.append((f"capacity_einsum_cf{cf}", lambda cf=cf: xla.capacity_einsum(p, ref, cf)))
+  auto = resolve_backend("auto")
+  steps.append(("sparsejax_pallas", lambda: sparsejax_variants.sparsejax_case(p, ref, "pallas")))
+  for backend in ("mosaic", "triton"):
+    name = f"sparsejax_{backend}"
+    if backend == auto and (not args.variants or "sparsejax_pallas" in args.variants):
+      steps.append((name, ("same_as", "sparsejax_pallas")))
+    elif backend == "mosaic" and on_gpu and cc_major() != "9":
+      steps.append((name, f"Mosaic GPU kernels need sm_90; this GPU is sm_{cc_major()}x"))
+    elif backend == "mosaic" and not on_gpu and not args.smoke_mosaic:
+      steps.append((name, "Mosaic GPU interpret mode is too slow for a CPU run (--smoke-mosaic runs it)"))
+    else:
+      steps.append((name, lambda b=backend: sparsejax_variants.sparsejax_case(p, ref, b)))
+  reason = ragged_dot_mgpu.unavailable()
+  steps.append(("jax_ragged_dot_mgpu", reason or (
+      lambda: ragged_dot_mgpu.ragged_dot_mgpu(p, ref, timer, args.mgpu_configs))))
+  steps.append(("ragged_dot", lambda: xla.ragged_dot(p, ref)))
+  if args.variants:
+    steps = [s for s in steps if s[0] in args.variants]
+  return steps
 
 
-def routing_ids(key, T, E, k, skewed):
-  """Expert ids [T, k], distinct per token: uniform, or expert i with probability ~ (i+1)^-0.5."""
-  logits = jnp.zeros((E,)) if not skewed else -0.5 * jnp.log(jnp.arange(1, E + 1, dtype=jnp.float32))
-  g = jax.random.gumbel(key, (T, E)) + logits  # Gumbel top-k = sampling without replacement
-  return jax.lax.top_k(g, k)[1].astype(jnp.int32)
+def base_record(s: Shape, variant: str) -> dict:
+  return dict(shape=s.name, variant=variant, T=s.T, d=s.d, f=s.f, E=s.E, k=s.k, skewed=s.skewed,
+              time=datetime.datetime.now().isoformat(timespec="seconds"))
 
 
-# --------------------------------------------------------------------------------------------
-# Expert-MLP variants: each takes (x_tokens [T, d], ids [T, k], w_in, w_out) -> y_rows and is
-# differentiated w.r.t. x and both weights. Routing-independent work (the sort) happens outside.
-# --------------------------------------------------------------------------------------------
-def mlp_on_rows(mm, rows, w_in, w_out):
-  return mm(jax.nn.gelu(mm(rows, w_in)), w_out)
-
-
-def make_variants(T, d, f, E, k, tiling):
-  N = T * k
-  variants = {}
-
-  def balanced(rows, w_in, w_out):
-    r = rows[: (N // E) * E].reshape(E, N // E, d)
-    mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
-    return mlp_on_rows(mm, r, w_in, w_out)
-  variants["balanced_bmm"] = ("sorted", balanced)
-
-  def ragged(rows, gs, w_in, w_out):
-    mm = lambda a, w: jax.lax.ragged_dot(a, w, gs, preferred_element_type=jnp.float32).astype(a.dtype)
-    return mlp_on_rows(mm, rows, w_in, w_out)
-  variants["ragged_dot"] = ("grouped", ragged)
-
-  def pallas(rows_padded, topo, w_in, w_out):
-    mm = lambda a, w: G.gmm(a, w, topo, False, a.dtype, tiling)
-    return mlp_on_rows(mm, rows_padded, w_in, w_out)
-  variants["sparsejax_pallas"] = ("padded", pallas)
-
-  for cf in (1.0, 1.25, 2.0):
-    def cap(buf, w_in, w_out, _E=E):
-      mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
-      return mlp_on_rows(mm, buf.reshape(_E, -1, buf.shape[-1]), w_in, w_out)
-    variants[f"capacity_einsum_cf{cf}"] = (("capacity", cf), cap)
-  return variants
-
-
-def bench_shape(name, T, d, f, E, k, skewed, tiling, dtype, quick):
-  log(f"\n=== {name}: T={T} d={d} f={f} E={E} k={k} skewed={skewed}")
-  N = T * k
-  keys = jax.random.split(jax.random.key(hash(name) % 2**31), 6)
-  x = jax.random.normal(keys[0], (T, d), dtype)
-  w_in = (jax.random.normal(keys[1], (E, d, f), jnp.float32) / math.sqrt(d)).astype(dtype)
-  w_out = (jax.random.normal(keys[2], (E, f, d), jnp.float32) / math.sqrt(f)).astype(dtype)
-  ids = routing_ids(keys[3], T, E, k, skewed)
-  counts = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
-  log(f"tokens per expert: min {counts.min()} max {counts.max()} mean {counts.mean():.0f}")
-
-  fwd_flops, fb_flops = 4 * N * d * f, 12 * N * d * f
-  results = []
-
-  # Layouts, built once outside the timed functions.
-  pl_dropless = permute.dropless_placement(ids, E, block_size=128)
-  topo = make_topology(pl_dropless.group_sizes, pl_dropless.num_rows, 128)
-  rows_padded = permute.gather_rows(x, pl_dropless)
-  pl_sorted = permute.dropless_placement(ids, E)
-  rows_sorted = permute.gather_rows(x, pl_sorted)
-  gs = pl_sorted.group_sizes
-
-  # Reference for the dropless expert MLP: float32 masked dense, on the sorted rows.
-  def ref_mlp(rows):
-    mm = lambda a, w: sj.grouped_matmul_reference(a.astype(jnp.float32), w.astype(jnp.float32), gs)
-    return mlp_on_rows(mm, rows, w_in, w_out)
-  y_ref = jax.jit(ref_mlp)(rows_sorted)
-  # Where each sorted row sits in the padded layout, to compare padded outputs with the reference.
-  src_sorted = permute.source_tokens(pl_sorted, T)  # token of each sorted row (k slots flattened)
-  pad_pos = pl_dropless.rows.reshape(-1)[jnp.argsort(pl_sorted.rows.reshape(-1))]
-
-  ct = jax.random.normal(keys[4], (N, d), dtype)  # a fixed cotangent, never zeros
-
-  for vname, (layout, fn) in make_variants(T, d, f, E, k, tiling).items():
-    if quick and vname.startswith("capacity") and "1.25" in vname:
-      continue
-    rec = dict(shape=name, variant=vname, T=T, d=d, f=f, E=E, k=k, skewed=skewed)
-    t_start = time.perf_counter()
-    try:
-      if layout == "sorted":
-        args, useful = (rows_sorted,), N
-        check = lambda out: rel_err(out.reshape(-1, d)[: N], jax.jit(lambda r: mlp_on_rows(
-            lambda a, w: jnp.einsum("ecd,edf->ecf", a.astype(jnp.float32), w.astype(jnp.float32)),
-            r[: (N // E) * E].reshape(E, N // E, d), w_in, w_out))(rows_sorted).reshape(-1, d)[:N])
-      elif layout == "grouped":
-        args, useful = (rows_sorted, gs), N
-        check = lambda out: rel_err(out, y_ref)
-      elif layout == "padded":
-        args, useful = (rows_padded, topo), N
-        check = lambda out: rel_err(out[pad_pos], y_ref)
-      else:
-        cf = layout[1]
-        c = sj.capacity(T, E, k, cf)
-        plc = permute.capacity_placement(ids, E, c)
-        buf = permute.gather_rows(x, plc)
-        dropped = int(plc.num_dropped)
-        rec.update(capacity_factor=cf, dropped_fraction=dropped / N)
-        args, useful = (buf,), N - dropped
-        def check(out, plc=plc, buf=buf):
-          mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a.astype(jnp.float32), w.astype(jnp.float32))
-          ref = jax.jit(lambda b: mlp_on_rows(mm, b.reshape(E, -1, d), w_in, w_out))(buf)
-          return rel_err(out.reshape(-1, d), ref.reshape(-1, d))
-      params = (w_in, w_out)
-      fwd = jax.jit(lambda *a: fn(*a))
-      out = fwd(*args, *params)
-      err = check(out)
-      rec["rel_err"] = err
-      ok = err < 2e-2
-      rec["check_ok"] = ok
-      slow = vname == "ragged_dot"
-      t = timeit(fwd, *args, *params, warmup=1 if slow else 2, iters=1 if slow else 5, reps=3 if slow else 5)
-      rec["fwd_ms"] = t * 1e3
-      rec["fwd_tflops"] = 4 * useful * d * f / t / 1e12
-
-      def loss(xrows, w_in_, w_out_):
-        o = fn(xrows, *args[1:], w_in_, w_out_).reshape(-1, d)
-        c2 = ct if o.shape[0] == N else jnp.resize(ct, o.shape)  # a fixed non-zero cotangent
-        return jnp.sum(o.astype(jnp.float32) * c2.astype(jnp.float32))
-      fb = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(args[0], *params).compile()
-      g = fb(args[0], *params)
-      rec["grads_finite"] = bool(all(bool(jnp.all(jnp.isfinite(gi))) for gi in g))
-      t = timeit(fb, args[0], *params, warmup=1 if slow else 2, iters=1 if slow else 5, reps=3 if slow else 5)
-      rec["fwdbwd_ms"] = t * 1e3
-      rec["fwdbwd_tflops"] = 12 * useful * d * f / t / 1e12
-      try:
-        mem = fb.memory_analysis()
-        rec["fwdbwd_temp_bytes"] = int(mem.temp_size_in_bytes)
-      except Exception:  # memory_analysis is best effort across versions
-        pass
-      log(f"{vname:24s} err {err:.1e} fwd {rec['fwd_tflops']:6.1f} TF/s  fwd+bwd {rec['fwdbwd_tflops']:6.1f} TF/s"
-          + (f"  dropped {rec.get('dropped_fraction', 0):.3f}" if "capacity" in vname else ""))
-    except Exception as e:  # noqa: BLE001 — an OOM or failure is a result too
-      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      log(f"{vname:24s} FAILED {rec['error']}")
-    rec["bench_wall_s"] = time.perf_counter() - t_start
-    results.append(rec)
-  # Ideal memory of the dropless layer's activations: x rows, h, act(h), y rows, unpadded, plus
-  # one block per expert.
-  bpe = jnp.dtype(dtype).itemsize
-  ideal = (N + E * 128) * (2 * d + 2 * f) * bpe
-  for r in results:
-    r["ideal_activation_bytes"] = ideal
-  return results
-
-
-def bench_whole_layer(name, T, d, f, E, k, skewed, dtype, tiling):
-  """Routing + permutation + experts + un-permutation, forward+backward, dropless vs capacity 1.0."""
-  keys = jax.random.split(jax.random.key(7), 5)
-  x = jax.random.normal(keys[0], (T, d), dtype)
-  w_r = jax.random.normal(keys[1], (d, E), jnp.float32) * 0.02
-  # Fixed Gumbel noise plus a log-prior makes the top-1 choice a sample from the shape's routing
-  # distribution (uniform, or (i+1)^-0.5), while the router stays a real, differentiated layer.
-  bias = jax.random.gumbel(jax.random.key(11), (T, E))
-  if skewed:
-    bias = bias - 0.5 * jnp.log(jnp.arange(1, E + 1, dtype=jnp.float32))
-  w_in = (jax.random.normal(keys[2], (E, d, f)) / math.sqrt(d)).astype(dtype)
-  w_out = (jax.random.normal(keys[3], (E, f, d)) / math.sqrt(f)).astype(dtype)
-  ct = jax.random.normal(keys[4], (T, d), dtype)
-  out = []
-  for label, impl, cf in [("dropless_pallas", "pallas", None), ("dropless_ragged_dot", "ragged_dot", None),
-                          ("capacity_1.0", "auto", 1.0)]:
-    if impl == "ragged_dot" and E * T * k * f * 2 >= 4 * 2**30:
-      # ragged_dot's backward materializes about E x N x f: out of memory here (49 GiB asked
-      # for at E=64, T=16384, f=4096 on an H100, 2026-11-22); the expert-MLP table still times it.
-      out.append(dict(shape=name, layer=label, error="skipped: E*N*f buffer exceeds 8 GiB (OOM)"))
-      continue
-    def layer(x, w_r, w_in, w_out):
-      logits = sj.router_logits(x, w_r) + bias
-      r = sj.top_k_routing(logits, k)
-      y, st = sj.moe_mlp(x, r.expert_ids, r.combine_weights.astype(x.dtype), w_in, w_out,
-                         capacity_factor=cf, impl=impl)
-      return jnp.sum(y.astype(jnp.float32) * ct) + sj.load_balancing_loss(r.router_probs, r.expert_ids), st
-    fb = jax.jit(jax.value_and_grad(layer, argnums=(0, 1, 2, 3), has_aux=True))
-    rec = dict(shape=name, layer=label)
-    try:
-      (l, st), g = fb(x, w_r, w_in, w_out)
-      rec["dropped_fraction"] = float(st.dropped_fraction)
-      t = timeit(fb, x, w_r, w_in, w_out)
-      rec["fwdbwd_ms"] = t * 1e3
-      rec["tokens_per_s"] = T / t
-      log(f"layer {label:22s} fwd+bwd {t*1e3:7.2f} ms  dropped {rec['dropped_fraction']:.3f}")
-    except Exception as e:  # noqa: BLE001
-      rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-      log(f"layer {label} FAILED {rec['error']}")
-    out.append(rec)
-  return out
-
-
-GMM_TILINGS = [(128, 64, 4, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 2), (256, 32, 8, 4)]
-TGMM_TILINGS = [(128, 128, 4, 2), (128, 256, 8, 2), (256, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 2)]
-
-
-def bench_kernels(T, d, f, E, dtype):
-  """The four products of one layer alone, per tiling, against the balanced batched matmul.
-
-  Returns the rows and the Tiling made of the fastest gmm and tgmm settings (a small autotune).
-  """
-  keys = jax.random.split(jax.random.key(3), 4)
-  ids = routing_ids(keys[0], T, E, 1, False)
-  plc = permute.dropless_placement(ids, E, block_size=128)
-  topo = make_topology(plc.group_sizes, plc.num_rows, 128)
-  R = plc.num_rows
-  a = jax.random.normal(keys[1], (R, d), dtype)
-  h = jax.random.normal(keys[2], (R, f), dtype)
-  w_in = jax.random.normal(keys[3], (E, d, f), dtype)
-  w_out = jax.random.normal(keys[3], (E, f, d), dtype)
-  flops = 2 * T * d * f
-  rows = []
-  bal_a, bal_h = a[:T].reshape(E, T // E, d), h[:T].reshape(E, T // E, f)
-  base = {
-      "x@Win": (jax.jit(lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)), (bal_a, w_in)),
-      "h@Wout": (jax.jit(lambda a, w: jnp.einsum("ecf,efd->ecd", a, w)), (bal_h, w_out)),
-      "dh@Win^T": (jax.jit(lambda a, w: jnp.einsum("ecf,edf->ecd", a, w)), (bal_h, w_in)),
-      "x^T@dh": (jax.jit(lambda a, g: jnp.einsum("ecd,ecf->edf", a, g)), (bal_a, bal_h)),
-  }
-  for op, (fn, args) in base.items():
-    t = timeit(fn, *args)
-    rows.append(dict(op=op, tiling="balanced_bmm", ms=t * 1e3, tflops=flops / t / 1e12))
-  best_gmm, best_tgmm = (None, 1e9), (None, 1e9)
-  for bn, bk, w, st in GMM_TILINGS:
-    ti = G.Tiling(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-    ops = {
-        "x@Win": (jax.jit(lambda a, w: G.gmm(a, w, topo, False, a.dtype, ti)), (a, w_in)),
-        "h@Wout": (jax.jit(lambda a, w: G.gmm(a, w, topo, False, a.dtype, ti)), (h, w_out)),
-        "dh@Win^T": (jax.jit(lambda a, w: G.gmm(a, w, topo, True, a.dtype, ti)), (h, w_in)),
-    }
-    total = 0.0
-    for op, (fn, args) in ops.items():
-      try:
-        t = timeit(fn, *args)
-        total += t
-        rows.append(dict(op=op, tiling=[bn, bk, w, st], ms=t * 1e3, tflops=flops / t / 1e12))
-      except Exception as e:  # noqa: BLE001
-        total += 1e9
-        rows.append(dict(op=op, tiling=[bn, bk, w, st], error=str(e)[:200]))
-    if total < best_gmm[1]:
-      best_gmm = ((bn, bk, w, st), total)
-  for bk, bn, w, st in TGMM_TILINGS:
-    ti = G.Tiling(tgmm_block_k=bk, tgmm_block_n=bn, tgmm_num_warps=w, tgmm_num_stages=st)
-    try:
-      t = timeit(jax.jit(lambda a, g: G.tgmm(a, g, topo, a.dtype, ti)), a, h)
-      rows.append(dict(op="x^T@dh", tiling=[bk, bn, w, st], ms=t * 1e3, tflops=flops / t / 1e12))
-      if t < best_tgmm[1]:
-        best_tgmm = ((bk, bn, w, st), t)
-    except Exception as e:  # noqa: BLE001
-      rows.append(dict(op="x^T@dh", tiling=[bk, bn, w, st], error=str(e)[:200]))
-  for r in rows:
-    log(f"kernel {r['op']:10s} {str(r['tiling']):20s} "
-        + (f"{r['tflops']:6.1f} TF/s" if "tflops" in r else r.get("error", "")[:150]))
-  tiling = G.DEFAULT_TILING
-  if best_gmm[0]:
-    bn, bk, w, st = best_gmm[0]
-    tiling = dataclasses.replace(tiling, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-  if best_tgmm[0]:
-    bk, bn, w, st = best_tgmm[0]
-    tiling = dataclasses.replace(tiling, tgmm_block_k=bk, tgmm_block_n=bn, tgmm_num_warps=w,
-                                 tgmm_num_stages=st)
-  log(f"autotuned tiling: {tiling}")
-  return rows, tiling
-
-
-TORCH_SNIPPET = r"""
-import json, math, sys, torch, triton
-T,d,f,E,k,skewed = json.loads(sys.argv[1])
-N=T*k
-torch.manual_seed(0)
-g=torch.Generator(device='cuda').manual_seed(1)
-logits = torch.zeros(E, device='cuda') if not skewed else -0.5*torch.log(torch.arange(1,E+1,device='cuda',dtype=torch.float32))
-gum = -torch.log(-torch.log(torch.rand(T,E,device='cuda',generator=g)))+logits
-ids = gum.topk(k,dim=-1).indices.reshape(-1)
-counts = torch.bincount(ids, minlength=E)
-offs = torch.cumsum(counts,0).to(torch.int32)
-x = torch.randn(N,d,device='cuda',dtype=torch.bfloat16)
-w_in = (torch.randn(E,f,d,device='cuda')/math.sqrt(d)).to(torch.bfloat16).transpose(-2,-1)
-w_out = (torch.randn(E,d,f,device='cuda')/math.sqrt(f)).to(torch.bfloat16).transpose(-2,-1)
-def mlp(x,wi,wo):
-  return torch._grouped_mm(torch.nn.functional.gelu(torch._grouped_mm(x,wi,offs=offs)),wo,offs=offs)
-out = mlp(x,w_in,w_out)
-# check against a per-expert loop in float32
-ref = torch.empty(N,d,device='cuda'); s=0
-for e in range(E):
-  c=int(counts[e]); xs=x[s:s+c].float(); ref[s:s+c]=torch.nn.functional.gelu(xs@w_in[e].float())@w_out[e].float(); s+=c
-err = float((out.float()-ref).norm()/ref.norm())
-res = dict(rel_err=err)
-t = triton.testing.do_bench(lambda: mlp(x,w_in,w_out), warmup=50, rep=300, return_mode='median')
-res['fwd_ms']=t; res['fwd_tflops']=4*N*d*f/(t*1e-3)/1e12
-xg=x.clone().requires_grad_(); wi=w_in.detach().clone().requires_grad_(); wo=w_out.detach().clone().requires_grad_()
-ct=torch.randn(N,d,device='cuda',dtype=torch.bfloat16)
-def fb():
-  xg.grad=wi.grad=wo.grad=None
-  mlp(xg,wi,wo).backward(ct)
-try:
-  fb()
-  t = triton.testing.do_bench(fb, warmup=50, rep=300, return_mode='median')
-  res['fwdbwd_ms']=t; res['fwdbwd_tflops']=12*N*d*f/(t*1e-3)/1e12
-except Exception as e:
-  res['bwd_error']=str(e)[:300]
-print('JSON'+json.dumps(res))
-"""
-
-
-def bench_torch(T, d, f, E, k, skewed):
+def run_case(s: Shape, variant: str, build, timer, done: dict) -> dict:
+  rec = base_record(s, variant)
+  if isinstance(build, str):
+    rec["skipped"] = build
+    log(f"{variant:26s} skipped: {build}")
+    return rec
+  if isinstance(build, tuple):  # ("same_as", other): the same program as a record already made
+    other = done.get(build[1])
+    if other is None:
+      rec["skipped"] = f"same program as {build[1]}, which did not run"
+    else:
+      rec.update({k: v for k, v in other.items() if k not in ("variant", "time")}, same_as=build[1])
+    log(f"{variant:26s} = {build[1]}")
+    return rec
+  t0 = time.perf_counter()
   try:
-    import torch  # noqa: F401
-  except ImportError:
-    return dict(error="torch not importable")
-  env = dict(os.environ)
-  p = subprocess.run([sys.executable, "-c", TORCH_SNIPPET, json.dumps([T, d, f, E, k, skewed])],
-                     capture_output=True, text=True, env=env, timeout=240)
-  for line in p.stdout.splitlines():
-    if line.startswith("JSON"):
-      return json.loads(line[4:])
-  return dict(error=(p.stderr or p.stdout)[-400:])
+    case = build()
+    rec.update(case.info)
+    rec.update(case.check())
+    tf = timer(case.fwd, case.sync)
+    n = case.useful_rows
+    rec.update(useful_rows=n, fwd_ms=tf["median_s"] * 1e3,
+               fwd_tflops=4 * n * s.d * s.f / tf["median_s"] / 1e12, fwd_timing=tf)
+    if case.fwdbwd is not None:
+      tb = timer(case.fwdbwd, case.sync)
+      rec.update(fwdbwd_ms=tb["median_s"] * 1e3,
+                 fwdbwd_tflops=12 * n * s.d * s.f / tb["median_s"] / 1e12, fwdbwd_timing=tb)
+    grad = max(rec.get("grad_rel_err") or [float("nan")])
+    log(f"{variant:26s} fwd {_fmt(rec['fwd_tflops'])} TF/s  fwd+bwd {_fmt(rec.get('fwdbwd_tflops'))} TF/s  "
+        f"err {rec['rel_err']:.1e} grad {grad:.1e}" + ("" if rec["check_ok"] else "  CHECK FAILED")
+        + (f"  dropped {rec['dropped_fraction']:.3f}" if "dropped_fraction" in rec else ""))
+  except Exception as e:  # noqa: BLE001 - an OOM or a failing config is a result too
+    rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    log(f"{variant:26s} FAILED {rec['error'][:300]}")
+  rec["bench_wall_s"] = round(time.perf_counter() - t0, 2)
+  return rec
 
 
-def merge_previous(results, path):
-  """Keep the records of shapes this run did not measure (runs are split to fit a time limit)."""
+def bench_mlp(s: Shape, args, timer, out: list, save) -> None:
+  """Append one record per expert-MLP variant to out, calling save() after each."""
+  log(f"\n=== {s.name}: T={s.T} d={s.d} f={s.f} E={s.E} k={s.k} skewed={s.skewed}")
+  p = common.make_problem(s)
+  log(f"rows per expert: min {p.counts.min()} max {p.counts.max()} mean {p.counts.mean():.0f}")
+  ref = common.dropless_reference(p)
+  done = {}
+  for variant, build in plan(p, ref, args, timer):
+    done[variant] = run_case(s, variant, build, timer, done)
+    if variant == "torch_grouped_mm" and callable(build):
+      torch_grouped_mm.release()
+    out.append(done[variant])
+    save()
+
+
+def bench_layer(s: Shape, args, timer, out: list, save) -> None:
+  """Append one record per whole-layer variant to out, calling save() after each."""
+  for label in args.layer_variants:
+    t0 = time.perf_counter()
+    try:
+      rec = layer.bench(s, label, timer)
+      log(f"layer {label:16s} fwd+bwd {rec['fwdbwd_ms']:8.3f} ms  fwd {rec['fwd_ms']:8.3f} ms  "
+          f"dropped {rec['dropped_fraction']:.3f}  err {rec['rel_err']:.1e}"
+          + ("" if rec["check_ok"] else "  CHECK FAILED"))
+    except Exception as e:  # noqa: BLE001
+      rec = base_record(s, label) | {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+      log(f"layer {label} FAILED {rec['error'][:300]}")
+    rec.setdefault("time", datetime.datetime.now().isoformat(timespec="seconds"))
+    rec["bench_wall_s"] = round(time.perf_counter() - t0, 2)
+    out.append(rec)
+    save()
+
+
+# ----------------------------------------------------------------------------------------------
+# Output: JSON, markdown, plot.
+# ----------------------------------------------------------------------------------------------
+def _fmt(v, spec="6.1f"):
+  """A number for the table ("—" when absent or NaN); TFLOP/s under 1 (smoke runs) keep 3 digits."""
+  if not isinstance(v, (int, float)) or v != v:
+    return "—"
+  return format(v, ".3g" if spec == "6.1f" and abs(v) < 1 else spec)
+
+
+def _key(r):
+  return r["shape"], r.get("variant", r.get("layer"))
+
+
+def merge_previous(results: dict, path: str) -> dict:
+  """Keep the earlier records of (shape, variant) pairs this run did not measure."""
   if not os.path.exists(path):
     return results
   with open(path) as fh:
     old = json.load(fh)
   for key in ("mlp", "layer"):
-    now = {r["shape"] for r in results[key]}
-    kept = [r for r in old.get(key, []) if r["shape"] not in now]
-    results[key] = kept + results[key]
-  if not results.get("kernels"):
-    results["kernels"] = old.get("kernels", [])
+    now = {_key(r) for r in results[key]}
+    results[key] = [r for r in old.get(key, []) if _key(r) not in now] + results[key]
   return results
 
 
-def write_outputs(all_results, gpu, out_dir, merge=False):
-  os.makedirs(out_dir, exist_ok=True)
-  stem = os.path.join(out_dir, f"moe_layer_{gpu}")
-  if merge:
-    all_results = merge_previous(all_results, stem + ".json")
-  with open(stem + ".json", "w") as fh:
-    json.dump(all_results, fh, indent=1)
-  lines = ["| shape | variant | fwd TFLOP/s | fwd+bwd TFLOP/s | % of balanced (fwd+bwd) | dropped | rel err |",
-           "|---|---|---|---|---|---|---|"]
-  for shape in dict.fromkeys(r["shape"] for r in all_results["mlp"]):
-    rs = [r for r in all_results["mlp"] if r["shape"] == shape]
-    bal = next((r.get("fwdbwd_tflops") for r in rs if r["variant"] == "balanced_bmm"), None)
-    for r in rs:
-      fb = r.get("fwdbwd_tflops")
-      pct = f"{100 * fb / bal:.0f}%" if fb and bal else ""
-      lines.append(f"| {shape} | {r['variant']} | {r.get('fwd_tflops', float('nan')):.1f} | "
-                   f"{fb if fb is None else round(fb, 1)} | {pct} | {r.get('dropped_fraction', 0):.3f} | "
-                   f"{r.get('rel_err', float('nan')):.1e} |" + (f" {r['error'][:60]}" if "error" in r else ""))
-  if all_results.get("layer"):
-    lines += ["", "| shape | whole layer | fwd+bwd ms | tokens/s | dropped |", "|---|---|---|---|---|"]
-    for r in all_results["layer"]:
-      lines.append(f"| {r['shape']} | {r['layer']} | {r.get('fwdbwd_ms', float('nan')):.2f} | "
-                   f"{r.get('tokens_per_s', float('nan')):.3g} | {r.get('dropped_fraction', float('nan')):.3f} |"
-                   + (f" {r['error'][:70]}" if "error" in r else ""))
-  table = "\n".join(lines)
-  with open(stem + ".md", "w") as fh:
-    fh.write(f"# MoE expert MLP on {gpu}\n\n{table}\n")
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    shapes = list(dict.fromkeys(r["shape"] for r in all_results["mlp"]))
-    variants = list(dict.fromkeys(r["variant"] for r in all_results["mlp"]))
-    fig, ax = plt.subplots(figsize=(12, 5))
-    w = 0.8 / len(variants)
+def find(records, shape, variant):
+  return next((r for r in records if r["shape"] == shape and r["variant"] == variant), None)
+
+
+def ratio(a, b, field):
+  x, y = (a or {}).get(field), (b or {}).get(field)
+  return x / y if x and y else None
+
+
+def markdown(results: dict) -> str:
+  mlp = results["mlp"]
+  lines = [f"# MoE expert MLP and layer on {results['gpu']}", "",
+           f"jax {results['jax']}, torch {results.get('torch') or '—'}, bf16. Useful TFLOP/s (fwd 4Ndf, "
+           "fwd+bwd 12Ndf, N real rows); ms are medians (experiments/bench_moe_layer.py docstring). "
+           "Ratios are fwd+bwd TFLOP/s of the sparsejax row over the peer; 'fwd ÷ mgpu' is the "
+           "forward over jax_ragged_dot_mgpu's best config.", "",
+           "| shape | variant | backend / config | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms "
+           "| ÷ torch | ÷ balanced | fwd ÷ mgpu | dropped | rel err (y / grads) | note |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for shape in dict.fromkeys(r["shape"] for r in mlp):
+    torch_r, bal, mgpu = (find(mlp, shape, v) for v in ("torch_grouped_mm", "balanced_bmm",
+                                                        "jax_ragged_dot_mgpu"))
+    for r in (r for r in mlp if r["shape"] == shape):
+      sj_row = r["variant"] in SPARSEJAX
+      cfg = r.get("backend") or ""
+      if isinstance(r.get("config"), dict):
+        cfg = "; ".join(f"{op} {list(c.values())}" for op, c in r["config"].items())
+      grads = r.get("grad_rel_err")
+      err = (_fmt(r.get("rel_err"), ".1e") + (" / " + _fmt(max(grads), ".1e") if grads else "")
+             if "rel_err" in r else "")
+      note = r.get("skipped") or r.get("error", "")[:80]
+      if r.get("check_ok") is False:
+        note = "CHECK FAILED " + note
+      if r.get("same_as"):
+        note = f"same program as {r['same_as']}"
+      rt = lambda peer, field="fwdbwd_tflops": _fmt(ratio(r, peer, field), ".2f") if sj_row else ""
+      lines.append(
+          f"| {shape} | {r['variant']} | {cfg} | {_fmt(r.get('fwd_tflops'))} | {_fmt(r.get('fwdbwd_tflops'))} "
+          f"| {_fmt(r.get('fwd_ms'), '.3f')} | {_fmt(r.get('fwdbwd_ms'), '.3f')} | {rt(torch_r)} | {rt(bal)} "
+          f"| {rt(mgpu, 'fwd_tflops')} | {_fmt(r.get('dropped_fraction'), '.3f') if 'dropped_fraction' in r else ''} "
+          f"| {err} | {note} |")
+  lay = results.get("layer", [])
+  if lay:
+    lines += ["", "Whole layer (routing, placement, experts, combine), forward+backward; 'speed ÷ capacity "
+              "1.0' is the capacity-1.0 layer's time over this one's (≥ 1: dropless for free).", "",
+              "| shape | layer | impl | fwd+bwd ms | fwd ms | tokens/s | fwd+bwd TFLOP/s | dropped "
+              "| speed ÷ capacity 1.0 | rel err | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in lay:
+      cap = find(lay, r["shape"], "capacity_1.0")
+      speed = (cap["fwdbwd_ms"] / r["fwdbwd_ms"] if cap and cap.get("fwdbwd_ms") and r.get("fwdbwd_ms")
+               else None)
+      impl = r.get("impl", "") + (f" ({r['backend']})" if r.get("backend") else "")
+      note = r.get("error", "")[:80] + ("" if r.get("check_ok", True) else " CHECK FAILED")
+      lines.append(
+          f"| {r['shape']} | {r['variant']} | {impl} | {_fmt(r.get('fwdbwd_ms'), '.3f')} "
+          f"| {_fmt(r.get('fwd_ms'), '.3f')} | {_fmt(r.get('tokens_per_s'), '.3g')} "
+          f"| {_fmt(r.get('fwdbwd_tflops'))} | {_fmt(r.get('dropped_fraction'), '.3f')} "
+          f"| {_fmt(speed, '.2f') if r['variant'] != 'capacity_1.0' else ''} | {_fmt(r.get('rel_err'), '.1e')} "
+          f"| {note} |")
+  lines += ["", *targets(results)]
+  return "\n".join(lines) + "\n"
+
+
+def targets(results: dict) -> list[str]:
+  """The issue's targets for sparsejax_pallas, one line per shape."""
+  mlp, lay = results["mlp"], results.get("layer", [])
+  out = ["Targets (sparsejax_pallas): fwd+bwd ≥ 1.0× torch (≥ 1.15× on the E64 top-1 shapes), "
+         "≥ 0.95× balanced_bmm, fwd ≥ best jax_ragged_dot_mgpu, dropless layer ≥ capacity-1.0 layer.", "",
+         "| shape | ÷ torch | ÷ balanced | fwd ÷ mgpu | layer speed ÷ capacity | all met |", "|---|---|---|---|---|---|"]
+  for shape in dict.fromkeys(r["shape"] for r in mlp):
+    sj_r = find(mlp, shape, "sparsejax_pallas")
+    want_torch = 1.15 if shape.startswith("E64_top1") else 1.0
+    drop, cap = find(lay, shape, "dropless"), find(lay, shape, "capacity_1.0")
+    vals = [(ratio(sj_r, find(mlp, shape, "torch_grouped_mm"), "fwdbwd_tflops"), want_torch),
+            (ratio(sj_r, find(mlp, shape, "balanced_bmm"), "fwdbwd_tflops"), 0.95),
+            (ratio(sj_r, find(mlp, shape, "jax_ragged_dot_mgpu"), "fwd_tflops"), 1.0),
+            (ratio(cap, drop, "fwdbwd_ms"), 1.0)]
+    cells = [("—" if v is None else f"{v:.2f} {'✓' if v >= want else '✗'}") for v, want in vals]
+    met = all(v is not None and v >= want for v, want in vals)
+    out.append(f"| {shape} | {' | '.join(cells)} | {'yes' if met else 'no'} |")
+  return out
+
+
+def plot(results: dict, path: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  mlp = results["mlp"]
+  shapes = list(dict.fromkeys(r["shape"] for r in mlp))
+  variants = [v for v in dict.fromkeys(r["variant"] for r in mlp)
+              if any(r.get("fwd_tflops") for r in mlp if r["variant"] == v and not r.get("same_as"))]
+  fig, axes = plt.subplots(1, 2, figsize=(15, 5), sharey=True)
+  w = 0.8 / max(1, len(variants))
+  for ax, field, title in zip(axes, ("fwd_tflops", "fwdbwd_tflops"), ("forward", "forward+backward")):
     for vi, v in enumerate(variants):
-      vals = [next((r.get("fwdbwd_tflops") or 0 for r in all_results["mlp"]
-                    if r["shape"] == s and r["variant"] == v), 0) for s in shapes]
+      vals = [(find(mlp, s, v) or {}).get(field) or 0 for s in shapes]
       ax.bar(np.arange(len(shapes)) + vi * w, vals, w, label=v)
-    ax.set_xticks(np.arange(len(shapes)) + 0.4 - w / 2, shapes)
-    ax.set_ylabel("useful TFLOP/s, forward+backward")
-    ax.set_title(f"MoE expert MLP, bf16, {gpu}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(stem + ".png", dpi=110)
-  except Exception as e:  # noqa: BLE001
-    log("plot failed:", e)
-  if os.environ.get("OUT"):
-    for ext in (".json", ".md", ".png"):
-      if os.path.exists(stem + ext):
-        shutil.copy(stem + ext, os.environ["OUT"])
+    ax.set_xticks(np.arange(len(shapes)) + 0.4 - w / 2, shapes, fontsize=8)
+    ax.set_title(f"expert MLP {title}, bf16, {results['gpu']}")
+  axes[0].set_ylabel("useful TFLOP/s")
+  axes[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def write_outputs(results: dict, stem: str, merge: bool, with_plot: bool = True) -> str:
+  os.makedirs(os.path.dirname(stem), exist_ok=True)
+  if merge:
+    results = merge_previous(results, stem + ".json")
+  with open(stem + ".json", "w") as fh:
+    json.dump(results, fh, indent=1)
+  table = markdown(results)
+  with open(stem + ".md", "w") as fh:
+    fh.write(table)
+  try:
+    if with_plot:
+      plot(results, stem + ".png")
+  except Exception as e:  # noqa: BLE001 - the JSON and the table matter more than the picture
+    log(f"plot failed: {type(e).__name__}: {e}")
+  copy_to_out([stem + ext for ext in (".json", ".md", ".png")])
   return table
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--smoke", action="store_true")
-  ap.add_argument("--shapes", default="all")
-  ap.add_argument("--sweep", action="store_true", help="time the kernels alone over several tilings")
+def copy_to_out(paths) -> None:
+  out = os.environ.get("OUT")
+  for path in paths:
+    if out and os.path.exists(path) and os.path.realpath(os.path.dirname(path)) != os.path.realpath(out):
+      shutil.copy(path, out)
+
+
+def parse_args(argv):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--smoke", action="store_true", help="tiny shapes, fast timer; runs on the CPU")
+  ap.add_argument("--shapes", default="all", help="comma-separated shape names")
+  ap.add_argument("--variants", default="", help="comma-separated expert-MLP variants (default: all)")
+  ap.add_argument("--capacity-factors", default=",".join(map(str, CAPACITY_FACTORS)))
+  ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS),
+                  help="dropless, dropless_<impl>, capacity_<cf>; empty for none")
+  ap.add_argument("--mgpu-configs", default="",
+                  help="ragged_dot_mgpu configs 'bm,bn,bk,steps,gbn;...' (default: peers/ragged_dot_mgpu.py)")
   ap.add_argument("--no-torch", action="store_true")
-  ap.add_argument("--merge", action="store_true", help="keep earlier results for shapes not run now")
+  ap.add_argument("--merge", action="store_true", help="keep earlier records of (shape, variant) not run now")
   ap.add_argument("--layer-only", action="store_true", help="time only the whole layer")
-  ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
-  args = ap.parse_args()
-  dev = jax.devices()[0]
-  gpu = dev.device_kind.replace(" ", "_").replace("/", "_") if dev.platform == "gpu" else "cpu"
-  log(f"jax {jax.__version__} on {dev.device_kind}")
-  dtype = jnp.bfloat16
+  ap.add_argument("--profile", action="store_true",
+                  help="only trace each --layer-variants layer's fwd+bwd on the first shape "
+                       "(3 files each, into $OUT or --out-dir)")
+  ap.add_argument("--smoke-mosaic", action="store_true", help="with --smoke on a CPU, run the Mosaic backend too")
+  ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+  args = ap.parse_args(argv)
   shapes = SMOKE_SHAPES if args.smoke else SHAPES
   if args.shapes != "all":
-    shapes = [s for s in shapes if s[0] in args.shapes.split(",")]
-  tiling = G.DEFAULT_TILING
-  results = dict(gpu=gpu, jax=jax.__version__, tiling=dataclasses.asdict(tiling), mlp=[], layer=[], kernels=[],
-                 torch=[])
-  if args.sweep and not args.smoke:
-    results["kernels"], tiling = bench_kernels(16384, 1024, 4096, 64, dtype)
-    results["tiling"] = dataclasses.asdict(tiling)
-    G.DEFAULT_TILING = tiling  # the whole-layer runs go through moe_mlp, which reads the default
-  for s in shapes:
-    name, T, d, f, E, k, skewed = s
-    if args.layer_only:
-      results["layer"] += bench_whole_layer(name, T, d, f, E, k, skewed, dtype, tiling)
-      write_outputs(dict(results), gpu, args.out_dir, args.merge)
-      continue
-    results["mlp"] += bench_shape(name, T, d, f, E, k, skewed, tiling, dtype, quick=False)
-    if not args.no_torch and dev.platform == "gpu":
-      tr = bench_torch(T, d, f, E, k, skewed)
-      log(f"torch._grouped_mm: {tr}")
-      rec = dict(shape=name, variant="torch_grouped_mm", **{kk: v for kk, v in tr.items()})
-      results["mlp"].append(rec)
-    results["layer"] += bench_whole_layer(name, T, d, f, E, k, skewed, dtype, tiling)
-    write_outputs(dict(results), gpu, args.out_dir, args.merge)  # partial results survive a timeout
-  table = write_outputs(results, gpu, args.out_dir, args.merge)
+    names = args.shapes.split(",")
+    unknown = set(names) - {s.name for s in shapes}
+    if unknown:
+      ap.error(f"unknown shapes {sorted(unknown)}; choose from {[s.name for s in shapes]}")
+    shapes = [s for s in shapes if s.name in names]
+  args.shape_list = shapes
+  args.variants = [v for v in args.variants.split(",") if v]
+  try:
+    args.capacity_factors = [float(c) for c in args.capacity_factors.split(",") if c]
+    for v in args.variants:  # a capacity variant named in --variants runs with its factor
+      if v.startswith("capacity_einsum_cf") and float(v[len("capacity_einsum_cf"):]) not in args.capacity_factors:
+        args.capacity_factors.append(float(v[len("capacity_einsum_cf"):]))
+  except ValueError:
+    ap.error("capacity factors are numbers: --capacity-factors 1.0,1.25 / --variants capacity_einsum_cf1.25")
+  unknown = [v for v in args.variants if v not in SPARSEJAX + PEERS and not v.startswith("capacity_einsum_cf")]
+  if unknown:
+    ap.error(f"unknown variants {unknown}; choose from {list(SPARSEJAX + PEERS)} or capacity_einsum_cf<cf>")
+  args.layer_variants = [v for v in args.layer_variants.split(",") if v]
+  for v in args.layer_variants:
+    try:
+      layer.parse_variant(v)
+    except ValueError as e:
+      ap.error(str(e))
+  try:
+    args.mgpu_configs = ([tuple(int(x) for x in c.split(",")) for c in args.mgpu_configs.split(";")]
+                         if args.mgpu_configs else ragged_dot_mgpu.CONFIGS)
+  except ValueError:
+    ap.error("--mgpu-configs takes 'bm,bn,bk,steps,gbn;...' integers")
+  if any(len(c) != 5 for c in args.mgpu_configs):
+    ap.error("--mgpu-configs: each config has 5 integers")
+  return args
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  dev = jax.devices()[0]
+  gpu = dev.device_kind.replace(" ", "_").replace("/", "_") if dev.platform == "gpu" else "cpu"
+  log(f"jax {jax.__version__} on {dev.device_kind}; pallas backend here: {resolve_backend('auto')}")
+  if args.profile:
+    dest = os.environ.get("OUT") or args.out_dir
+    for label in args.layer_variants:
+      files = layer.profile(args.shape_list[0], label, dest)
+      log("profile written: " + ", ".join(os.path.basename(f) for f in files))
+    return {}
+  timer = common.SMOKE_TIMER if args.smoke else common.Timer()
+  try:
+    import torch
+    torch_version = torch.__version__
+  except ImportError:
+    torch_version = None
+  results = dict(
+      gpu=gpu, device_kind=dev.device_kind, jax=jax.__version__, torch=torch_version,
+      timer=dataclasses.asdict(timer),
+      env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")},
+      mosaic_configs=dataclasses.asdict(mosaic.DEFAULT_CONFIGS),
+      triton_tiling=dataclasses.asdict(triton.DEFAULT_TILING),
+      mlp=[], layer=[])
+  stem = os.path.join(args.out_dir, f"moe_layer_{gpu}" + ("_smoke" if args.smoke else ""))
+  t0 = time.perf_counter()
+  # The JSON and the table are rewritten after every record: a run stopped at a time limit
+  # keeps everything it measured.
+  save = lambda: write_outputs(dict(results), stem, args.merge, with_plot=False)
+  for s in args.shape_list:
+    if not args.layer_only:
+      bench_mlp(s, args, timer, results["mlp"], save)
+    bench_layer(s, args, timer, results["layer"], save)
+    log(f"[{time.perf_counter() - t0:.0f} s so far]")
+  table = write_outputs(results, stem, args.merge)
   log("\n" + table)
+  return results
 
 
 if __name__ == "__main__":

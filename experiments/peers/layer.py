@@ -1,0 +1,220 @@
+"""The whole MoE layer through sparsejax.moe_mlp: routing, placement, experts, combine.
+
+Variants: "dropless" (impl="auto": the Pallas kernels on a GPU, ragged_dot elsewhere),
+"dropless_<impl>" for a named impl, and "capacity_<cf>" (the Switch/GShard layer with capacity
+factor cf, the batched-einsum experts). The router is a real, differentiated layer; fixed Gumbel
+noise plus a log-prior on its logits makes the top-k choice a sample of the shape's routing
+distribution (uniform, or (i+1)^-0.5). Forward+backward: jax.value_and_grad of
+sum(y * ct) + load-balancing loss in x, the router and both expert weights.
+
+The check compares the layer's forward output with a float32 reference built from the same routing
+(ids, combine weights, the capacity keep mask): each kept assignment's expert MLP on a zero-padded
+[E, max count, d] batch, weighted and summed per token. Its gradients are checked to be finite;
+the expert MLP table checks the experts' gradients against a reference.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import sparsejax as sj
+from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
+from sparsejax.kernels.gmm import resolve_backend
+from sparsejax.reference import capacity_keep_mask_reference
+
+from peers.common import HIGHEST, OUT_TOL, Shape, mlp, rel_err
+
+
+def parse_variant(label: str) -> tuple[str, float | None]:
+  """"dropless" -> ("auto", None); "dropless_triton" -> ("triton", None); "capacity_1.0" -> ("auto", 1.0)."""
+  if label == "dropless":
+    return "auto", None
+  if label.startswith("dropless_"):
+    return label[len("dropless_"):], None
+  if label.startswith("capacity_"):
+    return "auto", float(label[len("capacity_"):])
+  raise ValueError(f"layer variant must be dropless, dropless_<impl> or capacity_<cf>; got {label!r}")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def inputs(s: Shape, dtype=jnp.bfloat16) -> dict:
+  keys = jax.random.split(jax.random.key(7), 6)
+  bias = jax.random.gumbel(keys[5], (s.T, s.E))
+  if s.skewed:
+    bias = bias - 0.5 * jnp.log(jnp.arange(1, s.E + 1, dtype=jnp.float32))
+  return dict(
+      x=jax.random.normal(keys[0], (s.T, s.d), dtype),
+      bias=bias,
+      w_r=jax.random.normal(keys[1], (s.d, s.E), jnp.float32) * 0.02,
+      w_in=(jax.random.normal(keys[2], (s.E, s.d, s.f)) / math.sqrt(s.d)).astype(dtype),
+      w_out=(jax.random.normal(keys[3], (s.E, s.f, s.d)) / math.sqrt(s.f)).astype(dtype),
+      ct=jax.random.normal(keys[4], (s.T, s.d), dtype))
+
+
+def functions(s: Shape, impl: str, cf: float | None):
+  """(routing, forward, forward+backward) of the layer, jitted; arguments (x, bias, w_r, w_in, w_out[, ct])."""
+  def routing(x, bias, w_r):
+    return sj.top_k_routing(sj.router_logits(x, w_r) + bias, s.k)
+
+  def layer(x, bias, w_r, w_in, w_out):
+    r = routing(x, bias, w_r)
+    # Combine weights stay float32: the scatter accumulates in float32 (casting them to bf16
+    # first would round them for nothing).
+    y, stats = sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out, capacity_factor=cf,
+                          impl=impl)
+    return y, stats, r
+
+  def loss(x, bias, w_r, w_in, w_out, ct):
+    y, stats, r = layer(x, bias, w_r, w_in, w_out)
+    value = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+    return value + sj.load_balancing_loss(r.router_probs, r.expert_ids), stats
+
+  fwd = jax.jit(lambda *a: layer(*a)[:2])
+  fwdbwd = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3, 4), has_aux=True))
+  return jax.jit(routing), fwd, fwdbwd
+
+
+def reference(x, expert_ids, combine_weights, w_in, w_out, capacity: int | None):
+  """y[t] = sum_j keep[t, j] w[t, j] FFN_{e[t, j]}(x[t]) in float32, on the expert-sorted batch."""
+  E = w_in.shape[0]
+  ids = np.asarray(expert_ids).reshape(-1)
+  keep = np.ones_like(ids, bool) if capacity is None else np.asarray(
+      jax.jit(capacity_keep_mask_reference, static_argnums=(1, 2))(expert_ids, E, capacity)).reshape(-1)
+  order = np.argsort(np.where(keep, ids, E), kind="stable")[: int(keep.sum())]
+  counts = np.bincount(ids[order], minlength=E)
+  cmax = max(1, int(counts.max()))
+  starts = np.cumsum(counts) - counts
+  pos = ids[order] * cmax + np.arange(len(order)) - starts[ids[order]]
+  return _reference(x, order // expert_ids.shape[1], pos, order, keep, combine_weights, w_in, w_out,
+                    E * cmax)
+
+
+@functools.partial(jax.jit, static_argnums=8)
+def _reference(x, token, pos, order, keep, combine_weights, w_in, w_out, buf_rows):
+  T, k = combine_weights.shape
+  E, d = w_in.shape[0], x.shape[1]
+  f32 = lambda a: a.astype(jnp.float32)
+  buf = jnp.zeros((buf_rows, d), jnp.float32).at[pos].set(f32(x)[token]).reshape(E, -1, d)
+  mm = lambda a, w: jnp.einsum("eck,ekm->ecm", a, w, precision=HIGHEST)
+  out = mlp(mm, buf, f32(w_in), f32(w_out)).reshape(-1, d)[pos]
+  per_assignment = jnp.zeros((T * k, d), jnp.float32).at[order].set(out)
+  w = jnp.where(keep, f32(combine_weights).reshape(-1), 0.0)
+  return jnp.sum((per_assignment * w[:, None]).reshape(T, k, d), axis=1)
+
+
+def bench(s: Shape, label: str, timer) -> dict:
+  """One layer variant on one shape: check, then time forward and forward+backward."""
+  impl, cf = parse_variant(label)
+  resolved = resolve_impl(impl) if cf is None else "einsum"
+  rec = dict(shape=s.name, variant=label, T=s.T, d=s.d, f=s.f, E=s.E, k=s.k, skewed=s.skewed,
+             impl=resolved, capacity_factor=cf)
+  if resolved in BLOCK_IMPLS:
+    rec["backend"] = resolve_backend("auto" if resolved == "pallas" else resolved)
+  a = inputs(s)
+  routing, fwd, fwdbwd = functions(s, impl, cf)
+  args = (a["x"], a["bias"], a["w_r"], a["w_in"], a["w_out"])
+  y, stats = fwd(*args)
+  r = routing(*args[:3])
+  cap = None if cf is None else sj.capacity(s.T, s.E, s.k, cf)
+  rec["rel_err"] = rel_err(y, reference(a["x"], r.expert_ids, r.combine_weights, a["w_in"],
+                                        a["w_out"], cap))
+  rec["check_ok"] = bool(rec["rel_err"] < OUT_TOL)
+  rec["dropped_fraction"] = float(stats.dropped_fraction)
+  (_, _), grads = fwdbwd(*args, a["ct"])
+  rec["grads_finite"] = bool(all(bool(jnp.all(jnp.isfinite(g))) for g in grads))
+  rec["check_ok"] = rec["check_ok"] and rec["grads_finite"]
+  useful = s.N - int(stats.num_dropped)
+  tf = timer(lambda: fwd(*args), jax.block_until_ready)
+  tb = timer(lambda: fwdbwd(*args, a["ct"]), jax.block_until_ready)
+  rec.update(useful_rows=useful,
+             fwd_ms=tf["median_s"] * 1e3, fwd_tflops=4 * useful * s.d * s.f / tf["median_s"] / 1e12,
+             fwdbwd_ms=tb["median_s"] * 1e3,
+             fwdbwd_tflops=12 * useful * s.d * s.f / tb["median_s"] / 1e12,
+             tokens_per_s=s.T / tb["median_s"], fwd_timing=tf, fwdbwd_timing=tb)
+  return rec
+
+
+def profile(s: Shape, label: str, dest: str, calls: int = 5) -> list[str]:
+  """A jax.profiler trace of `calls` forward+backward steps of one layer variant, its files copied
+  flat into dest (profile_<shape>_<label>.*), and a per-op time summary printed and saved."""
+  impl, cf = parse_variant(label)
+  a = inputs(s)
+  _, _, fwdbwd = functions(s, impl, cf)
+  args = (a["x"], a["bias"], a["w_r"], a["w_in"], a["w_out"], a["ct"])
+  for _ in range(2):
+    jax.block_until_ready(fwdbwd(*args))
+  tmp = tempfile.mkdtemp(prefix="moe_profile_")
+  with jax.profiler.trace(tmp, create_perfetto_trace=True):
+    for _ in range(calls):
+      out = fwdbwd(*args)
+    jax.block_until_ready(out)
+  os.makedirs(dest, exist_ok=True)
+  stem = os.path.join(dest, f"profile_{s.name}_{label}")
+  written = []
+  for root, _, files in os.walk(tmp):
+    for name in files:
+      if name.endswith(".xplane.pb"):  # for TensorBoard / xprof
+        ext = ".xplane.pb"
+      elif name == "perfetto_trace.json.gz":  # for ui.perfetto.dev
+        ext = ".perfetto.json.gz"
+      else:  # <host>.trace.json.gz holds the same events again
+        continue
+      shutil.copy(os.path.join(root, name), stem + ext)
+      written.append(stem + ext)
+  shutil.rmtree(tmp, ignore_errors=True)
+  trace = stem + ".perfetto.json.gz"
+  if os.path.exists(trace):
+    lines = summarize_trace(trace, calls)
+    with open(stem + ".txt", "w") as fh:
+      fh.write("\n".join(lines) + "\n")
+    written.append(stem + ".txt")
+    print("\n".join(lines), flush=True)
+  return written
+
+
+def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
+  """Device time per call by name, from a Chrome/Perfetto trace: on a GPU, the "XLA Ops" line (one
+  event per HLO op) and the streams' kernels, each on its own (they overlap); elsewhere all events
+  of the CPU device (nested ones are counted in each)."""
+  import gzip
+  import json
+  from collections import defaultdict
+
+  with gzip.open(path, "rt") as fh:
+    events = json.load(fh)
+  events = events.get("traceEvents", []) if isinstance(events, dict) else events
+  meta = lambda kind: {(e.get("pid"), e.get("tid")) if kind == "thread_name" else e.get("pid"):
+                       e.get("args", {}).get("name", "") for e in events
+                       if e.get("ph") == "M" and e.get("name") == kind}
+  procs, threads = meta("process_name"), meta("thread_name")
+  gpu = {pid for pid, n in procs.items() if "GPU" in n}
+  pids = gpu or {pid for pid, n in procs.items() if "CPU" in n}
+
+  def line(e):
+    if not gpu:
+      return "CPU events"
+    name = threads.get((e.get("pid"), e.get("tid")), "")
+    return "GPU kernels (all streams)" if name.startswith("Stream") else name
+
+  total = defaultdict(lambda: defaultdict(float))
+  count = defaultdict(lambda: defaultdict(int))
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in pids:
+      total[line(e)][e["name"]] += float(e.get("dur", 0.0))
+      count[line(e)][e["name"]] += 1
+  sections = [g for g in ("XLA Ops", "GPU kernels (all streams)") if g in total] or list(total)
+  lines = []
+  for g in sections:
+    all_us = sum(total[g].values())
+    lines.append(f"{g}: {all_us / calls / 1e3:.3f} ms per call ({calls} calls)")
+    for name, us in sorted(total[g].items(), key=lambda kv: -kv[1])[:top]:
+      lines.append(f"  {us / calls / 1e3:9.3f} ms {100 * us / max(all_us, 1e-9):5.1f}%  "
+                   f"x{count[g][name] / calls:<5.3g} {name[:110]}")
+  return lines

@@ -1,0 +1,82 @@
+"""experiments/bench_moe_layer.py on the CPU: the smoke run writes its table, its checks can fail,
+its timer amortizes the sync, and --merge keeps what a run did not measure."""
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+
+import bench_moe_layer as bench  # noqa: E402
+from peers import common  # noqa: E402
+
+
+def test_smoke_run_checks_times_and_writes(tmp_path, monkeypatch):
+  monkeypatch.delenv("OUT", raising=False)
+  variants = "torch_grouped_mm,balanced_bmm,sparsejax_pallas,sparsejax_triton,jax_ragged_dot_mgpu"
+  results = bench.main(["--smoke", "--shapes", "smoke_skewed", "--variants", variants,
+                        "--out-dir", str(tmp_path)])
+  mlp = {r["variant"]: r for r in results["mlp"]}
+  for v in ("balanced_bmm", "sparsejax_pallas"):
+    assert mlp[v]["check_ok"], mlp[v]
+    assert mlp[v]["rel_err"] < 1e-2 and max(mlp[v]["grad_rel_err"]) < 2e-2
+    assert mlp[v]["fwd_tflops"] > 0 and mlp[v]["fwdbwd_tflops"] > 0
+  assert mlp["sparsejax_pallas"]["backend"] == "triton"  # no GPU: auto is Triton, interpreted
+  assert mlp["sparsejax_triton"]["same_as"] == "sparsejax_pallas"
+  assert "GPU-only" in mlp["torch_grouped_mm"]["skipped"]
+  assert "GPU-only" in mlp["jax_ragged_dot_mgpu"]["skipped"]
+  layer = {r["variant"]: r for r in results["layer"]}
+  # Skewed routing overflows capacity 1.0; dropless drops nothing.
+  assert layer["dropless"]["dropped_fraction"] == 0 and layer["capacity_1.0"]["dropped_fraction"] > 0
+  assert all(r["check_ok"] and r["fwdbwd_ms"] > 0 for r in layer.values())
+  saved = json.loads((tmp_path / "moe_layer_cpu_smoke.json").read_text())
+  assert {r["variant"] for r in saved["mlp"]} == set(variants.split(","))
+  table = (tmp_path / "moe_layer_cpu_smoke.md").read_text()
+  assert "| smoke_skewed | sparsejax_pallas | triton |" in table and "| smoke_skewed | dropless |" in table
+  assert (tmp_path / "moe_layer_cpu_smoke.png").stat().st_size > 0
+
+
+def test_check_fails_on_a_wrong_or_nan_output():
+  p = common.make_problem(bench.SMOKE_SHAPES[1])  # compiled already by the smoke run
+  ref = common.dropless_reference(p)
+  mm = lambda a, w: jax.lax.ragged_dot(a, w, p.group_sizes)
+  y = common.mlp(mm, p.rows, p.w_in, p.w_out)
+  assert common.compare(y, None, ref)["check_ok"]
+  assert not common.compare(y * 1.1, None, ref)["check_ok"]
+  assert not common.compare(y.at[0, 0].set(jnp.nan), None, ref)["check_ok"]
+  grads = (ref.dx, ref.dw_in, ref.dw_out)
+  assert common.compare(y, grads, ref)["check_ok"]
+  assert not common.compare(y, (ref.dx, ref.dw_in, -ref.dw_out), ref)["check_ok"]
+
+
+def test_timer_amortizes_the_sync_over_a_long_repeat():
+  calls, syncs = [], []
+  def fn():
+    time.sleep(0.001)
+    calls.append(1)
+  t = common.Timer(min_repeat_s=0.01, repeats=3, warmup=1)(fn, syncs.append)
+  assert t["iters"] >= 8  # a repeat of >= 10 ms of 1 ms calls
+  assert 0.001 <= t["median_s"] < 0.003
+  assert len(syncs) < len(calls) / 4  # one sync per repeat, not per call
+
+
+def test_merge_keeps_unmeasured_shape_variant_pairs(tmp_path):
+  old = {"mlp": [{"shape": "a", "variant": "x", "v": 1}, {"shape": "a", "variant": "y", "v": 1},
+                 {"shape": "b", "variant": "x", "v": 1}], "layer": [{"shape": "a", "layer": "dropless"}]}
+  (tmp_path / "r.json").write_text(json.dumps(old))
+  new = {"mlp": [{"shape": "a", "variant": "x", "v": 2}], "layer": []}
+  merged = bench.merge_previous(new, str(tmp_path / "r.json"))
+  assert sorted((r["shape"], r["variant"], r["v"]) for r in merged["mlp"]) == [
+      ("a", "x", 2), ("a", "y", 1), ("b", "x", 1)]
+  assert merged["layer"] == old["layer"]
+
+
+@pytest.mark.parametrize("label,want", [("dropless", ("auto", None)), ("dropless_triton", ("triton", None)),
+                                        ("capacity_1.25", ("auto", 1.25))])
+def test_layer_variant_names(label, want):
+  assert bench.layer.parse_variant(label) == want
