@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
+import types
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -39,6 +41,18 @@ _EXPORTS = {
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
+
+
+class _Package(types.ModuleType):
+  def __setattr__(self, name, value):
+    # Importing a submodule binds it as an attribute of its package; where a public function shares
+    # its module's name (grouped_matmul), the name stays the function's, as with eager imports.
+    if name in _WHERE and isinstance(value, types.ModuleType):
+      return
+    super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str):

@@ -149,7 +149,7 @@ def _config_diff(saved: dict, now: dict) -> str:
 def prepare(cfg: TrainConfig) -> Plan:
   """Check a run before anything is compiled or written; every user error is a one-line exception.
 
-  Raises ValueError / FileNotFoundError for an unknown preset, a bad --set, missing, empty, binary
+  Raises ValueError or OSError for an unknown preset, a bad --set, missing, empty, binary
   or too short data, and an `out` that holds a run of another model config.
   """
   out = pathlib.Path(cfg.out)
@@ -283,3 +283,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
         f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
         f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
   return final
+
+
+if __name__ == "__main__":
+  main()

@@ -153,3 +153,16 @@ def test_help_does_not_import_jax():
   text = " ".join(r.stdout.split())  # whatever the line wrapping
   assert "usage: sparsejax-train" in text and "--batch-size BATCH_SIZE sequences per step" in text
   assert f"(default: {TrainConfig().steps})" in text and "(default: the Python standard library's sources)" in text
+
+
+def test_lazy_package_keeps_the_flat_api():
+  """sparsejax imports its public names on use; a submodule import never shadows a public function."""
+  import sparsejax
+  import sparsejax.grouped_matmul  # noqa: F401  (binds nothing over the function of the same name)
+  assert callable(sparsejax.grouped_matmul) and sparsejax.grouped_matmul.__module__ == "sparsejax.grouped_matmul"
+  for name in sparsejax.__all__:
+    assert getattr(sparsejax, name) is not None, name
+  assert set(sparsejax.__all__) <= set(dir(sparsejax))
+  assert sparsejax.routing.top_k_routing is sparsejax.top_k_routing  # submodules as attributes, as before
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    sparsejax.nope  # noqa: B018
