@@ -146,6 +146,29 @@ def _config_diff(saved: dict, now: dict) -> str:
   return "; ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k))
 
 
+def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
+  """The dense run to upcycle exists, has a finished checkpoint, and fits model_cfg."""
+  from sparsejax.upcycle import SHARED_FIELDS
+  folder = pathlib.Path(path)
+  folder = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+  if not folder.is_dir():
+    raise FileNotFoundError(f"--upcycle-from {path!r}: no such run folder.")
+  ckpt = Checkpointer(folder)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f"--upcycle-from {path!r}: no finished checkpoint in {str(folder)!r}.")
+    dense = ckpt.restore_meta()["model_config"]
+  finally:
+    ckpt.close()
+  differ = [f"{k} {dense.get(k)!r} there, {getattr(model_cfg, k)!r} here" for k in SHARED_FIELDS
+            if dense.get(k) != getattr(model_cfg, k)]
+  if differ:
+    raise ValueError(f"--upcycle-from {path!r} holds a model that does not fit --preset "
+                     f"({'; '.join(differ)}): upcycle into the MoE twin of its preset.")
+  if model_cfg.moe_every == 0:
+    raise ValueError("--upcycle-from needs an MoE --preset (the dense run's MoE twin).")
+
+
 def prepare(cfg: TrainConfig) -> Plan:
   """Check a run before anything is compiled or written; every user error is a one-line exception.
 
@@ -172,8 +195,8 @@ def prepare(cfg: TrainConfig) -> Plan:
     raise ValueError(f"--seq-len {cfg.seq_len} is too long for the data: its train and validation splits hold "
                      f"{len(corpus.train)} and {len(corpus.val)} tokens, and each needs at least seq_len + 2; "
                      f"pass a shorter --seq-len or more data.")
-  if cfg.upcycle_from is not None and not pathlib.Path(cfg.upcycle_from).is_dir():
-    raise FileNotFoundError(f"--upcycle-from {cfg.upcycle_from!r}: no such run folder.")
+  if cfg.upcycle_from is not None:
+    _check_upcycle_source(cfg.upcycle_from, model_cfg)
   resume_step = None
   if cfg.ckpt_every > 0 and (out / "checkpoints").is_dir():
     ckpt = Checkpointer(out / "checkpoints")
