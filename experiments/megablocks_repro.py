@@ -143,8 +143,9 @@ def main(argv=None) -> dict:
   for name in args.variants:
     preset, overrides = VARIANTS[name]
     results[name] = run_variant(name, preset, overrides, args, runs)
-    gc.collect()
-    jax.clear_caches()  # free the previous variant's executables before the next compiles
+    if not args.smoke:  # free the previous variant's executables (GPU memory) before the next compiles;
+      gc.collect()      # the smoke run keeps them: its variants share the small eager ops of model init
+      jax.clear_caches()
   device = jax.devices()[0].device_kind
   report = {"device": device, "smoke": args.smoke, "budget_s": args.budget_s, "batch_size": args.batch_size,
             "seq_len": args.seq_len, "variants": results, **summarize(results)}

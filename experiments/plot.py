@@ -1,5 +1,6 @@
 """Plots from training metrics (metrics.jsonl): loss vs steps, loss vs wall time, expert load.
 
+  pip install -e ".[plot]"     # matplotlib, which the base install leaves out
   python experiments/plot.py runs/tiny [runs/other ...] --out plots/
 """
 from __future__ import annotations
@@ -7,12 +8,22 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: works without a display
-import matplotlib.pyplot as plt
 import numpy as np
+
+MISSING_MATPLOTLIB = 'plotting needs matplotlib, which the base install leaves out: pip install -e ".[plot]"'
+
+
+def _pyplot():
+  """matplotlib.pyplot on the file-only Agg backend (works without a display); imported on use."""
+  try:
+    import matplotlib
+  except ImportError:
+    raise ImportError(MISSING_MATPLOTLIB) from None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  return plt
 
 
 def load_metrics(path: str | pathlib.Path) -> tuple[list[dict], list[dict]]:
@@ -20,6 +31,9 @@ def load_metrics(path: str | pathlib.Path) -> tuple[list[dict], list[dict]]:
   path = pathlib.Path(path)
   if path.is_dir():
     path = path / "metrics.jsonl"
+  if not path.is_file():
+    raise FileNotFoundError(f"no metrics file at {str(path)!r}: pass a run folder of sparsejax-train "
+                            f"(its --out) or its metrics.jsonl.")
   rows = {"train": {}, "val": {}}
   for line in path.read_text().splitlines():
     if line.strip():
@@ -29,6 +43,7 @@ def load_metrics(path: str | pathlib.Path) -> tuple[list[dict], list[dict]]:
 
 
 def _loss_plot(runs: dict, x_key: str, xlabel: str, path: pathlib.Path) -> pathlib.Path:
+  plt = _pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, (name, (train, val)) in enumerate(runs.items()):
     color = f"C{i}"
@@ -53,6 +68,7 @@ def expert_load_plot(train: list[dict], path: pathlib.Path, title: str = "") -> 
     return None
   last = np.asarray(rows[-1]["tokens_per_expert"], float)
   frac = last / last.sum(-1, keepdims=True)
+  plt = _pyplot()
   imbalance = [np.mean(np.max(t, -1) / np.mean(t, -1)) for t in (np.asarray(r["tokens_per_expert"], float) for r in rows)]
   fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
   im = a.imshow(frac, aspect="auto", cmap="viridis")
@@ -70,9 +86,10 @@ def expert_load_plot(train: list[dict], path: pathlib.Path, title: str = "") -> 
 
 def plot_runs(run_dirs: list[str], out: str | pathlib.Path) -> list[pathlib.Path]:
   """Write loss_vs_steps.png, loss_vs_time.png and one expert_load_<run>.png per MoE run."""
+  runs = {pathlib.Path(d).name or str(d): load_metrics(d) for d in run_dirs}
+  _pyplot()  # fails before the output folder is made
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
-  runs = {pathlib.Path(d).name or str(d): load_metrics(d) for d in run_dirs}
   paths = [_loss_plot(runs, "step", "step", out / "loss_vs_steps.png"),
            _loss_plot(runs, "elapsed_s", "training wall time (s)", out / "loss_vs_time.png")]
   for name, (train, _) in runs.items():
@@ -87,7 +104,12 @@ def main(argv=None) -> None:
   p.add_argument("runs", nargs="+", help="run directories (or metrics.jsonl files)")
   p.add_argument("--out", default="plots")
   args = p.parse_args(argv)
-  for path in plot_runs(args.runs, args.out):
+  try:
+    paths = plot_runs(args.runs, args.out)
+  except (ImportError, FileNotFoundError, ValueError) as e:  # one line, no traceback
+    print(f"plot.py: error: {e}", file=sys.stderr)
+    raise SystemExit(2)
+  for path in paths:
     print(path)
 
 

@@ -8,6 +8,7 @@ Tokens are bytes (vocabulary 256), so no tokenizer or download is needed. Source
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import pathlib
 import sysconfig
@@ -27,6 +28,29 @@ class Corpus:
   val: np.ndarray
   vocab_size: int
   byte_level: bool
+
+
+def looks_binary(head: bytes) -> bool:
+  """Whether bytes (a file's first few KiB) are not text: a NUL byte, or, unless they decode as
+  UTF-8, more than 30% control or high bytes (the heuristic of Perl's -B and of git)."""
+  if b"\0" in head:
+    return True
+  try:
+    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a cut multi-byte char is fine
+    return False
+  except UnicodeDecodeError:
+    pass
+  odd = sum(1 for b in head if (b < 32 and b not in b"\t\n\r\f\b\x1b") or b > 127)
+  return odd > 0.3 * len(head)
+
+
+def _check_text(path: pathlib.Path, allow_binary: bool) -> None:
+  if allow_binary:
+    return
+  with open(path, "rb") as f:
+    if looks_binary(f.read(8192)):
+      raise ValueError(f"Data file {str(path)!r} looks binary, not text; pass --allow-binary "
+                       f"(allow_binary=True) to train on its bytes anyway, or a uint16 .bin of token ids.")
 
 
 def _is_val_file(rel: str, val_fraction: float) -> bool:
@@ -62,6 +86,8 @@ def stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
 
 
 def _load_bin(path: pathlib.Path, val_fraction: float, vocab_size: int | None) -> Corpus:
+  if path.stat().st_size % 2:
+    raise ValueError(f"{str(path)!r} has an odd number of bytes: a .bin file holds uint16 token ids.")
   tokens = np.memmap(path, dtype=np.uint16, mode="r")
   val_path = path.with_name("val.bin")
   if path.name == "train.bin" and val_path.exists():
@@ -76,8 +102,9 @@ def _load_bin(path: pathlib.Path, val_fraction: float, vocab_size: int | None) -
 
 
 def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
-                vocab_size: int | None = None) -> Corpus:
-  """Load a corpus (see the module docstring for the sources). Missing paths fail with a clear error."""
+                vocab_size: int | None = None, allow_binary: bool = False) -> Corpus:
+  """Load a corpus (see the module docstring for the sources). Missing, empty and (unless
+  allow_binary) binary text data fail with a one-line error naming the path."""
   if source in (None, "", "stdlib"):
     root, files = stdlib_files()
     if not files:
@@ -92,9 +119,16 @@ def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
              and not any(p.startswith(".") for p in f.relative_to(path).parts)]
     if not files:
       raise FileNotFoundError(f"Folder {str(path)!r} holds no text files ({', '.join(TEXT_SUFFIXES[:-1])}).")
+    if all(f.stat().st_size == 0 for f in files):
+      raise ValueError(f"Data folder {str(path)!r} holds only empty files.")
+    for f in files:
+      _check_text(f, allow_binary)
     return _split_files(files, path, str(path), val_fraction)
+  if path.stat().st_size == 0:
+    raise ValueError(f"Data file {str(path)!r} is empty.")
   if path.suffix == ".bin":
     return _load_bin(path, val_fraction, vocab_size)
+  _check_text(path, allow_binary)
   return _split_bytes(path.read_bytes(), str(path), val_fraction)
 
 

@@ -4,13 +4,17 @@ The loop: data -> jitted step (AdamW, warm-up + cosine, clipping, aux losses) ->
 Runs resume exactly from the latest finished checkpoint in `out/checkpoints` (params, optimizer,
 data position and step; the step's rng is fold_in(seed, step)), so a killed run restarted with
 the same command continues the same loss curve.
+
+train(cfg) = run(prepare(cfg)): prepare checks everything a user can get wrong (preset, data,
+sequence length, an existing run of another model in `out`) without compiling or writing
+anything, so a bad command fails at once and leaves no folder behind.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import time
 from typing import Any, Callable
@@ -23,8 +27,10 @@ from flax import nnx
 from tqdm import tqdm
 
 from sparsejax.checkpoint import Checkpointer
-from sparsejax.data import BatchStream, eval_batches, load_corpus
-from sparsejax.models import Transformer, TransformerConfig, cross_entropy, get_preset
+from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
+from sparsejax.data import BatchStream, Corpus, eval_batches, load_corpus
+from sparsejax.models import Transformer, TransformerConfig, cross_entropy
+from sparsejax.train_config import TrainConfig
 
 # optax.global_norm is deprecated in newer optax; older ones lack optax.tree.norm.
 _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
@@ -32,43 +38,6 @@ _global_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.glob
 # Dense bf16 peak FLOP/s per chip, for MFU. Unknown devices (e.g. CPUs) report no MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "GH200": 989e12, "B200": 2250e12, "A100": 312e12,
               "L4": 121e12, "TPU v4": 275e12, "TPU v5p": 459e12, "TPU v5 lite": 197e12}
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-  """Everything a run needs; model_overrides replace fields of the preset's TransformerConfig."""
-  preset: str = "tiny"
-  data: str | None = None          # None: the Python standard library's sources
-  out: str = "runs/tiny"
-  steps: int = 300
-  batch_size: int = 16
-  seq_len: int = 128
-  lr: float = 3e-3
-  min_lr_ratio: float = 0.1
-  warmup: int = 30
-  weight_decay: float = 0.1
-  grad_clip: float = 1.0
-  seed: int = 0
-  dtype: str | None = None         # compute dtype; None: bfloat16 on GPU/TPU, float32 on CPU
-  eval_every: int = 100
-  eval_every_s: float | None = None  # also evaluate every this many seconds of training time
-  eval_batches: int = 8
-  ckpt_every: int = 100            # 0: no checkpoints at all (e.g. timing experiments)
-  keep: int = 3
-  log_every: int = 10
-  max_time_s: float | None = None  # stop after this much training time (compile and eval excluded)
-  upcycle_from: str | None = None  # a dense run's out dir (or checkpoint dir): preset must be its MoE twin
-  peak_flops: float | None = None
-  progress: bool = True
-  model_overrides: dict = dataclasses.field(default_factory=dict)
-
-  def model_config(self) -> TransformerConfig:
-    dtype = self.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
-    over = {"dtype": dtype, **self.model_overrides}
-    cfg = get_preset(self.preset, **over)
-    if self.seq_len > cfg.max_seq_len:
-      cfg = cfg.replace(max_seq_len=self.seq_len)
-    return cfg
 
 
 def functional(model: nnx.Module) -> tuple[Callable, dict]:
@@ -120,11 +89,16 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int):
   return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
 
 
-def peak_flops(cfg: TrainConfig) -> float | None:
-  if cfg.peak_flops:
-    return cfg.peak_flops
-  kind = jax.devices()[0].device_kind
-  return next((v * jax.device_count() for k, v in PEAK_FLOPS.items() if k.lower() in kind.lower()), None)
+def peak_flops(device_kind: str, num_devices: int, per_device: float | None = None) -> float | None:
+  """Peak FLOP/s of the devices a run computes on: per_device (or PEAK_FLOPS[kind]) * num_devices."""
+  if per_device is None:
+    per_device = next((v for k, v in PEAK_FLOPS.items() if k.lower() in device_kind.lower()), None)
+  return None if per_device is None else per_device * num_devices
+
+
+def mfu(flops_per_step: float, steps: int, seconds: float, peak: float | None) -> float | None:
+  """Model FLOPs utilization: (steps * flops_per_step / seconds) / peak, None without a known peak."""
+  return None if not peak else steps * flops_per_step / seconds / peak
 
 
 def init_model(cfg: TrainConfig, model_cfg: TransformerConfig):
@@ -158,15 +132,96 @@ class MetricsLog:
     self.file.flush()
 
 
-def train(cfg: TrainConfig, *, mesh=None) -> dict:
-  """Train (or resume) a run; returns the final metrics (step, val_loss, val_bpb, tokens_per_s, ...)."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What prepare() found: the resolved model config, the corpus, and the step an existing run reached."""
+  cfg: TrainConfig
+  model_cfg: TransformerConfig
+  corpus: Corpus
+  resume_step: int | None
+
+
+def _config_diff(saved: dict, now: dict) -> str:
+  keys = sorted(set(saved) | set(now))
+  return "; ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k))
+
+
+def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
+  """The dense run to upcycle exists, has a finished checkpoint, and fits model_cfg."""
+  from sparsejax.upcycle import SHARED_FIELDS
+  folder = pathlib.Path(path)
+  folder = folder / "checkpoints" if (folder / "checkpoints").is_dir() else folder
+  if not folder.is_dir():
+    raise FileNotFoundError(f"--upcycle-from {path!r}: no such run folder.")
+  ckpt = Checkpointer(folder)
+  try:
+    if ckpt.latest_step() is None:
+      raise FileNotFoundError(f"--upcycle-from {path!r}: no finished checkpoint in {str(folder)!r}.")
+    dense = ckpt.restore_meta()["model_config"]
+  finally:
+    ckpt.close()
+  differ = [f"{k} {dense.get(k)!r} there, {getattr(model_cfg, k)!r} here" for k in SHARED_FIELDS
+            if dense.get(k) != getattr(model_cfg, k)]
+  if differ:
+    raise ValueError(f"--upcycle-from {path!r} holds a model that does not fit --preset "
+                     f"({'; '.join(differ)}): upcycle into the MoE twin of its preset.")
+  if model_cfg.moe_every == 0:
+    raise ValueError("--upcycle-from needs an MoE --preset (the dense run's MoE twin).")
+
+
+def prepare(cfg: TrainConfig) -> Plan:
+  """Check a run before anything is compiled or written; every user error is a one-line exception.
+
+  Raises ValueError or OSError for an unknown preset, a bad --set, missing, empty, binary
+  or too short data, and an `out` that holds a run of another model config.
+  """
   out = pathlib.Path(cfg.out)
+  existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+  if not existing.is_dir():
+    raise ValueError(f"--out {cfg.out!r}: {str(existing)!r} is a file, not a folder.")
+  if not os.access(existing, os.W_OK):
+    raise PermissionError(f"--out {cfg.out!r}: cannot write in {str(existing)!r}.")
+  unknown = set(cfg.model_overrides) - {f.name for f in dataclasses.fields(TransformerConfig)}
+  if unknown:
+    raise ValueError(f"--set {', '.join(sorted(unknown))}: not a TransformerConfig field; the fields are "
+                     f"{', '.join(f.name for f in dataclasses.fields(TransformerConfig))}.")
   model_cfg = cfg.model_config()
-  corpus = load_corpus(cfg.data, vocab_size=cfg.model_overrides.get("vocab_size"))  # .bin: from its tokens
+  corpus = load_corpus(cfg.data, vocab_size=cfg.model_overrides.get("vocab_size"),  # .bin: from its tokens
+                       allow_binary=cfg.allow_binary)
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
-  ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if cfg.ckpt_every > 0 else None
-  resuming = ckpt is not None and ckpt.latest_step() is not None
+  shortest = min(len(corpus.train), len(corpus.val))
+  if shortest < cfg.seq_len + 2:
+    raise ValueError(f"--seq-len {cfg.seq_len} is too long for the data: its train and validation splits hold "
+                     f"{len(corpus.train)} and {len(corpus.val)} tokens, and each needs at least seq_len + 2; "
+                     f"pass a shorter --seq-len or more data.")
+  if cfg.upcycle_from is not None:
+    _check_upcycle_source(cfg.upcycle_from, model_cfg)
+  resume_step = None
+  if cfg.ckpt_every > 0 and (out / "checkpoints").is_dir():
+    ckpt = Checkpointer(out / "checkpoints")
+    resume_step = ckpt.latest_step()
+    if resume_step is not None:
+      saved = ckpt.restore_meta()["model_config"]
+      if saved != model_cfg.to_dict():
+        ckpt.close()
+        raise ValueError(f"{cfg.out} holds a run of another model ({_config_diff(saved, model_cfg.to_dict())}): "
+                         f"resume it with the --preset, --set and --data it was started with, or pass another --out.")
+    ckpt.close()
+  return Plan(cfg, model_cfg, corpus, resume_step)
+
+
+def train(cfg: TrainConfig, *, mesh=None) -> dict:
+  """Train (or resume) a run; returns the final metrics (step, val_loss, val_bpb, tokens_per_s, ...)."""
+  return run(prepare(cfg), mesh=mesh)
+
+
+def run(plan: Plan, *, mesh=None) -> dict:
+  """The loop of a prepared run. Folders are created only once the step has compiled."""
+  cfg, model_cfg, corpus = plan.cfg, plan.model_cfg, plan.corpus
+  out = pathlib.Path(cfg.out)
+  resuming = plan.resume_step is not None
+  ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if resuming else None
   model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)) if resuming else init_model(cfg, model_cfg)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
@@ -174,21 +229,30 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   step, elapsed = 0, 0.0
   if resuming:
-    saved_cfg = ckpt.restore_meta()["model_config"]
-    if saved_cfg != model_cfg.to_dict():
-      raise ValueError(f"{out} holds a run of another model config ({saved_cfg}); use another --out.")
     items, meta = ckpt.restore({"params": params, "opt_state": opt_state})
     params, opt_state = items["params"], items["opt_state"]
     step, elapsed = meta["step"], meta["elapsed_s"]
     stream.restore(meta["data"])
+    print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
   params, opt_state = _shard(mesh, params, ()), _shard(mesh, opt_state, ())
   train_step, eval_step = make_steps(apply, tx, cfg.seed)
   val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-  log = MetricsLog(out / "metrics.jsonl")
   tokens_per_step = cfg.batch_size * cfg.seq_len
-  flops, peak = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step, peak_flops(cfg)
+  flops = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
+  # The devices this run computes on: the mesh's, or the one device jit uses without a mesh.
+  num_devices = 1 if mesh is None else mesh.devices.size
+  peak = peak_flops(jax.devices()[0].device_kind, num_devices, cfg.peak_flops)
   meta = lambda: {"step": step, "elapsed_s": elapsed, "data": stream.state(),
                   "model_config": model_cfg.to_dict(), "corpus": corpus.name}
+
+  # Compile ahead of time so that every timed window (tokens/s, MFU, elapsed) is pure training.
+  t0 = time.perf_counter()
+  example = _shard(mesh, stream.batch(stream.position), ("data",))
+  train_step = train_step.lower(params, opt_state, *example, jnp.int32(step)).compile()
+  compile_s = time.perf_counter() - t0
+  if ckpt is None and cfg.ckpt_every > 0:
+    ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep)
+  log = MetricsLog(out / "metrics.jsonl")
   save = lambda force=False: ckpt and ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
 
   def evaluate() -> dict:
@@ -199,11 +263,6 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
     log.write(kind="val", **record)
     return record
 
-  # Compile ahead of time so that every timed window (tokens/s, MFU, elapsed) is pure training.
-  t0 = time.perf_counter()
-  example = _shard(mesh, stream.batch(stream.position), ("data",))
-  train_step = train_step.lower(params, opt_state, *example, jnp.int32(step)).compile()
-  compile_s = time.perf_counter() - t0
   bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, dynamic_ncols=True)
   last = dict(step=step, elapsed_s=elapsed)
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
@@ -217,15 +276,15 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
       dt = now - window_t
       elapsed += dt
       tps = window_steps * tokens_per_step / dt
-      mfu = window_steps * flops / dt / peak if peak else None
+      run_mfu = mfu(flops, window_steps, dt, peak)
       last = dict(step=step, elapsed_s=elapsed, loss=float(m["loss"]), ce=float(m["ce"]),
                   aux_loss=float(m["aux_loss"]), lb_loss=float(m["lb_loss"]), z_loss=float(m["z_loss"]),
-                  grad_norm=float(m["grad_norm"]), tokens_per_s=tps, mfu=mfu,
+                  grad_norm=float(m["grad_norm"]), tokens_per_s=tps, mfu=run_mfu,
                   dropped_fraction=m["dropped_fraction"].tolist(),
                   tokens_per_expert=m["tokens_per_expert"].tolist())
       log.write(kind="train", **last)
       bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tps:,.0f}",
-                      mfu="n/a" if mfu is None else f"{100 * mfu:.1f}%")
+                      mfu="n/a" if run_mfu is None else f"{100 * run_mfu:.1f}%")
       window_t, window_steps = time.perf_counter(), 0
     bar.update(1)
     if step < cfg.steps and ((cfg.eval_every and step % cfg.eval_every == 0) or elapsed >= next_eval_s):
@@ -247,51 +306,6 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
         f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
         f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
   return final
-
-
-def _parse_value(text: str) -> Any:
-  try:
-    return json.loads(text)
-  except json.JSONDecodeError:
-    return text  # a bare string such as bfloat16
-
-
-def parse_args(argv=None) -> TrainConfig:
-  from sparsejax.models import PRESETS
-  p = argparse.ArgumentParser(prog="sparsejax-train", description=__doc__.splitlines()[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  d = TrainConfig()
-  helps = {"preset": f"one of {', '.join(sorted(PRESETS))}",
-           "data": "text file, folder of text files, uint16 .bin, or stdlib (default: the Python stdlib)",
-           "out": "run directory: metrics.jsonl and checkpoints/; an existing run there is resumed",
-           "dtype": "compute dtype (float32, bfloat16); default bfloat16 on accelerators, float32 on CPU",
-           "max_time_s": "stop after this many seconds of training (compile/eval excluded)",
-           "ckpt_every": "checkpoint interval in steps; 0 disables checkpoints",
-           "upcycle_from": "a dense run directory to sparse-upcycle into --preset (an MoE preset)",
-           "peak_flops": "peak FLOP/s for MFU (default: looked up from the device kind)"}
-  for f in dataclasses.fields(TrainConfig):
-    if f.name in ("model_overrides", "progress"):
-      continue
-    kind = {"int": int, "float": float}.get(str(f.type).split("|")[0].strip(), str)  # "float | None" -> float
-    p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=getattr(d, f.name),
-                   help=helps.get(f.name, " "))
-  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                 help="override a TransformerConfig field, e.g. --set capacity_factor=1.25")
-  p.add_argument("--no-progress", action="store_true", help="no progress bar (logs only)")
-  a = p.parse_args(argv)
-  overrides = {}
-  for item in a.set:
-    name, sep, value = item.partition("=")
-    if not sep or name not in {f.name for f in dataclasses.fields(TransformerConfig)}:
-      p.error(f"--set {item!r}: expected FIELD=VALUE with FIELD a TransformerConfig field.")
-    overrides[name] = _parse_value(value)
-  fields = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(a))
-  return TrainConfig(**{k: getattr(a, k) for k in fields}, model_overrides=overrides,
-                     progress=not a.no_progress)
-
-
-def main(argv=None) -> None:
-  train(parse_args(argv))
 
 
 if __name__ == "__main__":

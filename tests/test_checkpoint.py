@@ -15,6 +15,8 @@ def test_restore_gives_the_identical_next_step(tmp_path):
   apply, params = functional(Transformer(get_preset("tiny-moe", **TINY), rngs=nnx.Rngs(0)))
   tx = make_optimizer(TrainConfig(steps=10, warmup=2))
   opt_state = tx.init(params)
+  # Committed to a device, as restored arrays are, so that the step compiles once for all its calls.
+  params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
   step, _ = make_steps(apply, tx, seed=0)
   tok = jax.random.randint(jax.random.key(0), (2, 2, 17), 0, 256)
   params, opt_state, _ = step(params, opt_state, tok[0, :, :-1], tok[0, :, 1:], jnp.int32(0))

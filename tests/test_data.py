@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from sparsejax.data import BatchStream, eval_batches, load_corpus
+from sparsejax.data import BatchStream, eval_batches, load_corpus, looks_binary
 
 
 def test_stdlib_corpus_split_by_file_is_deterministic():
@@ -32,6 +32,25 @@ def test_missing_path_is_a_clear_error(tmp_path):
   (tmp_path / "empty").mkdir()
   with pytest.raises(FileNotFoundError, match="no text files"):
     load_corpus(str(tmp_path / "empty"))
+
+
+def test_binary_and_empty_data(tmp_path):
+  assert looks_binary(b"text\0more") and looks_binary(bytes(range(128, 256)) * 4)
+  assert not looks_binary("UTF-8: déjà vu, 専門家".encode())
+  assert not looks_binary("専門家".encode()[:-1])  # a multi-byte character cut by the 8 KiB window
+  assert not looks_binary("Latin-1: déjà vu, naïve café".encode("latin-1"))
+  assert not looks_binary(b"")
+  (tmp_path / "blob.txt").write_bytes(b"\x00\x01\x02" * 100)
+  with pytest.raises(ValueError, match="looks binary"):
+    load_corpus(str(tmp_path / "blob.txt"))
+  assert len(load_corpus(str(tmp_path / "blob.txt"), allow_binary=True).train) == 270
+  (tmp_path / "empty.txt").write_bytes(b"")
+  with pytest.raises(ValueError, match="is empty"):
+    load_corpus(str(tmp_path / "empty.txt"))
+  (tmp_path / "empties").mkdir()
+  (tmp_path / "empties" / "a.txt").write_bytes(b"")
+  with pytest.raises(ValueError, match="only empty files"):
+    load_corpus(str(tmp_path / "empties"))
 
 
 def test_stream_is_deterministic_and_resumes():

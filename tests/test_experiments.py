@@ -3,6 +3,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
@@ -33,3 +35,19 @@ def test_time_to_reach_interpolates():
   curve = [{"elapsed_s": 1.0, "val_loss": 3.0}, {"elapsed_s": 3.0, "val_loss": 2.0}]
   assert megablocks_repro.time_to_reach(curve, 2.5) == 2.0
   assert megablocks_repro.time_to_reach(curve, 1.0) is None
+
+
+def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
+  with pytest.raises(SystemExit) as e:
+    plot.main([str(tmp_path / "no_run"), "--out", str(tmp_path / "plots")])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1 and "no metrics file at" in err, err
+  # Without matplotlib (the base install): one line naming the extra that brings it.
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "loss": 1.0}) + "\n")
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+  with pytest.raises(SystemExit) as e:
+    plot.main([str(tmp_path / "run"), "--out", str(tmp_path / "plots")])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1 and 'pip install -e ".[plot]"' in err, err
+  assert not (tmp_path / "plots").exists()

@@ -73,6 +73,38 @@ def test_presets_follow_megablocks_sizes():
     assert dense_flops < moe.flops_per_token(1024) < 1.01 * dense_flops
 
 
+def test_flops_per_token_by_hand():
+  """Convention (PaLM, appendix B): 6 N + 12 L d T per token, N the matmul weights a token passes
+  through (attention 4 d^2 per block, the feed-forward, the router, the output head; the embedding is a
+  lookup), T the sequence length. Causal masking is not subtracted, as in PaLM and nanoGPT."""
+  d, L, f, V, T = 32, 2, 64, 256, 16
+  dense = TransformerConfig(d_model=d, num_layers=L, num_heads=4, d_ff=f)
+  # N = 2 blocks * (attention 4 * 32 * 32 + MLP 2 * 32 * 64) + head 32 * 256 = 2 * (4096 + 4096) + 8192
+  assert dense.flops_per_token(T) == 6 * 24_576 + 12 * 2 * 32 * 16 == 159_744
+  # MoE in block 1 only, 4 experts, top-2: that block's feed-forward counts twice, plus the 32 x 4 router.
+  moe = dense.replace(moe_every=2, num_experts=4, top_k=2)
+  assert moe.flops_per_token(T) == 6 * (2 * 4096 + 4096 + (2 * 4096 + 128) + 8192) + 12 * 2 * 32 * 16 == 185_088
+  # GLU experts have three d x f matrices.
+  glu = moe.replace(glu=True, activation="silu")
+  assert glu.flops_per_token(T) == 6 * (2 * 4096 + 6144 + (2 * 6144 + 128) + 8192) + 12_288 == 221_952
+
+
+@pytest.mark.parametrize("cfg", [SMALL.replace(moe_every=0), SMALL, SMALL.replace(moe_every=1, top_k=2, glu=True)],
+                         ids=["dense", "moe", "moe_glu_top2"])
+def test_flops_per_token_matches_the_model_parameters(cfg):
+  """An independent count of N from the model's own parameters: every weight matrix but the embedding,
+  expert weights scaled by top_k / num_experts (a token meets top_k of the experts)."""
+  state = nnx.state(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+  n = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]:
+    names = [getattr(k, "key", None) for k in path]
+    if leaf.ndim < 2 or names == ["embed"]:
+      continue  # norm scales are not matmuls; the embedding is a lookup
+    n += leaf.size * cfg.top_k // cfg.num_experts if leaf.ndim == 3 and "ffn" in names else leaf.size
+  T = 24
+  assert cfg.flops_per_token(T) == 6 * n + 12 * cfg.num_layers * cfg.d_model * T
+
+
 def test_bad_configs_give_clear_errors():
   with pytest.raises(ValueError, match="not divisible by num_heads"):
     TransformerConfig(d_model=100, num_layers=2, num_heads=3, d_ff=64)

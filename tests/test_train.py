@@ -1,14 +1,17 @@
-"""The training loop: loss goes down, a killed run resumes on the same curve, CLI and errors."""
+"""The training loop: loss goes down, the aux loss reaches the gradient, a killed run resumes on the
+same curve, MFU counts the devices the run uses. (The command line's errors: tests/test_cli.py.)"""
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
-from sparsejax.models import Transformer, get_preset
-from sparsejax.train import TrainConfig, functional, make_optimizer, make_steps, parse_args, train
+from sparsejax.models import Transformer, cross_entropy, get_preset
+from sparsejax.train import TrainConfig, functional, make_optimizer, make_steps, mfu, parse_args, peak_flops, train
 
 TINY = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=4, max_seq_len=32)
 
@@ -45,21 +48,59 @@ def test_steps_lower_the_loss_on_a_fixed_batch():
   assert m["tokens_per_expert"].shape == (1, 4) and int(m["tokens_per_expert"].sum()) == 4 * 32
 
 
+def test_aux_loss_reaches_the_router_gradient():
+  """The step's loss is ce + lb_weight * load balancing + z_weight * z-loss, gradient included: with SGD
+  at lr 1 (params - new params = the gradient), the router's gradient in train_step equals an
+  independent jax.grad of that sum, which the aux terms move far beyond the tolerance."""
+  tokens = jax.random.randint(jax.random.key(1), (4, 33), 0, 256)
+  x, y = tokens[:, :-1], tokens[:, 1:]
+  model_cfg = get_preset("tiny-moe", **TINY, load_balancing_weight=1.0, z_loss_weight=1.0)
+  apply, params = functional(Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  before = jax.tree.map(jnp.copy, params)  # train_step donates params
+  step, _ = make_steps(apply, optax.sgd(1.0), seed=0)
+  after, _, _ = step(params, optax.sgd(1.0).init(params), x, y, jnp.int32(0))
+  router = lambda tree: tree["blocks"][1]["ffn"]["router"]["w"]  # tiny-moe: block 1 is the MoE block
+  got = router(before) - router(after)
+
+  @jax.jit
+  def want(p, lb_w, z_w):
+    def loss(p):
+      logits, stats = apply(p, x, rng=jax.random.fold_in(jax.random.key(0), 0))
+      return cross_entropy(logits, y) + lb_w * stats.load_balancing_loss + z_w * stats.router_z_loss
+    return router(jax.grad(loss)(p))
+
+  np.testing.assert_allclose(got, want(before, 1.0, 1.0), rtol=1e-4, atol=1e-7)
+  ce_only = want(before, 0.0, 0.0)
+  change = np.linalg.norm(got - ce_only) / np.linalg.norm(ce_only)
+  assert change > 0.1, change  # a step without the aux loss would fail the comparison above
+
+
+def test_mfu_formula_and_the_devices_counted():
+  # mfu = steps * flops_per_step / seconds / peak
+  assert mfu(2e12, 10, 4.0, 1e13) == pytest.approx(0.5)
+  assert mfu(2e12, 10, 4.0, None) is None
+  assert peak_flops("NVIDIA H100 80GB HBM3", 1) == 989e12
+  assert peak_flops("NVIDIA H100 80GB HBM3", 4) == 4 * 989e12  # the devices the run uses, not the host's
+  assert peak_flops("NVIDIA H200", 2, per_device=1e15) == 2e15
+  assert peak_flops("cpu", 8) is None
+
+
 def _records(path, kind):
   rows = [json.loads(line) for line in open(path)]
   return {r["step"]: r for r in rows if r["kind"] == kind}  # the last record of each step wins
 
 
-def test_killed_run_resumes_on_the_same_curve(tmp_path):
+def test_killed_run_resumes_on_the_same_curve(tmp_path, capsys):
   cfg = _cfg(tmp_path)
   final = train(cfg)
   assert final["step"] == 6 and np.isfinite(final["val_bpb"])
   full = _records(tmp_path / "run" / "metrics.jsonl", "train")
   # A kill after step 3's checkpoint: drop the step-6 checkpoint and the log, then run the same command.
-  import shutil
   shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
   (tmp_path / "run" / "metrics.jsonl").unlink()
+  capsys.readouterr()
   train(cfg)
+  assert "resumed from step 3" in capsys.readouterr().out
   resumed = _records(tmp_path / "run" / "metrics.jsonl", "train")
   assert sorted(resumed) == [4, 5, 6]
   for s in (4, 5, 6):
@@ -76,22 +117,22 @@ def test_killed_run_resumes_on_the_same_curve(tmp_path):
 
 
 def test_mesh_hook_matches_single_device(tmp_path):
+  """Same loss on a 2-device data mesh; MFU divides by the peak of the devices the run uses (1, then 2)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))  # Auto axes: jit places the rest
-  a = train(_cfg(tmp_path, steps=2, out=str(tmp_path / "a"), eval_every=0))
-  b = train(_cfg(tmp_path, steps=2, out=str(tmp_path / "b"), eval_every=0), mesh=mesh)
+  a = train(_cfg(tmp_path, steps=2, out=str(tmp_path / "a"), eval_every=0, peak_flops=1e9))
+  b = train(_cfg(tmp_path, steps=2, out=str(tmp_path / "b"), eval_every=0, peak_flops=1e9), mesh=mesh)
   assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+  flops_per_token = get_preset("tiny-moe", **TINY).flops_per_token(32)
+  assert len(jax.devices()) == 8  # conftest: so a count of the host's devices would show
+  for final, devices in ((a, 1), (b, 2)):
+    assert final["mfu"] == pytest.approx(final["tokens_per_s"] * flops_per_token / (1e9 * devices), rel=1e-6)
 
 
-def test_cli_and_clear_errors(tmp_path):
+def test_parse_args():
   cfg = parse_args(["--preset", "xs-moe", "--steps", "5", "--set", "capacity_factor=1.5",
                     "--set", "dtype=bfloat16", "--max-time-s", "60", "--eval-every-s", "5",
-                    "--data", "corpus/", "--lr", "1e-3"])
+                    "--data", "corpus/", "--lr", "1e-3", "--allow-binary"])
   assert cfg.steps == 5 and cfg.max_time_s == 60.0 and cfg.eval_every_s == 5.0 and cfg.lr == 1e-3
-  assert cfg.data == "corpus/" and cfg.upcycle_from is None
+  assert cfg.data == "corpus/" and cfg.upcycle_from is None and cfg.allow_binary
   assert cfg.model_config().capacity_factor == 1.5 and cfg.model_config().dtype == "bfloat16"
-  with pytest.raises(SystemExit):
-    parse_args(["--set", "not_a_field=3"])
-  with pytest.raises(FileNotFoundError, match="does not exist"):
-    train(_cfg(tmp_path, data=str(tmp_path / "missing")))
-  with pytest.raises(ValueError, match="Unknown preset"):
-    train(_cfg(tmp_path, preset="huge"))
+  assert parse_args([]) == TrainConfig()  # the command's defaults are the library's

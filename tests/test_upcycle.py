@@ -1,11 +1,13 @@
 """Sparse upcycling: the MoE model equals the dense one at initialization (top-1, renormalized)."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from sparsejax.models import Transformer, get_preset
-from sparsejax.train import TrainConfig, train
+from sparsejax.train import TrainConfig, prepare, train
 from sparsejax.upcycle import upcycle, upcycle_config
 
 TINY = dict(d_model=32, num_layers=4, num_heads=2, d_ff=64, max_seq_len=32)
@@ -19,8 +21,9 @@ def test_upcycled_model_equals_dense_at_init(glu):
   moe = upcycle(dense, moe_cfg, seed=5)
   assert [b.is_moe for b in moe.blocks] == [False, True, False, True]  # every other layer
   tokens = jax.random.randint(jax.random.key(0), (2, 24), 0, 256)
-  want, _ = dense(tokens)
-  got, stats = moe(tokens)
+  forward = nnx.jit(lambda model, tokens: model(tokens))  # one compile each, not one per op
+  want, _ = forward(dense, tokens)
+  got, stats = forward(moe, tokens)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert stats.tokens_per_expert.shape == (2, 4)
   # The router is fresh (not zeros): different experts are picked, and all give the same answer.
@@ -42,3 +45,12 @@ def test_train_from_dense_checkpoint(tmp_path):
                             model_overrides={**TINY, "num_experts": 4, "renormalize": True}, **common))
   assert final["step"] == 3 and np.isfinite(final["val_loss"])
   assert np.array(final["tokens_per_expert"]).shape == (2, 4)
+  # A preset that does not fit the dense run, or a folder without a checkpoint, fails before training.
+  bad = TrainConfig(preset="tiny-moe", out=str(tmp_path / "bad"), upcycle_from=str(tmp_path / "dense"),
+                    model_overrides={**TINY, "num_experts": 4, "d_ff": 128}, **common)
+  with pytest.raises(ValueError, match="d_ff 64 there, 128 here"):
+    prepare(bad)
+  (tmp_path / "empty_run").mkdir()
+  with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
+    prepare(dataclasses.replace(bad, upcycle_from=str(tmp_path / "empty_run")))
+  assert not (tmp_path / "bad").exists()

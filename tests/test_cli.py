@@ -1,0 +1,168 @@
+"""The command line: each user error is one line on stderr and exit status 2, raised before anything is
+compiled or written; --help shows every option's default without importing jax."""
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from sparsejax import cli
+from sparsejax import train as loop
+from sparsejax.checkpoint import Checkpointer
+from sparsejax.models import PRESETS, get_preset
+from sparsejax.train_config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def text(tmp_path):
+  path = tmp_path / "text.txt"
+  path.write_text("experts route tokens; tokens reach experts. " * 50)
+  return str(path)
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+  """Fails the test if the command gets as far as the loop (which builds and compiles the model)."""
+  def run(*args, **kwargs):
+    raise AssertionError("the command reached the training loop")
+  monkeypatch.setattr(loop, "run", run)
+
+
+def _fails(argv, out, capsys, match):
+  with pytest.raises(SystemExit) as e:
+    cli.main([*argv, "--out", str(out), "--no-progress"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith("sparsejax-train: error: "), err  # one line, no traceback
+  assert match in err, err
+  assert not out.exists()  # no empty run folder left behind
+  return err
+
+
+BAD = [
+    (["--steps", "0"], "--steps must be an integer >= 1; got 0"),
+    (["--steps", "-5"], "--steps must be an integer >= 1; got -5"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--batch-size", "-2"], "--batch-size must be an integer >= 1"),
+    (["--seq-len", "0"], "--seq-len must be an integer >= 1"),
+    (["--seq-len", "1.5"], "argument --seq-len: invalid int value"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--lr=-1e-3"], "--lr must be a finite number > 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--lr", "fast"], "argument --lr: invalid float value"),
+    (["--warmup", "-1"], "--warmup must be an integer >= 0"),
+    (["--eval-batches", "0"], "--eval-batches must be an integer >= 1"),
+    (["--dtype", "float64"], "--dtype must be one of float32, bfloat16, float16"),
+    (["--max-time-s", "0"], "--max-time-s must be a finite number > 0"),
+    (["--set", "capacity_factor"], "expected FIELD=VALUE"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--preset", "huge"], "Unknown preset 'huge'"),
+    (["--preset", "tiny-mo"], "Did you mean 'tiny-moe'?"),
+    (["--set", "not_a_field=3"], "--set not_a_field: not a TransformerConfig field"),
+    (["--set", "d_model=abc"], "d_model must be a positive int"),
+    (["--set", "capacity_factor=-1"], "capacity_factor must be > 0"),
+]
+
+
+@pytest.mark.parametrize("argv,match", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_arguments(argv, match, tmp_path, text, capsys, no_training):
+  _fails([*argv, "--data", text], tmp_path / "run", capsys, match)
+
+
+def test_bad_data(tmp_path, text, capsys, no_training):
+  out = tmp_path / "run"
+  _fails(["--data", str(tmp_path / "missing.txt")], out, capsys, "does not exist")
+  (tmp_path / "empty.txt").write_text("")
+  _fails(["--data", str(tmp_path / "empty.txt")], out, capsys, "is empty")
+  (tmp_path / "no_text").mkdir()
+  _fails(["--data", str(tmp_path / "no_text")], out, capsys, "holds no text files")
+  (tmp_path / "odd.bin").write_bytes(b"abc")
+  _fails(["--data", str(tmp_path / "odd.bin")], out, capsys, "odd number of bytes")
+  _fails(["--data", text, "--seq-len", "3000"], out, capsys, "--seq-len 3000 is too long for the data")
+  _fails(["--data", text, "--upcycle-from", str(tmp_path / "nowhere")], out, capsys, "no such run folder")
+  (tmp_path / "a_file").write_text("x")
+  _fails(["--data", text], tmp_path / "a_file" / "run", capsys, "is a file, not a folder")
+
+
+def test_binary_data_needs_allow_binary(tmp_path, capsys, no_training):
+  blob = tmp_path / "weights.pt"
+  blob.write_bytes(bytes(range(256)) * 40)
+  _fails(["--data", str(blob)], tmp_path / "run", capsys, "looks binary, not text; pass --allow-binary")
+  folder = tmp_path / "mixed"
+  folder.mkdir()
+  (folder / "a.txt").write_text("plain text " * 100)
+  (folder / "program").write_bytes(b"\x7fELF\x00\x01" * 500)
+  _fails(["--data", str(folder)], tmp_path / "run", capsys, "program' looks binary")
+  plan = loop.prepare(cli.parse_args(["--data", str(blob), "--allow-binary", "--out", str(tmp_path / "run")]))
+  assert len(plan.corpus.train) + len(plan.corpus.val) == 256 * 40
+  # Text in other encodings is text: UTF-8 with multi-byte characters, and Latin-1.
+  (tmp_path / "utf8.txt").write_text("déjà vu, naïve café — 専門家 " * 40, encoding="utf-8")
+  (tmp_path / "latin1.txt").write_text("déjà vu, naïve café " * 40, encoding="latin-1")
+  for name in ("utf8.txt", "latin1.txt"):
+    loop.prepare(cli.parse_args(["--data", str(tmp_path / name), "--out", str(tmp_path / "run")]))
+  assert not (tmp_path / "run").exists()
+
+
+def test_an_existing_run_of_another_model_is_one_line(tmp_path, text, capsys, no_training):
+  """A run folder whose checkpoint holds another config: the message names the differing fields only."""
+  out = tmp_path / "run"
+  other = get_preset("tiny-moe", d_model=64, num_experts=4, dtype="float32")
+  ckpt = Checkpointer(out / "checkpoints")
+  ckpt.save(3, {"params": {"w": jnp.zeros(2)}}, {"step": 3, "model_config": other.to_dict()})
+  ckpt.close()
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--preset", "tiny-moe", "--data", text, "--out", str(out)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "holds a run of another model" in err, err
+  assert "d_model 64 there, 128 now" in err and "num_experts 4 there, 8 now" in err
+  assert "num_layers" not in err and "rope_base" not in err  # equal fields are not listed
+  # The same model resumes (prepare finds the step; the loop then prints "resumed from step 3").
+  plan = loop.prepare(cli.parse_args(["--preset", "tiny-moe", "--set", "d_model=64", "--set", "num_experts=4",
+                                      "--data", text, "--out", str(out), "--dtype", "float32"]))
+  assert plan.resume_step == 3
+
+
+def test_help_lists_every_preset_and_default():
+  assert set(cli.PRESET_NAMES) == set(PRESETS)
+  parser = cli.build_parser()
+  for action in parser._actions:
+    if action.option_strings != ["-h", "--help"]:
+      assert "(default: " in action.help, action.option_strings
+
+
+def test_help_does_not_import_jax():
+  """`sparsejax-train --help` (and parsing arguments) answers without importing jax: fast, even on a bad line."""
+  code = ("import sys\n"
+          "from sparsejax import cli\n"
+          "cfg = cli.parse_args(['--steps', '7', '--preset', 'tiny-dense'])\n"
+          "assert cfg.steps == 7\n"
+          "try:\n"
+          "  cli.main(['--help'])\n"
+          "except SystemExit as e:\n"
+          "  assert e.code == 0\n"
+          "print('JAX IMPORTED' if 'jax' in sys.modules else 'NO JAX')\n")
+  env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "COLUMNS": "120"}
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.strip().endswith("NO JAX"), r.stdout
+  text = " ".join(r.stdout.split())  # whatever the line wrapping
+  assert "usage: sparsejax-train" in text and "--batch-size BATCH_SIZE sequences per step" in text
+  assert f"(default: {TrainConfig().steps})" in text and "(default: the Python standard library's sources)" in text
+
+
+def test_lazy_package_keeps_the_flat_api():
+  """sparsejax imports its public names on use; a submodule import never shadows a public function."""
+  import sparsejax
+  import sparsejax.grouped_matmul  # noqa: F401  (binds nothing over the function of the same name)
+  assert callable(sparsejax.grouped_matmul) and sparsejax.grouped_matmul.__module__ == "sparsejax.grouped_matmul"
+  for name in sparsejax.__all__:
+    assert getattr(sparsejax, name) is not None, name
+  assert set(sparsejax.__all__) <= set(dir(sparsejax))
+  assert sparsejax.routing.top_k_routing is sparsejax.top_k_routing  # submodules as attributes, as before
+  with pytest.raises(AttributeError, match="no attribute 'nope'"):
+    sparsejax.nope  # noqa: B018
