@@ -1,8 +1,10 @@
 """The Pallas kernels compiled on a GPU (not interpret mode), against their references.
 
 Run on a GPU machine after any kernel change, and keep the log:
-  python -m pytest -q tests_gpu tests/test_gmm_kernels.py 2>&1 | tee experiments/results/gpu_tests_<gpu>.log
-(tests/test_gmm_kernels.py then runs compiled too: off the CPU, the kernels are not interpreted.)
+  JAX_PLATFORMS=cuda python -m pytest -q tests_gpu tests/test_gmm_kernels.py \
+      2>&1 | tee experiments/results/gpu_tests_<gpu>.log
+(tests/test_gmm_kernels.py then runs compiled too: off the CPU the kernels are not interpreted;
+JAX_PLATFORMS overrides the CPU default that tests/conftest.py sets.)
 These need a GPU, so the CPU suite (tests/) does not collect them.
 """
 import jax

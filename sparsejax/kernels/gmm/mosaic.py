@@ -135,6 +135,28 @@ def _store_tile(acc, out_smem, out_ref, wg_idx, epi_tile_n):
     plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[:, pl.ds(j * epi_tile_n, epi_tile_n)])
 
 
+def _consumer_done(steps, tile_done):
+  @pl.when(steps > 0)
+  def _():
+    plgpu.barrier_arrive(tile_done)
+
+
+def _producer_waits_for_tile(wg_idx, steps, tile_done):
+  """Hold the producer until both consumers have drained this tile's wgmmas.
+
+  With delay_release, the pipeline never releases the slots of a tile's last steps (the
+  consumers keep one wgmma in flight), so without this wait the next tile's prologue could
+  overwrite a slot before a consumer has read it (the GPU interpreter reports it as a barrier
+  completing twice unobserved). The consumers arrive once their accumulator is read, before
+  their epilogue, so the next tile's loads still overlap the stores. Tiles of zero steps load
+  nothing and skip the handshake (consumers could otherwise pass several of them, completing
+  the barrier twice before the producer looks).
+  """
+  @pl.when((wg_idx == 2) & (steps > 0))
+  def _():
+    plgpu.barrier_wait(tile_done)
+
+
 def _row_iota(shape):
   """Row index of each element of a wgmma-shaped register array."""
   iota = lax.broadcasted_iota(jnp.int32, shape, 0)
@@ -192,8 +214,8 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
     @functools.partial(
         pl.run_scoped, pipeline_allocs=allocs,
         out_smem=plgpu.SMEM((2, 2, half, epi_tile_n), out_dtype, transforms=out_transforms),
-        collective_axes="wg")
-    def _scope(pipeline_allocs, out_smem):
+        tile_done=plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+    def _scope(pipeline_allocs, out_smem, tile_done):
       wg_idx = lax.axis_index("wg")
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -215,6 +237,7 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
             acc = acc_ref[...]
+            _consumer_done(steps, tile_done)
             real = _row_iota((half, tile_n)) < num_real - wg_idx * half
             acc = jnp.where(real, acc, 0.0).astype(out_dtype)
             _store_tile(acc, out_smem, out_gmem.at[m_slice, n_slice].at[wg_m], wg_idx, epi_tile_n)
@@ -233,6 +256,7 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
         _warp_specialized(mma, (steps,), [a_spec, b_spec], cfg, compute_context)(
             lhs_gmem.at[m_slice, :], w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice],
             allocations=pipeline_allocs)
+        _producer_waits_for_tile(wg_idx, steps, tile_done)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -300,8 +324,8 @@ def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg:
     @functools.partial(
         pl.run_scoped, pipeline_allocs=allocs,
         out_smem=plgpu.SMEM((2, 2, tile_m, epi_tile_n), out_dtype, transforms=out_transforms),
-        collective_axes="wg")
-    def _scope(pipeline_allocs, out_smem):
+        tile_done=plgpu.Barrier(num_arrivals=2), collective_axes="wg")
+    def _scope(pipeline_allocs, out_smem, tile_done):
       wg_idx = lax.axis_index("wg")
 
       # Experts major: the CTAs in flight work on one expert's rows, which stay in L2.
@@ -325,7 +349,9 @@ def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg:
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
-            _store_tile(acc_ref[...].astype(out_dtype), out_smem,
+            acc = acc_ref[...]
+            _consumer_done(steps, tile_done)
+            _store_tile(acc.astype(out_dtype), out_smem,
                         out_gmem.at[e, m_slice, n_slice].at[:, wg_n], wg_idx, epi_tile_n)
 
         def mma(idx, a_smem, b_smem, acc_ref):
@@ -350,6 +376,7 @@ def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg:
         ]
         _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
             lhs_gmem.at[:, m_slice], dout_gmem.at[:, n_slice], allocations=pipeline_allocs)
+        _producer_waits_for_tile(wg_idx, steps, tile_done)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
