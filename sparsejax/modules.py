@@ -114,7 +114,8 @@ class MoE(nnx.Module):
       if self.mesh is not None:  # expert parallelism: same contract, experts sharded over the mesh
         layer = functools.partial(parallel.expert_parallel_moe_mlp, mesh=self.mesh,
                                   parallel=self.parallel or parallel.ExpertParallelConfig())
-      y, stats = layer(x2, r.expert_ids, r.combine_weights.astype(c.dtype), w_in, w_out,
+      # The combine weights stay float32: the combine is float32, and bf16 would round them.
+      y, stats = layer(x2, r.expert_ids, r.combine_weights, w_in, w_out,
                        w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
                        impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)

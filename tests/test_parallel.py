@@ -112,10 +112,19 @@ def test_received_expert_ids():
   np.testing.assert_array_equal(got, [0, 1, 1, -1, 1, -1, -1, -1])
 
 
-def test_buffer_slots_default_is_the_worst_case():
+def test_buffer_slots():
   assert parallel.buffer_slots(100, 2, 4, 8, None) == 200
-  assert parallel.buffer_slots(100, 2, 4, 1, None) == 100  # a token can send one row per expert
+  assert parallel.buffer_slots(100, 2, 4, 1, None) == 100  # distinct ids: one row per expert
+  assert parallel.worst_slots(100, 2) == 200  # repeated ids: all of a token's k rows to one expert
   assert parallel.buffer_slots(100, 2, 4, 8, 1.25) == 63
+
+
+def test_exchange_overflow_counts_rows_past_the_buffer():
+  ids = jnp.zeros((5, 2), jnp.int32)  # ten rows for peer 0 (expert 0), none for peer 1
+  assert int(parallel.exchange_overflow(ids, 2, 2, slots=3)) == 7
+  assert int(parallel.exchange_overflow(ids, 2, 2, slots=10)) == 0
+  ids = jnp.asarray([[0, 3], [1, -1], [2, 3]], jnp.int32)  # NO_EXPERT is no row
+  assert int(parallel.exchange_overflow(ids, 4, 2, slots=2)) == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,13 +152,18 @@ def test_capacity_matches_per_device_groups(shape):
 
 def test_capacity_stats_count_global_drops():
   x, ids, cw, w_in, w_out, _, _ = _problem("one")
+  ids = ids.at[::3, 1].set(sj.NO_EXPERT)  # empty slots: neither dropped nor in the fraction's denominator
   mesh = meshlib.make_expert_mesh(2, 4)
   _, stats = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=mesh, capacity_factor=1.0))(
       x, ids, cw, w_in, w_out)
-  per_group = [sj.moe_mlp(a, b, c, w_in, w_out, capacity_factor=1.0)[1].num_dropped
+  per_group = [sj.moe_mlp(a, b, c, w_in, w_out, capacity_factor=1.0)[1]
                for a, b, c in zip(jnp.split(x, 8), jnp.split(ids, 8), jnp.split(cw, 8))]
-  assert int(stats.num_dropped) == int(sum(per_group)) > 0
-  np.testing.assert_array_equal(stats.tokens_per_expert, jnp.bincount(ids.reshape(-1), length=8))
+  dropped = sum(int(s.num_dropped) for s in per_group)
+  assert int(stats.num_dropped) == dropped > 0
+  real = np.asarray(ids)[np.asarray(ids) >= 0]
+  np.testing.assert_array_equal(stats.tokens_per_expert, np.bincount(real, minlength=8))
+  # moe_mlp's definition: a fraction of the real assignments.
+  np.testing.assert_allclose(float(stats.dropped_fraction), dropped / real.size, rtol=1e-6)
 
 
 def test_glu_experts():
@@ -170,6 +184,38 @@ def test_pallas_kernels_inside_shard_map():
 
 # ------------------------------------------------------------------------------------------------
 # The buffer bound: overflow falls back or raises, never drops.
+
+
+def _ids_moe_mlp_accepts(num_experts=8):
+  """Expert ids a router would not give but moe_mlp computes: a token listing one expert twice
+  (all on expert 0; each 8-token block twice on one expert), NO_EXPERT, and ids past the last
+  expert. The first two overflow a buffer sized for distinct ids on every mesh of eight."""
+  rng = np.random.default_rng(3)
+  block = (jnp.arange(T, dtype=jnp.int32) // 8) % num_experts
+  return {
+      "all_zero": jnp.zeros((T, K), jnp.int32),
+      "block_twice": jnp.stack([block, block], axis=1),
+      "random_repeats": jnp.asarray(rng.integers(-1, num_experts + 1, (T, K)), jnp.int32),
+  }
+
+
+@pytest.mark.parametrize("buffer_factor", [None, 1.0])
+def test_repeated_expert_ids_match_moe_mlp(buffer_factor):
+  """With E/P = 1 < k the default buffer holds T_local rows per peer, enough only for distinct ids:
+  repeated ids overflow it, and the layer must fall back (counting the overflow), not drop."""
+  mesh = meshlib.make_expert_mesh(1, 8)
+  config = ExpertParallelConfig(buffer_factor=buffer_factor)
+  x, _, cw, w_in, w_out, _, g = _problem()
+  stats_fn = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=mesh, parallel=config)[1])
+  for name, ids in _ids_moe_mlp_accepts().items():
+    _check_matches(mesh, (x, ids, cw, w_in, w_out, None, g), config=config)
+    stats = stats_fn(x, ids, cw, w_in, w_out)
+    _, ref = sj.moe_mlp(x, ids, cw, w_in, w_out)
+    assert int(stats.num_dropped) == 0, name
+    if name != "random_repeats":
+      assert int(stats.exchange_overflow) > 0, name  # the fallback really was taken
+    np.testing.assert_array_equal(stats.tokens_per_expert, ref.tokens_per_expert)
+    assert float(stats.dropped_fraction) == float(ref.dropped_fraction) == 0.0
 
 
 def test_small_buffer_falls_back_exactly_on_overflow():
@@ -228,8 +274,13 @@ def test_two_level_expert_axis(shape, capacity_factor, hierarchical):
   mesh = meshlib.make_expert_mesh(data, expert, expert_groups=groups)
   config = ExpertParallelConfig(expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT),
                                 hierarchical=hierarchical)
-  _check_matches(mesh, _problem("skewed"), capacity_factor=capacity_factor, config=config,
+  problem = _problem("skewed")
+  _check_matches(mesh, problem, capacity_factor=capacity_factor, config=config,
                  shards=1 if capacity_factor is None else 8)
+  if capacity_factor is None:  # repeated ids overflow the distinct-ids buffer; same compile
+    x, _, cw, w_in, w_out, w_gate, g = problem
+    _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g),
+                   config=config)
 
 
 @pytest.mark.parametrize("shape,num_experts,capacity_factor", [
@@ -239,8 +290,14 @@ def test_expert_slicing(shape, num_experts, capacity_factor):
   mesh = meshlib.make_expert_mesh(*shape)
   layout = meshlib.expert_layout(mesh, num_experts)
   assert layout.num_slices == shape[1] // num_experts
-  _check_matches(mesh, _problem("skewed", num_experts=num_experts, glu=True),
-                 capacity_factor=capacity_factor, shards=1 if capacity_factor is None else 8)
+  problem = _problem("skewed", num_experts=num_experts, glu=True)
+  shards = 1 if capacity_factor is None else 8
+  _check_matches(mesh, problem, capacity_factor=capacity_factor, shards=shards)
+  # Repeated ids (E/P = 1 < k: the fallback path under slicing), with the same compile.
+  x, _, cw, w_in, w_out, w_gate, g = problem
+  ids = _ids_moe_mlp_accepts(num_experts)["block_twice"]
+  _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g), capacity_factor=capacity_factor,
+                 shards=shards)
 
 
 def test_bad_layouts_are_refused():
@@ -325,3 +382,23 @@ def test_jitted_train_step_with_sharded_params_and_optax_state(shape, num_expert
       a.sharding.spec[0] is not None and len(a.addressable_shards) == 8 for a in expert_leaves)
   assert all(a.addressable_shards[0].data.shape[0] == max(1, num_experts // shape[1])
              for a in expert_leaves)
+
+
+def test_precision_and_float32_combine_weights():
+  """float32 experts ask for HIGHEST in every product (no TF32 on GPU); bf16 experts with float32
+  combine weights are accepted (the weights stay float32) and keep the default precision."""
+  from moe_testing import dot_precisions, is_highest
+
+  mesh = meshlib.make_expert_mesh(1, 8)
+  x, ids, cw, w_in, w_out, _, _ = _problem()
+  for cf in (None, 1.0):
+    def loss(x, w_in, w_out):
+      y, _ = expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh, capacity_factor=cf)
+      return jnp.sum(y.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    found = dot_precisions(grad, x, w_in, w_out)
+    assert found and all(is_highest(p) for _, p, _ in found), (cf, found)
+    half = [a.astype(jnp.bfloat16) for a in (x, w_in, w_out)]
+    found = dot_precisions(grad, *half)
+    assert found and not any(is_highest(p) for _, p, _ in found), (cf, found)
