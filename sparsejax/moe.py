@@ -25,7 +25,9 @@ class MoEStats:
   dropped_fraction: Float[Array, ""]
 
 
-def dropped_fraction(num_dropped: Int[Array, ""], tokens_per_expert: Int[Array, "experts"]) -> Float[Array, ""]:
+def dropped_fraction(
+    num_dropped: Int[Array, ""], tokens_per_expert: Int[Array, "experts"]
+) -> Float[Array, ""]:
   """num_dropped / sum_e tokens_per_expert[e]: the share of real assignments (NO_EXPERT slots are
   not assignments) that were dropped; 0 when there are none. The one definition every layer uses."""
   total = jnp.maximum(jnp.sum(tokens_per_expert), 1).astype(jnp.float32)

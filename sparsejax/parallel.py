@@ -125,7 +125,7 @@ def distinct_slots(tokens_local: int, top_k: int, experts_per_peer: int) -> int:
 
 def buffer_slots(tokens_local: int, top_k: int, num_peers: int, experts_per_peer: int,
                  buffer_factor: float | None) -> int:
-  """The first-choice S = min(distinct bound, ceil(f * T_local * k / P)); the distinct bound when f is None."""
+  """The first-choice S = min(distinct bound, ceil(f * T_local * k / P)); the distinct bound for f=None."""
   distinct = distinct_slots(tokens_local, top_k, experts_per_peer)
   if buffer_factor is None:
     return distinct
