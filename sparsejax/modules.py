@@ -122,7 +122,8 @@ class MoE(nnx.Module):
       if decode:  # generation: the small-batch path of sparsejax.inference (reads int8 as stored)
         from sparsejax.inference import decode_moe
         layer = functools.partial(decode_moe.moe_decode_layer, self)
-      y, stats = layer(x2, r.expert_ids, r.combine_weights.astype(c.dtype), w_in, w_out,
+      # The combine weights stay float32: the combine is float32, and bf16 would round them.
+      y, stats = layer(x2, r.expert_ids, r.combine_weights, w_in, w_out,
                        w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
                        impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)

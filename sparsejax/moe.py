@@ -10,18 +10,28 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
-from sparsejax.grouped_matmul import BLOCK_IMPLS, IMPLS, grouped_matmul, kernel_backend, resolve_impl
+from sparsejax.grouped_matmul import (BLOCK_IMPLS, IMPLS, full_precision, grouped_matmul, kernel_backend,
+                                      resolve_impl)
 from sparsejax.routing import ExpertChoiceRouting
 from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 
 
-
 @flax.struct.dataclass
 class MoEStats:
-  """What users log. tokens_per_expert counts assignments before dropping; the fraction is of all assignments."""
+  """What users log. tokens_per_expert counts assignments before dropping; dropped_fraction is
+  `dropped_fraction(num_dropped, tokens_per_expert)`, a fraction of the real assignments."""
   tokens_per_expert: Int[Array, "experts"]
   num_dropped: Int[Array, ""]
   dropped_fraction: Float[Array, ""]
+
+
+def dropped_fraction(
+    num_dropped: Int[Array, ""], tokens_per_expert: Int[Array, "experts"]
+) -> Float[Array, ""]:
+  """num_dropped / sum_e tokens_per_expert[e]: the share of real assignments (NO_EXPERT slots are
+  not assignments) that were dropped; 0 when there are none. The one definition every layer uses."""
+  total = jnp.maximum(jnp.sum(tokens_per_expert), 1).astype(jnp.float32)
+  return num_dropped.astype(jnp.float32) / total
 
 
 def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -45,6 +55,23 @@ def _check_expert_weights(x, w_in, w_out, w_gate):
     raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
 
 
+def check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl) -> None:
+  """The argument checks of a token-choice layer (moe_mlp and its expert-parallel twin)."""
+  _check_expert_weights(x, w_in, w_out, w_gate)
+  _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
+  _checks.check_integer("expert_ids", expert_ids)
+  _checks.check_rank("combine_weights", combine_weights, 2, "[tokens, k]")
+  _checks.check_floating("combine_weights", combine_weights)
+  if expert_ids.shape != combine_weights.shape:
+    raise ValueError(
+        f"expert_ids {expert_ids.shape} and combine_weights {combine_weights.shape} must have one shape.")
+  if expert_ids.shape[0] != x.shape[0]:
+    raise ValueError(f"expert_ids has {expert_ids.shape[0]} tokens but x has {x.shape[0]}.")
+  _checks.check_top_k(expert_ids.shape[1], w_in.shape[0])
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+
+
 def expert_ffn(
     rows: Float[Array, "rows d_model"],
     group_sizes: Int[Array, "experts"] | None,
@@ -55,12 +82,15 @@ def expert_ffn(
     activation: Callable = jax.nn.gelu,
     impl: str = "auto",
     topology: Topology | None = None,
+    precision=None,
 ) -> Float[Array, "rows d_model"]:
   """FFN_e(r) = act(r W_in[e]) W_out[e], or (act(r W_gate[e]) * r W_in[e]) W_out[e], for rows of group e.
 
   group_sizes=None means E equal groups (the capacity layout): a batched einsum then does the work.
   A topology (rows already in the block-padded layout) sends all three products to the Pallas
-  kernels with one topology, built once.
+  kernels with one topology, built once. precision: as jax.lax.dot's; None is full float32
+  precision for float32 inputs (no TF32 on GPU), the backend default for bf16 (the Pallas kernels
+  are always full precision for their input dtype).
   """
   if topology is not None:
     from sparsejax.kernels import gmm
@@ -73,10 +103,10 @@ def expert_ffn(
     r = rows.reshape(num_experts, -1, rows.shape[-1])
     # A plain einsum: the matmul accumulates in float32 inside, and its backward stays in the
     # input dtype (an f32 preferred_element_type would make the backward run float32 matmuls).
-    mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w)
+    mm = lambda a, w: jnp.einsum("ecd,edf->ecf", a, w, precision=full_precision(precision, a, w))
   else:
     r = rows
-    mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl)
+    mm = lambda a, w: grouped_matmul(a, w, group_sizes, impl=impl, precision=precision)
   h = mm(r, w_in)
   if w_gate is not None:
     h = activation(mm(r, w_gate)) * h
@@ -96,6 +126,7 @@ def moe_mlp(
     activation: Callable = jax.nn.gelu,
     capacity_factor: float | None = None,
     impl: str = "auto",
+    precision=None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
   """y[t] = sum_j combine_weights[t, j] * FFN_{expert_ids[t, j]}(x[t]); returns (y, MoEStats).
 
@@ -103,21 +134,11 @@ def moe_mlp(
   the Pallas kernels, padded to 128-row blocks) by expert. A float gives the Switch/GShard layer:
   C = ceil(capacity_factor * T * k / E) rows per expert, later assignments (token order) dropped
   and counted. Expert ids of -1 (routing.NO_EXPERT) contribute nothing and are not counted as dropped.
+  combine_weights may be float32 with bf16 x: the combine is done in float32 either way.
+  precision: see `expert_ffn` (None: full float32 precision for float32 inputs on every backend).
   """
-  _check_expert_weights(x, w_in, w_out, w_gate)
-  _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
-  _checks.check_integer("expert_ids", expert_ids)
-  _checks.check_rank("combine_weights", combine_weights, 2, "[tokens, k]")
-  _checks.check_floating("combine_weights", combine_weights)
-  if expert_ids.shape != combine_weights.shape:
-    raise ValueError(
-        f"expert_ids {expert_ids.shape} and combine_weights {combine_weights.shape} must have one shape.")
-  if expert_ids.shape[0] != x.shape[0]:
-    raise ValueError(f"expert_ids has {expert_ids.shape[0]} tokens but x has {x.shape[0]}.")
+  check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl)
   num_experts = w_in.shape[0]
-  _checks.check_top_k(expert_ids.shape[1], num_experts)
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
 
   if capacity_factor is None:
     impl = resolve_impl(impl)
@@ -125,7 +146,8 @@ def moe_mlp(
     block = BLOCK_SIZE if blocked else 1
     placement = permute.dropless_placement(expert_ids, num_experts, block_size=block)
     group_sizes = placement.group_sizes
-    topology = make_topology(group_sizes, placement.num_rows, block) if blocked else None
+    topology = (make_topology(group_sizes, placement.num_rows, block, placement.tokens_per_expert)
+                if blocked else None)
   else:
     c = capacity(x.shape[0], num_experts, expert_ids.shape[1], capacity_factor)
     placement = permute.capacity_placement(expert_ids, num_experts, c)
@@ -133,14 +155,12 @@ def moe_mlp(
 
   rows = permute.gather_rows(x, placement)
   out = expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=activation, impl=impl,
-                   topology=topology)
+                   topology=topology, precision=precision)
   y = permute.scatter_rows(out, placement, combine_weights, x.dtype)
-  # NO_EXPERT slots are not assignments: they count neither as dropped nor in the denominator.
-  total = jnp.maximum(jnp.sum(placement.tokens_per_expert), 1).astype(jnp.float32)
   stats = MoEStats(
       tokens_per_expert=placement.tokens_per_expert,
       num_dropped=placement.num_dropped,
-      dropped_fraction=placement.num_dropped.astype(jnp.float32) / total,
+      dropped_fraction=dropped_fraction(placement.num_dropped, placement.tokens_per_expert),
   )
   return y, stats
 
@@ -153,17 +173,19 @@ def expert_choice_mlp(
     *,
     w_gate: Float[Array, "experts d_model d_ff"] | None = None,
     activation: Callable = jax.nn.gelu,
+    precision=None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
   """y[t] = sum over (e, c) with token_ids[e, c] = t of combine_weights[e, c] * FFN_e(x[t]).
 
-  Every expert holds exactly C rows, so the expert FFN is the balanced batched einsum.
+  Every expert holds exactly C rows, so the expert FFN is the balanced batched einsum. Here a
+  "dropped" token is one no expert chose, so num_dropped / T is the fraction.
   """
   _check_expert_weights(x, w_in, w_out, w_gate)
   num_experts, cap = routing.token_ids.shape
   if num_experts != w_in.shape[0]:
     raise ValueError(f"routing has {num_experts} experts but w_in has {w_in.shape[0]}.")
   rows = x[routing.token_ids.reshape(-1)]
-  out = expert_ffn(rows, None, w_in, w_out, w_gate=w_gate, activation=activation)
+  out = expert_ffn(rows, None, w_in, w_out, w_gate=w_gate, activation=activation, precision=precision)
   weighted = out.astype(jnp.float32) * routing.combine_weights.reshape(-1, 1)
   y = jnp.zeros((x.shape[0], x.shape[1]), jnp.float32).at[routing.token_ids.reshape(-1)].add(weighted)
   chosen = jnp.zeros((x.shape[0],), jnp.int32).at[routing.token_ids.reshape(-1)].add(1)
@@ -171,6 +193,6 @@ def expert_choice_mlp(
   stats = MoEStats(
       tokens_per_expert=jnp.full((num_experts,), cap, jnp.int32),
       num_dropped=unprocessed,
-      dropped_fraction=unprocessed.astype(jnp.float32) / x.shape[0],
+      dropped_fraction=dropped_fraction(unprocessed, jnp.full((1,), x.shape[0], jnp.int32)),
   )
   return y.astype(x.dtype), stats

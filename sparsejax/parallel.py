@@ -17,12 +17,16 @@ op has no XLA:CPU implementation ("HLO opcode ragged-all-to-all is not supported
 beside it, carries the same information. Its cost is that S is static: it moves P * S rows even when
 fewer are real.
 
-The bound S (dropless mode). A sender can put at most T_local * min(k, E/P) rows on one peer (each
-token's k experts are distinct), so S_safe = T_local * min(k, E/P) can never overflow, whatever the
-routing; that is the default. `buffer_factor` f chooses S = ceil(f * T_local * k / P) instead
-(f = 1 is a perfectly balanced load), which moves less data; if any device would overflow its S, the
-layer either falls back to S_safe for that call (a `lax.cond` on a flag all devices agree on, so the
-result is still exact) or raises (on_overflow="raise"); it never drops silently.
+The bound S (dropless mode). A sender can put at most S_worst = T_local * k rows on one peer (all its
+assignments), and at most T_local * min(k, E/P) when every token lists k distinct experts, which
+routers ensure but `moe_mlp` does not require (a token may list an expert twice, and is then
+computed twice). The default buffer is S = T_local * min(k, E/P); `buffer_factor` f chooses
+S = ceil(f * T_local * k / P) instead (f = 1 is a perfectly balanced load), which moves less data.
+When S < S_worst every device counts the rows that would not fit (`exchange_overflow`), and if any
+device would overflow, the layer falls back to S_worst for that call (a `lax.cond` on a flag all
+devices agree on, so the result is still exact) or, for a buffer_factor buffer with
+on_overflow="raise", raises. It never drops silently: the rows the buffer actually used could not
+hold are counted in num_dropped.
 
 Capacity mode (GShard/Switch) is the baseline: each device is a GShard "group": it keeps the first
 C = ceil(cf * T_local * k / E) assignments per expert of its own tokens (token order) and drops the
@@ -52,9 +56,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
-from sparsejax.grouped_matmul import BLOCK_IMPLS, IMPLS, resolve_impl
+from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
-from sparsejax.moe import capacity, expert_ffn
+from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
 from sparsejax.topology import BLOCK_SIZE
 from sparsejax.topology import make_topology
 
@@ -69,9 +73,11 @@ class ExpertParallelConfig:
   expert_axis: mesh axis that shards experts (and tokens); a pair (groups, devices) for two levels.
   hierarchical: with a pair of expert axes, do the all-to-all in two stages (across groups, then
     within); otherwise one all-to-all over both axes.
-  buffer_factor: None = the safe worst-case buffer; f > 0 = ceil(f * T_local * k / P) rows per peer.
+  buffer_factor: None = T_local * min(k, E/P) rows per peer (enough for distinct ids per token);
+    f > 0 = ceil(f * T_local * k / P) rows per peer.
   on_overflow: what a call whose routing overflows buffer_factor's buffer does: "fallback" reruns
-    the exchange with the safe buffer (exact, slower for that call), "raise" raises at run time.
+    the exchange with the worst-case buffer T_local * k (exact, slower for that call), "raise"
+    raises at run time. With buffer_factor=None an overflow (repeated ids) always falls back.
   """
   data_axis: str | tuple[str, ...] | None = DATA
   expert_axis: str | tuple[str, ...] = EXPERT
@@ -92,8 +98,9 @@ class ExpertParallelConfig:
 class ExpertParallelStats:
   """MoEStats of the whole (global) batch, plus the exchange's own counter.
 
-  exchange_overflow: assignments that did not fit the buffer_factor buffer in this call, summed over
-  devices (0 with the safe buffer). Under "fallback" they were still computed, by the fallback.
+  exchange_overflow: assignments that did not fit the first-choice buffer (buffer_factor's, or the
+  distinct-ids default) in this call, summed over devices. Under "fallback" they were still
+  computed, by the fallback. dropped_fraction is `moe.dropped_fraction`, as moe_mlp's.
   """
   tokens_per_expert: Int[Array, "experts"]
   num_dropped: Int[Array, ""]
@@ -105,18 +112,32 @@ class ExpertParallelStats:
 # Small pure pieces of the data path (usable, and tested, outside shard_map).
 
 
-def safe_slots(tokens_local: int, top_k: int, experts_per_peer: int) -> int:
-  """S_safe = T_local * min(k, E/P): the most rows one device can route to one peer."""
+def worst_slots(tokens_local: int, top_k: int) -> int:
+  """S_worst = T_local * k: the most rows one device can route to one peer, whatever the ids."""
+  return tokens_local * top_k
+
+
+def distinct_slots(tokens_local: int, top_k: int, experts_per_peer: int) -> int:
+  """T_local * min(k, E/P): the most rows one device routes to one peer when no token lists an
+  expert twice."""
   return tokens_local * min(top_k, experts_per_peer)
 
 
 def buffer_slots(tokens_local: int, top_k: int, num_peers: int, experts_per_peer: int,
                  buffer_factor: float | None) -> int:
-  """S = min(S_safe, ceil(f * T_local * k / P)); S_safe when f is None."""
-  safe = safe_slots(tokens_local, top_k, experts_per_peer)
+  """The first-choice S = min(distinct bound, ceil(f * T_local * k / P)); the distinct bound for f=None."""
+  distinct = distinct_slots(tokens_local, top_k, experts_per_peer)
   if buffer_factor is None:
-    return safe
-  return max(1, min(safe, math.ceil(buffer_factor * tokens_local * top_k / num_peers)))
+    return distinct
+  return max(1, min(distinct, math.ceil(buffer_factor * tokens_local * top_k / num_peers)))
+
+
+def exchange_overflow(expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int,
+                      slots: int) -> Int[Array, ""]:
+  """sum_p max(rows for peer p - S, 0): the assignments a [P, S] send buffer cannot hold."""
+  _, counts = permute.rank_within_expert(expert_ids, num_experts)
+  per_peer = counts.reshape(num_peers, -1).sum(axis=1)
+  return jnp.sum(jnp.maximum(per_peer - slots, 0)).astype(jnp.int32)
 
 
 def peer_placement(
@@ -204,7 +225,7 @@ def _reduce_slices(a, layout: ExpertLayout):
 def _ffn(rows, group_sizes, weights, st, topology=None):
   w_in, w_out, w_gate = weights
   return expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=st.activation,
-                    impl=st.impl, topology=topology)
+                    impl=st.impl, topology=topology, precision=st.precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,10 +236,12 @@ class _Static:
   activation: Callable
   capacity_factor: float | None
   impl: str
+  precision: object = None
 
 
 def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int):
-  """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement)."""
+  """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement), whose
+  num_dropped counts the assignments the buffer could not hold (and so were not computed)."""
   layout = st.layout
   num_peers, d = layout.num_peers, x.shape[1]
   experts_per_peer = st.num_experts // num_peers
@@ -234,7 +257,8 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   rows = permute.gather_rows(x_recv.reshape(-1, d), local)
   # As in moe_mlp: on the Pallas path one block topology serves all three products. Its row blocks
   # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
-  topology = make_topology(local.group_sizes, local.num_rows, block) if st.impl in BLOCK_IMPLS else None
+  topology = (make_topology(local.group_sizes, local.num_rows, block, local.tokens_per_expert)
+              if st.impl in BLOCK_IMPLS else None)
   out = _ffn(rows, local.group_sizes, weights, st, topology)
   y_recv = ungather_rows(out, local).reshape(x_recv.shape)
 
@@ -266,7 +290,7 @@ def _raise_on_overflow(overflow):
   if int(overflow) > 0:
     raise RuntimeError(
         f"expert-parallel exchange overflow: {int(overflow)} assignments did not fit the buffer set "
-        "by buffer_factor. Raise buffer_factor, set it to None (the safe bound), or use "
+        "by buffer_factor. Raise buffer_factor, set it to None, or use "
         "on_overflow='fallback'.")
   return np.zeros((), np.int32)
 
@@ -281,29 +305,29 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _St
     y, send = _capacity_local(x, expert_ids, combine_weights, weights, st)
     dropped = send.num_dropped
   else:
-    dropped = jnp.zeros((), jnp.int32)
-    run = lambda slots: _dropless_local(x, expert_ids, combine_weights, weights, st, slots)[0]
+    def run(slots):
+      y, send = _dropless_local(x, expert_ids, combine_weights, weights, st, slots)
+      return y, send.num_dropped
+
     experts_per_peer = st.num_experts // layout.num_peers
     k = expert_ids.shape[1]
-    safe = safe_slots(x.shape[0], k, experts_per_peer)
+    worst = worst_slots(x.shape[0], k)
     slots = buffer_slots(x.shape[0], k, layout.num_peers, experts_per_peer, cfg.buffer_factor)
-    if slots >= safe:
-      y = run(safe)
+    if slots >= worst:
+      y, dropped = run(worst)
     else:
-      _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
-      per_peer = counts.reshape(layout.num_peers, experts_per_peer).sum(axis=1)
-      overflow = jnp.sum(jnp.maximum(per_peer - slots, 0)).astype(jnp.int32)
-      if cfg.on_overflow == "raise":
+      overflow = exchange_overflow(expert_ids, st.num_experts, layout.num_peers, slots)
+      if cfg.on_overflow == "raise" and cfg.buffer_factor is not None:
         # A pure_callback whose (zero) result feeds y: the error lands on y's buffers (raised when
         # y is read), not on the runtime's effect tokens as a debug.callback's would.
         total = jax.lax.stop_gradient(jax.lax.psum(overflow, all_axes))
         zero = jax.pure_callback(_raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), total)
-        y = run(slots)
+        y, dropped = run(slots)
         y = y + zero.astype(y.dtype)
       else:
         # Both branches hold collectives, so every device must take the same one: agree on the flag.
         any_overflow = jax.lax.pmax(overflow, all_axes) > 0
-        y = jax.lax.cond(any_overflow, lambda: run(safe), lambda: run(slots))
+        y, dropped = jax.lax.cond(any_overflow, lambda: run(worst), lambda: run(slots))
   _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
   psum = lambda a: jax.lax.psum(a, st.layout.token_axes)
   return y, psum(counts), psum(dropped), psum(overflow)
@@ -337,6 +361,7 @@ def expert_parallel_moe_mlp(
     activation: Callable = jax.nn.gelu,
     capacity_factor: float | None = None,
     impl: str = "auto",
+    precision=None,
 ) -> tuple[Float[Array, "tokens d_model"], ExpertParallelStats]:
   """y[t] = sum_j combine_weights[t, j] * FFN_{expert_ids[t, j]}(x[t]), experts sharded over mesh.
 
@@ -346,14 +371,8 @@ def expert_parallel_moe_mlp(
   (T divisible by their device count), experts over the expert axes; jit it, and the inputs are
   resharded to that layout if they are not already (see `expert_layout`).
   """
-  _checks.check_rank("x", x, 2, "[tokens, d_model]")
-  _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
-  _checks.check_rank("w_in", w_in, 3, "[experts, d_model, d_ff]")
-  _checks.check_same_dtype(x=x, w_in=w_in, w_out=w_out, w_gate=w_gate)
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl)
   num_experts = w_in.shape[0]
-  _checks.check_top_k(expert_ids.shape[1], num_experts)
   layout = expert_layout(mesh, num_experts, data_axis=parallel.data_axis,
                          expert_axis=parallel.expert_axis)
   shards = math.prod(layout.mesh.shape[a] for a in layout.token_axes)
@@ -361,7 +380,10 @@ def expert_parallel_moe_mlp(
     raise ValueError(f"{x.shape[0]} tokens do not split over {shards} devices ({layout.token_axes}).")
   if layout.slice_axis is not None and w_in.shape[2] % layout.num_slices:
     raise ValueError(f"d_ff={w_in.shape[2]} does not split into {layout.num_slices} expert slices.")
-  st = _Static(layout, parallel, num_experts, activation, capacity_factor, resolve_impl(impl))
+  if capacity_factor is not None:
+    _checks.check_positive("capacity_factor", capacity_factor)
+  st = _Static(layout, parallel, num_experts, activation, capacity_factor, resolve_impl(impl),
+               precision)
   tok = layout.tokens
   in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in())
   out_specs = (tok, P(), P(), P())
@@ -372,7 +394,7 @@ def expert_parallel_moe_mlp(
   stats = ExpertParallelStats(
       tokens_per_expert=tokens_per_expert,
       num_dropped=num_dropped,
-      dropped_fraction=num_dropped.astype(jnp.float32) / expert_ids.size,
+      dropped_fraction=dropped_fraction(num_dropped, tokens_per_expert),
       exchange_overflow=overflow,
   )
   return y, stats

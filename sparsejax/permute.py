@@ -113,9 +113,11 @@ def scatter_rows(
 ) -> Float[Array, "tokens d"]:
   """y[t] = sum_j combine_weights[t, j] * buffer[rows[t, j]] in float32; dropped pairs add zero.
 
-  A gather by rows (not a scatter-add), so the forward pass is deterministic.
+  A gather by rows (not a scatter-add), so the forward pass is deterministic. The weights are used
+  in float32 (bf16 would round them to 8 bits), and the k-term sum is elementwise, not a dot,
+  so no backend computes it in TF32.
   """
   padded = jnp.concatenate([buffer, jnp.zeros((1, buffer.shape[1]), buffer.dtype)], axis=0)
   picked = padded[placement.rows].astype(jnp.float32)  # [T, k, d]
-  y = jnp.einsum("tk,tkd->td", combine_weights.astype(jnp.float32), picked)
+  y = jnp.sum(combine_weights.astype(jnp.float32)[:, :, None] * picked, axis=1)
   return y.astype(out_dtype)

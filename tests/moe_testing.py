@@ -101,3 +101,36 @@ def assert_close(actual, expected, rtol, what="", scale=None):
   worst = float(np.max(err / bound)) if b.size else 0.0
   assert worst <= 1.0, (
       f"{what}: max error {float(err.max()):.3e} exceeds tolerance (rtol={rtol}, scale={scale:.3e})")
+
+
+# ---------------------------------------------------------------------------- dot precision
+def dot_precisions(fn, *args):
+  """(primitive, precision, operand dtypes) of every dot_general / ragged_dot_general in fn's jaxpr,
+  nested jaxprs (jit, custom_vjp, custom_vmap, shard_map, cond) included. On the CPU TF32 cannot be
+  seen in the numbers, so the tests check that full precision is asked for where it must be."""
+  from jax.extend import core as jcore
+
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("dot_general", "ragged_dot_general"):
+        dtypes = tuple(str(v.aval.dtype) for v in eqn.invars[:2])
+        found.append((eqn.primitive.name, eqn.params["precision"], dtypes))
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if isinstance(sub, jcore.ClosedJaxpr):
+            walk(sub.jaxpr)
+          elif isinstance(sub, jcore.Jaxpr):
+            walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def is_highest(precision) -> bool:
+  """Whether a dot's precision parameter asks for full float32 on both operands."""
+  if precision is None:
+    return False
+  pair = precision if isinstance(precision, tuple) else (precision, precision)
+  return all(p == jax.lax.Precision.HIGHEST for p in pair)

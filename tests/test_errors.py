@@ -87,8 +87,9 @@ GMM_BAD = [
     ("rhs_rank", dict(rhs=jnp.ones((D, F), f32)), ValueError, r"rhs must have rank 3"),
     ("integer_lhs", dict(lhs=jnp.ones((T, D), jnp.int32), rhs=jnp.ones((E, D, F), jnp.int32)), TypeError,
      r"lhs must be a floating-point array"),
-    ("dtype_mismatch", dict(rhs=jnp.ones((E, D, F), jnp.bfloat16)), TypeError, r"dtypes must match"),
-    ("bad_impl", dict(impl="cuda"), ValueError, r"impl must be one of"),
+    # Mixed float dtypes are accepted (as by jax.lax.ragged_dot); integer weights are not.
+    ("integer_rhs", dict(rhs=jnp.ones((E, D, F), jnp.int8)), TypeError, r"rhs must be a floating-point array"),
+    ("bad_impl", dict(impl="cutlass"), ValueError, r"impl must be one of"),
 ]
 
 

@@ -88,10 +88,19 @@ def test_moe_matches_reference_on_its_params(name):
     assert int(stats.num_dropped) > 0  # C = ceil(0.5 * 26 / 4) = 4 < 26 tokens on 4 experts
 
 
-def test_moe_bfloat16_compute():
+def test_moe_bfloat16_compute(monkeypatch):
   model, cfg = _moe("top2_dropless_glu", dtype=jnp.bfloat16)
   x = jnp.asarray(rand(np.random.default_rng(1), (20, D)))
+  seen = []
+
+  def spy(x, ids, combine_weights, *args, **kwargs):
+    seen.append((x.dtype, combine_weights.dtype))
+    return sj.moe_mlp(x, ids, combine_weights, *args, **kwargs)
+
+  monkeypatch.setattr(sj.modules, "moe_mlp", spy)
   y, stats = nnx.jit(lambda m, x: m(x))(model, x)
+  # bf16 compute, float32 combine weights (bf16 would round them before the float32 combine).
+  assert seen == [(jnp.bfloat16, jnp.float32)]
   assert y.dtype == jnp.bfloat16 and model.w_in[...].dtype == jnp.float32  # param_dtype f32
   assert stats.router_z_loss.dtype == jnp.float32
   # Against the f32 reference on the bf16-rounded input and weights.

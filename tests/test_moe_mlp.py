@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import sparsejax as sj
-from moe_testing import (ACTIVATIONS, IMPLS, assert_close, bf16_round, np_capacity_keep, np_moe_loop,
-                         np_top_k_routing, rand, seed_of)
+from moe_testing import (ACTIVATIONS, IMPLS, assert_close, bf16_round, dot_precisions, is_highest,
+                         np_capacity_keep, np_moe_loop, np_top_k_routing, rand, seed_of)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,3 +343,66 @@ def test_auto_impl_matches_reference_impl():
   y_auto, _ = run(x, r.expert_ids, r.combine_weights, w_in, w_out)
   y_ref, _ = run(x, r.expert_ids, r.combine_weights, w_in, w_out, impl="reference")
   assert_close(y_auto, y_ref, 1e-5, "auto")
+
+
+# ---------------------------------------------------------------- precision of the combine and the dots
+def test_float32_combine_weights_are_not_rounded_to_bf16():
+  """bf16 x with float32 combine weights: y = bf16(sum_j w_j FFN_j(x)) with the sum in float32 of the
+  unrounded weights. Identity experts on small integers make FFN exact, so y is known bit for bit;
+  rounding the weights to bf16 first (double rounding) changes some entries."""
+  T, E, d = 64, 2, 8
+  rng = np.random.default_rng(seed_of("combine_f32"))
+  x = jnp.asarray(rng.integers(-3, 4, (T, d)), jnp.bfloat16)
+  eye = jnp.broadcast_to(jnp.eye(d, dtype=jnp.bfloat16), (E, d, d))
+  ids = jnp.broadcast_to(jnp.arange(E, dtype=jnp.int32), (T, E))
+  w = rng.uniform(0.05, 1.0, (T, E)).astype(np.float32)
+  identity = lambda v: v
+  layer = jax.jit(lambda w: sj.moe_mlp(x, ids, w, eye, eye, activation=identity)[0])
+  x32 = np.asarray(x, np.float32)
+  expected = np.asarray(jnp.asarray(w[:, :1] * x32 + w[:, 1:] * x32, jnp.float32).astype(jnp.bfloat16))
+  y = layer(jnp.asarray(w))
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y), expected)
+  # The check has teeth: bf16-rounded weights give a different answer somewhere.
+  assert np.any(np.asarray(layer(jnp.asarray(w, jnp.bfloat16))) != expected)
+
+
+def test_dropped_fraction_is_of_real_assignments():
+  from sparsejax.moe import dropped_fraction as frac
+  assert float(frac(jnp.int32(3), jnp.asarray([2, 4, 0]))) == pytest.approx(0.5)
+  assert float(frac(jnp.int32(0), jnp.zeros((4,), jnp.int32))) == 0.0
+
+
+@pytest.mark.parametrize("cf", [None, 1.0], ids=["dropless", "capacity"])
+def test_float32_means_highest_precision(cf):
+  """Every matmul of the layer, forward and backward, asks for HIGHEST with float32 inputs (XLA's GPU
+  default would be TF32) and for the default with bf16 ones (whose backward must stay bf16)."""
+  T, E, k, d, f = 12, 4, 2, 8, 8
+  rng = np.random.default_rng(seed_of("precision", cf))
+  x, w_in, w_out = rand(rng, (T, d)), rand(rng, (E, d, f)), rand(rng, (E, f, d))
+  ids = jnp.asarray(rng.integers(0, E, (T, k)), jnp.int32)
+  cw = jnp.full((T, k), 0.5, jnp.float32)
+
+  def dots(dtype):
+    def loss(x, w_in, w_out):
+      y, _ = sj.moe_mlp(x, ids, cw, w_in, w_out, capacity_factor=cf, impl="ragged_dot")
+      return jnp.sum(y.astype(jnp.float32))
+    args = [jnp.asarray(a, dtype) for a in (x, w_in, w_out)]
+    found = dot_precisions(jax.value_and_grad(loss, argnums=(0, 1, 2)), *args)
+    assert len(found) >= 6, found  # two products, each with its forward, d_lhs and d_rhs
+    return found
+
+  assert all(is_highest(p) for _, p, _ in dots(jnp.float32))
+  bf16 = dots(jnp.bfloat16)
+  assert not any(is_highest(p) for _, p, _ in bf16)
+  assert all(dt == ("bfloat16", "bfloat16") for _, _, dt in bf16), bf16  # no float32 backward
+
+
+def test_expert_choice_float32_means_highest_precision():
+  T, E, d, f = 12, 4, 8, 8
+  rng = np.random.default_rng(seed_of("precision_ec"))
+  x = jnp.asarray(rand(rng, (T, d)))
+  w_in, w_out = jnp.asarray(rand(rng, (E, d, f))), jnp.asarray(rand(rng, (E, f, d)))
+  r = sj.expert_choice_routing(jnp.asarray(rand(rng, (T, E))), 1.0)
+  found = dot_precisions(lambda x: sj.expert_choice_mlp(x, r, w_in, w_out)[0], x)
+  assert found and all(is_highest(p) for _, p, _ in found)

@@ -18,6 +18,8 @@ from sparsejax import mesh as meshlib
 from sparsejax import parallel
 from sparsejax.parallel import ExpertParallelConfig, expert_parallel_moe_mlp
 
+from moe_testing import np_capacity_keep
+
 T, D, F, K = 64, 8, 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -43,18 +45,34 @@ def _problem(kind="uniform", num_experts=8, glu=False, seed=0):
   return x, r.expert_ids, r.combine_weights, w_in, w_out, w_gate, g
 
 
+def _ids_moe_mlp_accepts(num_experts=8):
+  """Expert ids a router would not give but moe_mlp computes: a token listing one expert twice
+  (all on expert 0; each 8-token block twice on one expert), NO_EXPERT, and ids past the last
+  expert. With one expert per device (E/P = 1 < k) the first two overflow a buffer sized for
+  distinct ids."""
+  rng = np.random.default_rng(3)
+  block = (jnp.arange(T, dtype=jnp.int32) // 8) % num_experts
+  return {
+      "all_zero": jnp.zeros((T, K), jnp.int32),
+      "block_twice": jnp.stack([block, block], axis=1),
+      "random_repeats": jnp.asarray(rng.integers(-1, num_experts + 1, (T, K)), jnp.int32),
+  }
+
+
 def _single(x, ids, cw, w_in, w_out, w_gate, *, capacity_factor=None, shards=1):
-  """The single-device answer: moe_mlp on the batch, or on each of `shards` token blocks (GShard groups)."""
-  parts = [sj.moe_mlp(xs, i, c, w_in, w_out, w_gate=w_gate, capacity_factor=capacity_factor)[0]
+  """The single-device answer: moe_mlp on the batch, or on each of `shards` token blocks (GShard
+  groups); y, and the groups' tokens_per_expert and num_dropped summed."""
+  parts = [sj.moe_mlp(xs, i, c, w_in, w_out, w_gate=w_gate, capacity_factor=capacity_factor)
            for xs, i, c in zip(jnp.split(x, shards), jnp.split(ids, shards), jnp.split(cw, shards))]
-  return jnp.concatenate(parts)
+  counts = sum(s.tokens_per_expert for _, s in parts)
+  return jnp.concatenate([y for y, _ in parts]), (counts, sum(s.num_dropped for _, s in parts))
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted_value_and_grads(layer):
   """jit(value and gradients of <layer(...), g>), cached so that cases of one shape compile once."""
   def loss(x, cw, w_in, w_out, w_gate, ids, g):
-    return jnp.sum(layer(x, ids, cw, w_in, w_out, w_gate) * g)
+    return jnp.sum(layer(x, ids, cw, w_in, w_out, w_gate)[0] * g)
 
   @jax.jit
   def run(x, ids, cw, w_in, w_out, w_gate, g):
@@ -68,7 +86,7 @@ def _jitted_value_and_grads(layer):
 def _ep_layer(mesh, config, capacity_factor, impl="auto"):
   return lambda x, ids, cw, w_in, w_out, w_gate: expert_parallel_moe_mlp(
       x, ids, cw, w_in, w_out, w_gate=w_gate, mesh=mesh, parallel=config,
-      capacity_factor=capacity_factor, impl=impl)[0]
+      capacity_factor=capacity_factor, impl=impl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,12 +96,19 @@ def _single_layer(capacity_factor, shards):
 
 def _check_matches(mesh, problem, *, capacity_factor=None, config=ExpertParallelConfig(), shards=1,
                    impl="auto"):
-  y, grads = _jitted_value_and_grads(_ep_layer(mesh, config, capacity_factor, impl))(*problem)
-  y_ref, grads_ref = _jitted_value_and_grads(_single_layer(capacity_factor, shards))(*problem)
+  """y, gradients and statistics equal the single-device layer's; returns (y, stats)."""
+  (y, stats), grads = _jitted_value_and_grads(_ep_layer(mesh, config, capacity_factor, impl))(*problem)
+  (y_ref, (counts, dropped)), grads_ref = _jitted_value_and_grads(
+      _single_layer(capacity_factor, shards))(*problem)
   np.testing.assert_allclose(y, y_ref, **TOL)
   for a, b in zip(grads, grads_ref):
     np.testing.assert_allclose(a, b, **TOL)
-  return y
+  np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+  assert int(stats.num_dropped) == int(dropped)
+  # moe_mlp's definition: a fraction of the real assignments (NO_EXPERT slots are none).
+  np.testing.assert_allclose(float(stats.dropped_fraction), int(dropped) / max(int(counts.sum()), 1),
+                             rtol=1e-6)
+  return y, stats
 
 
 # ------------------------------------------------------------------------------------------------
@@ -112,10 +137,19 @@ def test_received_expert_ids():
   np.testing.assert_array_equal(got, [0, 1, 1, -1, 1, -1, -1, -1])
 
 
-def test_buffer_slots_default_is_the_worst_case():
+def test_buffer_slots():
   assert parallel.buffer_slots(100, 2, 4, 8, None) == 200
-  assert parallel.buffer_slots(100, 2, 4, 1, None) == 100  # a token can send one row per expert
+  assert parallel.buffer_slots(100, 2, 4, 1, None) == 100  # distinct ids: one row per expert
+  assert parallel.worst_slots(100, 2) == 200  # repeated ids: all of a token's k rows to one expert
   assert parallel.buffer_slots(100, 2, 4, 8, 1.25) == 63
+
+
+def test_exchange_overflow_counts_rows_past_the_buffer():
+  ids = jnp.zeros((5, 2), jnp.int32)  # ten rows for peer 0 (expert 0), none for peer 1
+  assert int(parallel.exchange_overflow(ids, 2, 2, slots=3)) == 7
+  assert int(parallel.exchange_overflow(ids, 2, 2, slots=10)) == 0
+  ids = jnp.asarray([[0, 3], [1, -1], [2, 3]], jnp.int32)  # NO_EXPERT is no row
+  assert int(parallel.exchange_overflow(ids, 4, 2, slots=2)) == 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,27 +163,40 @@ KINDS = ["uniform", "skewed", "one"]  # looped inside a test, so that the three 
 
 @pytest.mark.parametrize("shape", MESHES)
 def test_dropless_matches_single_device(shape):
+  mesh = meshlib.make_expert_mesh(*shape)
   for kind in KINDS:
-    _check_matches(meshlib.make_expert_mesh(*shape), _problem(kind))
+    _check_matches(mesh, _problem(kind))
+  # Ids moe_mlp accepts that a router would not give (same compile). On (1, 8), E/P = 1 < k: the
+  # default buffer holds only distinct ids, so repeated ones must take the exact fallback.
+  x, _, cw, w_in, w_out, w_gate, g = _problem()
+  for name, ids in _ids_moe_mlp_accepts().items():
+    _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g))
+    if shape == (1, 8) and name != "random_repeats":
+      assert int(stats.exchange_overflow) > 0, name
 
 
 @pytest.mark.parametrize("shape", MESHES)
 def test_capacity_matches_per_device_groups(shape):
   for kind in KINDS:
-    y = _check_matches(meshlib.make_expert_mesh(*shape), _problem(kind), capacity_factor=1.0, shards=8)
+    y, stats = _check_matches(meshlib.make_expert_mesh(*shape), _problem(kind), capacity_factor=1.0,
+                              shards=8)
     if kind == "one":  # the mode really drops: tokens past capacity get nothing from expert E-1
-      assert not np.allclose(y, _single(*_problem(kind)[:6]), atol=1e-3)
+      assert not np.allclose(y, _single(*_problem(kind)[:6])[0], atol=1e-3)
+      assert int(stats.num_dropped) > 0
 
 
 def test_capacity_stats_count_global_drops():
-  x, ids, cw, w_in, w_out, _, _ = _problem("one")
-  mesh = meshlib.make_expert_mesh(2, 4)
-  _, stats = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=mesh, capacity_factor=1.0))(
-      x, ids, cw, w_in, w_out)
-  per_group = [sj.moe_mlp(a, b, c, w_in, w_out, capacity_factor=1.0)[1].num_dropped
-               for a, b, c in zip(jnp.split(x, 8), jnp.split(ids, 8), jnp.split(cw, 8))]
-  assert int(stats.num_dropped) == int(sum(per_group)) > 0
-  np.testing.assert_array_equal(stats.tokens_per_expert, jnp.bincount(ids.reshape(-1), length=8))
+  x, ids, cw, w_in, w_out, w_gate, g = _problem("one")
+  ids = ids.at[::3, 1].set(sj.NO_EXPERT)  # empty slots: neither dropped nor in the fraction's denominator
+  _, stats = _check_matches(meshlib.make_expert_mesh(2, 4), (x, ids, cw, w_in, w_out, w_gate, g),
+                            capacity_factor=1.0, shards=8)
+  # And by a numpy count: GShard groups of 8 tokens, C = ceil(1.0 * 8 * 2 / 8) = 2.
+  ids_np = np.asarray(ids)
+  dropped = sum(int(((b >= 0) & ~np_capacity_keep(b, 8, 2)).sum()) for b in np.split(ids_np, 8))
+  real = ids_np[ids_np >= 0]
+  assert int(stats.num_dropped) == dropped > 0
+  np.testing.assert_array_equal(stats.tokens_per_expert, np.bincount(real, minlength=8))
+  np.testing.assert_allclose(float(stats.dropped_fraction), dropped / real.size, rtol=1e-6)
 
 
 def test_glu_experts():
@@ -175,12 +222,12 @@ def test_pallas_kernels_inside_shard_map():
 def test_small_buffer_falls_back_exactly_on_overflow():
   mesh = meshlib.make_expert_mesh(1, 8)
   config = ExpertParallelConfig(buffer_factor=1.0)
-  problem = _problem("one")
-  _check_matches(mesh, problem, config=config)
-  x, ids, cw, w_in, w_out, _, _ = problem
-  _, stats = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=mesh, parallel=config))(
-      x, ids, cw, w_in, w_out)
-  assert int(stats.exchange_overflow) > 0  # the fallback really was needed
+  x, _, cw, w_in, w_out, _, g = _problem()
+  routings = {"one": _problem("one")[1], **_ids_moe_mlp_accepts()}
+  for name, ids in routings.items():
+    _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, None, g), config=config)
+    assert int(stats.exchange_overflow) > 0, name  # the fallback really was needed
+    assert int(stats.num_dropped) == 0, name
 
 
 def test_small_buffer_without_overflow_takes_the_fast_path():
@@ -189,9 +236,7 @@ def test_small_buffer_without_overflow_takes_the_fast_path():
   ids = jnp.stack([jnp.arange(T) % 8, (jnp.arange(T) + 1) % 8], axis=1).astype(jnp.int32)
   mesh = meshlib.make_expert_mesh(1, 8)
   config = ExpertParallelConfig(buffer_factor=1.0)
-  _check_matches(mesh, (x, ids, cw, w_in, w_out, None, g), config=config)
-  _, stats = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=mesh, parallel=config))(
-      x, ids, cw, w_in, w_out)
+  _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, None, g), config=config)
   assert int(stats.exchange_overflow) == 0
 
 
@@ -212,7 +257,7 @@ def test_small_buffer_raises_on_overflow():
   # Balanced routing fits and does not raise.
   balanced = jnp.stack([jnp.arange(T) % 8, (jnp.arange(T) + 1) % 8], axis=1).astype(jnp.int32)
   y = jax.block_until_ready(f(x, balanced, cw, w_in, w_out))
-  np.testing.assert_allclose(y, _single(x, balanced, cw, w_in, w_out, None), **TOL)
+  np.testing.assert_allclose(y, _single(x, balanced, cw, w_in, w_out, None)[0], **TOL)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,8 +273,13 @@ def test_two_level_expert_axis(shape, capacity_factor, hierarchical):
   mesh = meshlib.make_expert_mesh(data, expert, expert_groups=groups)
   config = ExpertParallelConfig(expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT),
                                 hierarchical=hierarchical)
-  _check_matches(mesh, _problem("skewed"), capacity_factor=capacity_factor, config=config,
+  problem = _problem("skewed")
+  _check_matches(mesh, problem, capacity_factor=capacity_factor, config=config,
                  shards=1 if capacity_factor is None else 8)
+  if capacity_factor is None:  # repeated ids overflow the distinct-ids buffer; same compile
+    x, _, cw, w_in, w_out, w_gate, g = problem
+    _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g),
+                   config=config)
 
 
 @pytest.mark.parametrize("shape,num_experts,capacity_factor", [
@@ -239,8 +289,14 @@ def test_expert_slicing(shape, num_experts, capacity_factor):
   mesh = meshlib.make_expert_mesh(*shape)
   layout = meshlib.expert_layout(mesh, num_experts)
   assert layout.num_slices == shape[1] // num_experts
-  _check_matches(mesh, _problem("skewed", num_experts=num_experts, glu=True),
-                 capacity_factor=capacity_factor, shards=1 if capacity_factor is None else 8)
+  problem = _problem("skewed", num_experts=num_experts, glu=True)
+  shards = 1 if capacity_factor is None else 8
+  _check_matches(mesh, problem, capacity_factor=capacity_factor, shards=shards)
+  # Repeated ids (E/P = 1 < k: the fallback path under slicing), with the same compile.
+  x, _, cw, w_in, w_out, w_gate, g = problem
+  ids = _ids_moe_mlp_accepts(num_experts)["block_twice"]
+  _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g), capacity_factor=capacity_factor,
+                 shards=shards)
 
 
 def test_bad_layouts_are_refused():
@@ -325,3 +381,23 @@ def test_jitted_train_step_with_sharded_params_and_optax_state(shape, num_expert
       a.sharding.spec[0] is not None and len(a.addressable_shards) == 8 for a in expert_leaves)
   assert all(a.addressable_shards[0].data.shape[0] == max(1, num_experts // shape[1])
              for a in expert_leaves)
+
+
+def test_precision_and_float32_combine_weights():
+  """float32 experts ask for HIGHEST in every product (no TF32 on GPU); bf16 experts with float32
+  combine weights are accepted (the weights stay float32) and keep the default precision."""
+  from moe_testing import dot_precisions, is_highest
+
+  mesh = meshlib.make_expert_mesh(1, 8)
+  x, ids, cw, w_in, w_out, _, _ = _problem()
+  for cf in (None, 1.0):
+    def loss(x, w_in, w_out):
+      y, _ = expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh, capacity_factor=cf)
+      return jnp.sum(y.astype(jnp.float32))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    found = dot_precisions(grad, x, w_in, w_out)
+    assert found and all(is_highest(p) for _, p, _ in found), (cf, found)
+    half = [a.astype(jnp.bfloat16) for a in (x, w_in, w_out)]
+    found = dot_precisions(grad, *half)
+    assert found and not any(is_highest(p) for _, p, _ in found), (cf, found)
