@@ -38,7 +38,7 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
-  @jax.named_scope("norm")
+  @jax.named_scope("rms_norm")
   def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
