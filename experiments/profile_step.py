@@ -309,6 +309,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
       "preset": preset, "overrides": overrides, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
       "dtype": model_cfg.dtype, "moe_impl": model_cfg.moe_impl if model_cfg.moe_every else None,
       "hlo_module": module, "compile_s": compile_s, "steps_traced": args.steps,
+      "command_buffers": args.keep_command_buffers or jax.default_backend() != "gpu",
       "step_ms": step_ms, "device_ms": device_ms, "tokens_per_s": tokens / (step_ms / 1e3),
       "flops_per_step": flops, "mfu": flops / (step_ms / 1e3) / peak if peak else None,
       "categories_ms": {c: per_step(by_cat.get(c, 0.0)) for c in CATEGORIES},
@@ -331,7 +332,8 @@ def _mfu(r: dict) -> str:
 def preset_markdown(r: dict, device: str) -> str:
   lines = [f"# Training step of {r['preset']} on {device}", "",
            f"batch {r['batch_size']} x {r['seq_len']} tokens, {r['dtype']}, moe_impl {r['moe_impl']}; "
-           f"{r['steps_traced']} steps traced.", "",
+           f"{r['steps_traced']} steps traced"
+           + ("." if r["command_buffers"] else ", CUDA graphs off (as while timing the step)."), "",
            f"step {r['step_ms']:.2f} ms (wall, median), device busy {r['device_ms']:.2f} ms, "
            f"{r['tokens_per_s']:,.0f} tokens/s, MFU {_mfu(r)}", "",
            FLOP_NOTE, "", "| category | ms / step | share |", "|---|---|---|"]
