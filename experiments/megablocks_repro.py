@@ -17,13 +17,15 @@ One variant at the 300 s default budget takes about 6 minutes; run them one at a
   python experiments/megablocks_repro.py --variants dropless --merge     # adds to it
   ...                                     (capacity 1.0 / 1.5 / 2.0, dense-small, each with --merge)
   python experiments/megablocks_repro.py --smoke         # CPU: tiny sizes, seconds each
-A merge refuses results of another device, budget, batch or sequence length.
+A merge refuses results of another device, budget, batch or sequence length. With $OUT set, the
+json, md and png are also copied there.
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import pathlib
 import shutil
 import sys
@@ -216,6 +218,9 @@ def main(argv=None) -> dict:
        report["target_val_loss"])
   print("\n" + table(report))
   print(f"results in {results_path}, {stem}.md and {stem}_val_loss.png")
+  if os.environ.get("OUT"):  # the device machine hands back what lies under $OUT
+    for name in (f"{stem}.json", f"{stem}.md", f"{stem}_val_loss.png"):
+      shutil.copy(out / name, pathlib.Path(os.environ["OUT"]) / name)
   return report
 
 
