@@ -65,7 +65,7 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
-from sparsejax.train import (TrainConfig, functional, init_model, make_optimizer, make_steps,  # noqa: E402
+from sparsejax.train import (TrainConfig, functional, init_model, make_optimizer, make_steps, mfu,  # noqa: E402
                              peak_flops)
 
 CATEGORIES = ("attention", "expert/ffn matmuls", "activation", "router and top-k", "placement", "topology",
@@ -303,7 +303,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
   step_ms = 1e3 * statistics.median(step_s)
   tokens = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens
-  peak = peak_flops(cfg)
+  peak = peak_flops(jax.devices()[0].device_kind, 1, cfg.peak_flops)  # one device, as train() without a mesh
   top = sorted(times.items(), key=lambda kv: -kv[1])[:args.top_ops]
   return {
       "preset": preset, "overrides": overrides, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
@@ -311,7 +311,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
       "hlo_module": module, "compile_s": compile_s, "steps_traced": args.steps,
       "command_buffers": args.keep_command_buffers or jax.default_backend() != "gpu",
       "step_ms": step_ms, "device_ms": device_ms, "tokens_per_s": tokens / (step_ms / 1e3),
-      "flops_per_step": flops, "mfu": flops / (step_ms / 1e3) / peak if peak else None,
+      "flops_per_step": flops, "mfu": mfu(flops, 1, step_ms / 1e3, peak),
       "categories_ms": {c: per_step(by_cat.get(c, 0.0)) for c in CATEGORIES},
       "share": {c: by_cat.get(c, 0.0) / max(sum(by_cat.values()), 1e-12) for c in CATEGORIES},
       "unattributed_ms": per_step(unattributed),  # device time of no HLO op (in "other")
