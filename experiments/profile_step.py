@@ -80,7 +80,9 @@ SCOPES = {  # jax.named_scope in the library -> category
 }
 _SCOPE_RE = re.compile(r"(?<![\w.])(" + "|".join(SCOPES) + r")(?![\w.])")
 MATMUL_OPCODES = {"dot", "convolution", "custom-call", "ragged-dot"}
-MATMUL_PRIMITIVES = ("dot_general", "ragged_dot", "pallas_call", "gmm", "einsum")
+# An op inside one of these (by op_name path) is part of a matmul: the Pallas kernels, whose
+# interpret-mode loops (CPU) hold many small non-dot ops, and ragged_dot's expansions.
+MATMUL_KERNELS = ("pallas_call", "sparsejax_gmm", "sparsejax_tgmm", "ragged_dot", "dot_general")
 HEAVY = {"sort": 2, "scatter": 2, "gather": 2, "reduce": 2, "reduce-window": 2, "select-and-scatter": 2,
          "dynamic-slice": 2, "dynamic-update-slice": 2, "cumsum": 2}
 IGNORED = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
@@ -141,8 +143,7 @@ def classify(op_name: str, opcode: str) -> str:
     return "optimizer" if op_name.startswith("jit(") and not differentiated else "other"
   category = SCOPES[scopes[-1]]
   if category == "ffn":
-    primitive = op_name.rsplit("/", 1)[-1]
-    matmul = opcode in MATMUL_OPCODES or any(p in primitive for p in MATMUL_PRIMITIVES)
+    matmul = opcode in MATMUL_OPCODES or any(k in op_name for k in MATMUL_KERNELS)
     return "expert/ffn matmuls" if matmul else "activation"
   return category
 

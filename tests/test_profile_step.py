@@ -15,6 +15,7 @@ import profile_step  # noqa: E402
     ("jit(train_step)/jvp(expert_ffn)/ragged_dot_general", "dot", "expert/ffn matmuls"),
     ("jit(train_step)/transpose(jvp(expert_ffn))/pallas_call", "custom-call", "expert/ffn matmuls"),
     ("jit(train_step)/jvp(expert_ffn)/tanh", "tanh", "activation"),
+    ("jit(train_step)/jvp(expert_ffn)/sparsejax_gmm/while/body/add", "add", "expert/ffn matmuls"),
     ("jit(train_step)/jvp(dense_mlp)/dot_general", "dot", "expert/ffn matmuls"),
     ("jit(train_step)/transpose(jvp(attention))/vmap(BNTS,BSNH->BTNH)/dot_general", "dot", "attention"),
     ("jit(train_step)/jvp(placement)/jit(argsort)/sort", "sort", "placement"),
