@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, Int
 from sparsejax import _checks
 
 
+@jax.named_scope("aux_losses")
 def load_balancing_loss(
     router_probs: Float[Array, "tokens experts"],
     expert_ids: Int[Array, "tokens k"],
@@ -34,6 +35,7 @@ def load_balancing_loss(
   return num_experts * jnp.sum(jax.lax.stop_gradient(f) * p)
 
 
+@jax.named_scope("aux_losses")
 def router_z_loss(logits: Float[Array, "tokens experts"]) -> Float[Array, ""]:
   """ST-MoE's z-loss: mean over tokens of logsumexp(logits)^2, computed in float32."""
   _checks.check_rank("logits", logits, 2, "[tokens, experts]")

@@ -151,6 +151,7 @@ class MLP(nnx.Module):
     self.w_gate = _param(init(rngs.params(), shape_in, c.param_dtype), ("embed", "mlp")) if c.glu else None
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), ("mlp", "embed"))
 
+  @jax.named_scope("dense_mlp")
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None, **unused):
     del rng, unused
     c = self.config

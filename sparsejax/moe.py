@@ -72,6 +72,7 @@ def check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl) ->
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
 
 
+@jax.named_scope("expert_ffn")
 def expert_ffn(
     rows: Float[Array, "rows d_model"],
     group_sizes: Int[Array, "experts"] | None,

@@ -61,6 +61,7 @@ def dropless_num_rows(num_assignments: int, num_experts: int, block_size: int = 
   return (num_assignments // block_size + min(num_experts, num_assignments)) * block_size
 
 
+@jax.named_scope("placement")
 def dropless_placement(
     expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1
 ) -> Placement:
@@ -74,6 +75,7 @@ def dropless_placement(
   return Placement(rows.astype(jnp.int32), padded, counts, jnp.zeros((), jnp.int32), num_rows)
 
 
+@jax.named_scope("placement")
 def capacity_placement(
     expert_ids: Int[Array, "tokens k"], num_experts: int, capacity: int
 ) -> Placement:
@@ -96,6 +98,7 @@ def source_tokens(placement: Placement, num_tokens: int) -> Int[Array, "rows"]:
   return src.at[placement.rows.reshape(-1)].set(token.reshape(-1), mode="drop")
 
 
+@jax.named_scope("gather_rows")
 def gather_rows(
     x: Float[Array, "tokens d"], placement: Placement
 ) -> Float[Array, "rows d"]:
@@ -105,6 +108,7 @@ def gather_rows(
   return x_padded[src]
 
 
+@jax.named_scope("scatter_rows")
 def scatter_rows(
     buffer: Float[Array, "rows d"],
     placement: Placement,
@@ -121,3 +125,49 @@ def scatter_rows(
   picked = padded[placement.rows].astype(jnp.float32)  # [T, k, d]
   y = jnp.sum(combine_weights.astype(jnp.float32)[:, :, None] * picked, axis=1)
   return y.astype(out_dtype)
+
+
+# --- Sort-free placement (MegaBlocks' histogram + cumulative sum), the same Placement as above.
+
+def rank_within_expert_histogram(
+    expert_ids: Int[Array, "tokens k"], num_experts: int, *, chunk: int = 128
+) -> tuple[Int[Array, "tokens k"], Int[Array, "experts"]]:
+  """rank_within_expert without a sort: the same ranks for every valid id, and the same counts.
+
+  The Tk assignments, in token order, are cut into chunks of `chunk`. With h[c, e] the histogram
+  of chunk c, rank(i) = sum_{c' < c(i)} h[c', e_i] (an exclusive cumsum over chunks) plus
+  #{j < i in chunk c(i): e_j = e_i} (a [chunk, chunk] comparison). O(Tk (chunk + E)) work in
+  elementwise ops and reductions that XLA fuses, no sort and no scatter. Ids outside [0, E) are
+  not counted; their rank is unspecified (placements send them to no row).
+  """
+  flat = expert_ids.reshape(-1)
+  n = flat.shape[0]
+  c = max(1, min(chunk, n))
+  num_chunks = -(-n // c)
+  valid = (flat >= 0) & (flat < num_experts)
+  key = jnp.where(valid, flat, num_experts).astype(jnp.int32)
+  key = jnp.pad(key, (0, num_chunks * c - n), constant_values=num_experts).reshape(num_chunks, c)
+  experts = jnp.arange(num_experts, dtype=jnp.int32)
+  hist = jnp.sum(key[:, :, None] == experts, axis=1, dtype=jnp.int32)  # [chunks, E]
+  before = jnp.cumsum(hist, axis=0, dtype=jnp.int32) - hist  # assignments to e in earlier chunks
+  counts = before[-1] + hist[-1]
+  pos = jnp.arange(c, dtype=jnp.int32)
+  earlier_same = (key[:, :, None] == key[:, None, :]) & (pos[None, :] < pos[:, None])[None]
+  in_chunk = jnp.sum(earlier_same, axis=2, dtype=jnp.int32)  # [chunks, c]
+  prior = jnp.take_along_axis(before, jnp.minimum(key, num_experts - 1), axis=1)
+  rank = (prior + in_chunk).reshape(-1)[:n]
+  return rank.reshape(expert_ids.shape), counts
+
+
+@jax.named_scope("placement")
+def dropless_placement_histogram(
+    expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1, chunk: int = 128
+) -> Placement:
+  """dropless_placement with the ranks of rank_within_expert_histogram: an identical Placement."""
+  rank, counts = rank_within_expert_histogram(expert_ids, num_experts, chunk=chunk)
+  padded = _round_up(counts, block_size)
+  offsets = jnp.cumsum(padded) - padded
+  num_rows = dropless_num_rows(expert_ids.size, num_experts, block_size)
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  rows = jnp.where(valid, offsets[jnp.clip(expert_ids, 0, num_experts - 1)] + rank, num_rows)
+  return Placement(rows.astype(jnp.int32), padded, counts, jnp.zeros((), jnp.int32), num_rows)

@@ -57,6 +57,7 @@ def _as_f32_logits(logits) -> Float[Array, "tokens experts"]:
   return jnp.asarray(logits).astype(jnp.float32)
 
 
+@jax.named_scope("router")
 def router_logits(
     x: Float[Array, "tokens d_model"],
     w_router: Float[Array, "d_model experts"],
@@ -81,6 +82,7 @@ def router_logits(
   return x32 @ w_router.astype(jnp.float32)
 
 
+@jax.named_scope("router")
 def top_k_routing(
     logits: Float[Array, "tokens experts"],
     k: int,
@@ -109,6 +111,7 @@ def expert_choice_capacity(num_tokens: int, num_experts: int, capacity_factor: f
   return int(min(num_tokens, max(1, math.ceil(capacity_factor * num_tokens / num_experts))))
 
 
+@jax.named_scope("router")
 def expert_choice_routing(
     logits: Float[Array, "tokens experts"], capacity_factor: float
 ) -> ExpertChoiceRouting:
@@ -124,6 +127,7 @@ def expert_choice_routing(
   return ExpertChoiceRouting(token_ids.astype(jnp.int32), weights, probs, logits)
 
 
+@jax.named_scope("router")
 def dense_to_sparse_routing(
     logits: Float[Array, "tokens experts"],
     temperature: float | jax.Array,

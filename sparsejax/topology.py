@@ -12,6 +12,7 @@ serves every routing.
 from __future__ import annotations
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
@@ -43,6 +44,7 @@ class Topology:
     return self.expert_block_offsets.shape[0] - 1
 
 
+@jax.named_scope("topology")
 def make_topology(
     padded_group_sizes: Int[Array, "experts"],
     num_rows: int,

@@ -38,6 +38,7 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
+  @jax.named_scope("rms_norm")
   def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
@@ -86,6 +87,7 @@ class Attention(nnx.Module):
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
 
+  @jax.named_scope("attention")
   def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None) -> Float[Array, "b t d"]:
     cfg, dt = self.cfg, self.cfg.compute_dtype
     qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
@@ -181,7 +183,8 @@ class Transformer(nnx.Module):
       t = tokens.shape[1]
       cache = DecodeView(index, kv_cache.positions(index, start, t), kv_cache.mask(index, start, t, length))
       self.cache_index[...] = index + t
-    h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+    with jax.named_scope("embed"):
+      h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     moe_stats = []
     for i, block in enumerate(self.blocks):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
@@ -189,7 +192,8 @@ class Transformer(nnx.Module):
       if block.is_moe:
         moe_stats.append(s)
     h = self.final_norm(h)
-    logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(dt), preferred_element_type=jnp.float32)
+    with jax.named_scope("lm_head"):
+      logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(dt), preferred_element_type=jnp.float32)
     return logits, _collect(moe_stats, cfg.num_experts)
 
 
@@ -207,6 +211,7 @@ def _collect(stats: list, num_experts: int) -> ModelStats:
   )
 
 
+@jax.named_scope("cross_entropy")
 def cross_entropy(logits: Float[Array, "b t v"], targets: Int[Array, "b t"]) -> Float[Array, ""]:
   """mean_{b,t} -log softmax(logits[b, t])[targets[b, t]] in nats (divide by ln 2 for bits per token)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
