@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
+from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.topology import Topology
 
 M_DIM, N_DIM = 0, 1
@@ -93,15 +94,6 @@ def _transforms(minor_elems: int, dtype):
   swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
   return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(swizzle))
-
-
-def _pad_to(x, axis: int, multiple: int):
-  pad = (-x.shape[axis]) % multiple
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
 
 
 _SMEM_BYTES = 227 * 1024  # per block on sm_90
@@ -284,11 +276,11 @@ def gmm(
   cfg = _fit(configs.gmm_t if transpose_rhs else configs.gmm, k, n,
              stage_bytes=lambda c: (block_m + c.tile_n) * c.tile_k * size,
              out_bytes=lambda c: 2 * 2 * (block_m // 2) * c.epi_tile_n * out_size)
-  lhs_p = _pad_to(lhs, 1, cfg.tile_k)
+  lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
-    rhs_p = _pad_to(_pad_to(rhs, 1, cfg.tile_n), 2, cfg.tile_k)
+    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_n), 2, cfg.tile_k)
   else:
-    rhs_p = _pad_to(_pad_to(rhs, 1, cfg.tile_k), 2, cfg.tile_n)
+    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_k), 2, cfg.tile_n)
   out = _gmm_padded(lhs_p, rhs_p, topo.row_block_expert, topo.row_block_rows,
                     block_m=topo.block_size, transpose_rhs=transpose_rhs,
                     out_dtype=jnp.dtype(out_dtype), cfg=cfg)
@@ -402,7 +394,7 @@ def tgmm(
   cfg = _fit(configs.tgmm, block_m, n,
              stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
              out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
-  lhs_p, dout_p = _pad_to(lhs, 1, topo.block_size), _pad_to(dout, 1, 2 * cfg.tile_n)
+  lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, 2 * cfg.tile_n)
   out = _tgmm_padded(lhs_p, dout_p, topo.expert_block_offsets, topo.row_block_rows,
                      block_m=topo.block_size,
                      out_dtype=jnp.dtype(out_dtype), cfg=cfg)

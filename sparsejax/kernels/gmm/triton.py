@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
+from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.topology import Topology
 
 
@@ -68,15 +69,6 @@ def _compiler_params(num_warps, num_stages):
 def _tile(dim: int, preferred: int) -> int:
   """A power-of-two tile no larger than needed (and at least 16, Triton's smallest dot)."""
   return max(16, min(preferred, pl.next_power_of_2(dim)))
-
-
-def _pad_to(x, axis: int, multiple: int):
-  pad = (-x.shape[axis]) % multiple
-  if pad == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
 
 
 def _precision(dtype):
@@ -135,11 +127,11 @@ def gmm(
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   block_m = topo.block_size
   block_n, block_k = _tile(n, tiling.block_n), _tile(k, tiling.block_k)
-  lhs_p = _pad_to(lhs, 1, block_k)
+  lhs_p = pad_to(lhs, 1, block_k)
   if transpose_rhs:
-    rhs_p = _pad_to(_pad_to(rhs, 1, block_n), 2, block_k)
+    rhs_p = pad_to(pad_to(rhs, 1, block_n), 2, block_k)
   else:
-    rhs_p = _pad_to(_pad_to(rhs, 1, block_k), 2, block_n)
+    rhs_p = pad_to(pad_to(rhs, 1, block_k), 2, block_n)
   n_p = -(-n // block_n) * block_n
   kernel = functools.partial(
       _gmm_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
@@ -192,7 +184,7 @@ def tgmm(
   tiling = _for_dtype(tiling or DEFAULT_TILING, lhs.dtype)
   k, n = lhs.shape[1], dout.shape[1]
   block_k, block_n = _tile(k, tiling.tgmm_block_k), _tile(n, tiling.tgmm_block_n)
-  lhs_p, dout_p = _pad_to(lhs, 1, block_k), _pad_to(dout, 1, block_n)
+  lhs_p, dout_p = pad_to(lhs, 1, block_k), pad_to(dout, 1, block_n)
   kernel = functools.partial(_tgmm_kernel, block_m=topo.block_size, block_k=block_k,
                              block_n=block_n, precision=_precision(lhs.dtype))
   out = pl.pallas_call(
