@@ -43,11 +43,14 @@ HELP = {
     "upcycle_from": "a dense run folder to sparse-upcycle into --preset (its MoE twin)",
     "peak_flops": "peak FLOP/s of one device, for MFU",
     "allow_binary": "accept a --data file that does not look like text",
+    "mesh": "expert parallelism, e.g. data=2,expert=4: experts and their optimizer state sharded over "
+            "'expert', batches over data x expert devices, the rest replicated",
 }
 # What a None default means, for the help text.
 NONE_MEANS = {"data": "the Python standard library's sources", "dtype": "bfloat16 on GPU/TPU, float32 on CPU",
               "eval_every_s": "off", "max_time_s": "no limit", "upcycle_from": "off",
-              "peak_flops": "looked up from the device kind; none for CPUs"}
+              "peak_flops": "looked up from the device kind; none for CPUs",
+              "mesh": "one device"}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -24,10 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
+from sparsejax.mesh import DATA, EXPERT, expert_layout, logical_to_mesh, make_expert_mesh
 from sparsejax.data import BatchStream, Corpus, eval_batches, load_corpus
 from sparsejax.models import Transformer, TransformerConfig, cross_entropy
 from sparsejax.train_config import TrainConfig
@@ -65,8 +67,11 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
 
 
-def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int):
-  """train_step(params, opt, x, y, step) -> (params, opt, metrics); eval_step(params, x, y) -> loss."""
+def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, shardings=None):
+  """train_step(params, opt, x, y, step) -> (params, opt, metrics); eval_step(params, x, y) -> loss.
+
+  shardings=(params', opt_state's): the step returns its state laid out as it came (a mesh run).
+  """
 
   def loss_fn(params, x, y, rng):
     logits, stats = apply(params, x, rng=rng)
@@ -86,7 +91,8 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int):
   def eval_step(params, x, y):
     return cross_entropy(apply(params, x)[0], y)
 
-  return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+  out = None if shardings is None else (*shardings, None)
+  return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out), jax.jit(eval_step)
 
 
 def peak_flops(device_kind: str, num_devices: int, per_device: float | None = None) -> float | None:
@@ -101,23 +107,42 @@ def mfu(flops_per_step: float, steps: int, seconds: float, peak: float | None) -
   return None if not peak else steps * flops_per_step / seconds / peak
 
 
-def init_model(cfg: TrainConfig, model_cfg: TransformerConfig):
-  """A fresh model, or the sparse upcycling of a dense checkpoint when cfg.upcycle_from is set."""
-  if cfg.upcycle_from is None:
-    return Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
-  from sparsejax.upcycle import load_dense_and_upcycle
-  return load_dense_and_upcycle(cfg.upcycle_from, model_cfg, seed=cfg.seed)
+def init_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None):
+  """A fresh model, or the sparse upcycling of a dense checkpoint when cfg.upcycle_from is set.
+
+  expert_mesh: the MoE layers run expert-parallel over it (same parameters as without).
+  """
+  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
+  if cfg.upcycle_from is not None:
+    from sparsejax.upcycle import load_dense_and_upcycle
+    nnx.update(model, nnx.state(load_dense_and_upcycle(cfg.upcycle_from, model_cfg, seed=cfg.seed)))
+  return model
 
 
 def _shard(mesh, tree, spec):
-  """The multi-device hook: with a mesh (Auto axes), batches split over its "data" axis, params replicate.
-
-  The expert-parallel layer will replace the params' placement by its logical-axis rules.
-  """
+  """The multi-device hook: with a mesh (Auto axes), batches split over spec, params replicate."""
   if mesh is None:
     return tree
-  from jax.sharding import NamedSharding, PartitionSpec
   return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(*spec)))
+
+
+def batch_axes(mesh) -> tuple:
+  """Batch rows split over "data" and, on an expert mesh, "expert" too (every device its own tokens)."""
+  return (tuple(a for a in (DATA, EXPERT) if a in mesh.axis_names),)
+
+
+def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
+  """Expert weights (logical names ("expert", ...)) sharded over the mesh's expert axis by the MoE
+  layer's layout (d_ff over the slice axis when experts are fewer than devices); all else replicated."""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model, nnx.Param)))
+
+  def place(spec):
+    if EXPERT not in tuple(spec):
+      return replicated
+    layout = expert_layout(mesh, num_experts)
+    return layout.sharding(logical_to_mesh(tuple(spec), layout))
+  return jax.tree.map(place, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
 
 class MetricsLog:
@@ -169,6 +194,21 @@ def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
     raise ValueError("--upcycle-from needs an MoE --preset (the dense run's MoE twin).")
 
 
+def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
+  """--mesh fits the visible devices, the batch and the experts (dividing them, or sliced by them)."""
+  data, expert = cfg.mesh_shape()
+  n, visible = data * expert, jax.device_count()
+  if n > visible:
+    raise ValueError(f"--mesh {cfg.mesh} needs {n} devices; {visible} are visible.")
+  if cfg.batch_size % n:
+    raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {n} devices of --mesh {cfg.mesh}: "
+                     f"pass a multiple of {n}.")
+  e, f = model_cfg.num_experts, model_cfg.d_ff
+  if model_cfg.moe_every and e % expert and (expert % e or f % (expert // e)):
+    raise ValueError(f"--mesh {cfg.mesh}: expert={expert} must divide num_experts={e}, or be a multiple of it "
+                     f"whose ratio divides d_ff={f} (expert slicing).")
+
+
 def prepare(cfg: TrainConfig) -> Plan:
   """Check a run before anything is compiled or written; every user error is a one-line exception.
 
@@ -197,6 +237,8 @@ def prepare(cfg: TrainConfig) -> Plan:
                      f"pass a shorter --seq-len or more data.")
   if cfg.upcycle_from is not None:
     _check_upcycle_source(cfg.upcycle_from, model_cfg)
+  if cfg.mesh is not None:
+    _check_mesh(cfg, model_cfg)
   resume_step = None
   if cfg.ckpt_every > 0 and (out / "checkpoints").is_dir():
     ckpt = Checkpointer(out / "checkpoints")
@@ -212,30 +254,49 @@ def prepare(cfg: TrainConfig) -> Plan:
 
 
 def train(cfg: TrainConfig, *, mesh=None) -> dict:
-  """Train (or resume) a run; returns the final metrics (step, val_loss, val_bpb, tokens_per_s, ...)."""
+  """Train (or resume) a run; returns the final metrics (step, val_loss, val_bpb, tokens_per_s, ...).
+
+  cfg.mesh: expert parallelism over a (data, expert) mesh. mesh: a plain data-parallel mesh (the
+  "data" axis splits batches, params replicate); not both.
+  """
   return run(prepare(cfg), mesh=mesh)
 
 
 def run(plan: Plan, *, mesh=None) -> dict:
   """The loop of a prepared run. Folders are created only once the step has compiled."""
   cfg, model_cfg, corpus = plan.cfg, plan.model_cfg, plan.corpus
+  if cfg.mesh is not None and mesh is not None:
+    raise ValueError("pass either TrainConfig.mesh (expert parallelism) or run(mesh=...) (data parallelism).")
+  expert_mesh = None if cfg.mesh is None else make_expert_mesh(*cfg.mesh_shape())
+  mesh = expert_mesh if expert_mesh is not None else mesh
   out = pathlib.Path(cfg.out)
   resuming = plan.resume_step is not None
   ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if resuming else None
-  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed)) if resuming else init_model(cfg, model_cfg)
+  model = (Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh) if resuming
+           else init_model(cfg, model_cfg, expert_mesh))
   apply, params = functional(model)
+  shardings = None
+  if expert_mesh is not None:  # the optimizer's moments follow their params (zeros_like keeps a sharding)
+    params = jax.device_put(params, param_shardings(model, expert_mesh, model_cfg.num_experts))
+  else:
+    params = _shard(mesh, params, ())
   tx = make_optimizer(cfg)
   opt_state = tx.init(params)
+  if expert_mesh is not None:  # scalars (the step count) replicate; jit wants every state array on the mesh
+    on_mesh = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, PartitionSpec())
+    shardings = jax.tree.map(on_mesh, (params, opt_state))
+    params, opt_state = jax.device_put((params, opt_state), shardings)
+  del model
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   step, elapsed = 0, 0.0
-  if resuming:
+  if resuming:  # into this run's layout, whatever mesh the checkpoint was written from
     items, meta = ckpt.restore({"params": params, "opt_state": opt_state})
     params, opt_state = items["params"], items["opt_state"]
     step, elapsed = meta["step"], meta["elapsed_s"]
     stream.restore(meta["data"])
     print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
-  params, opt_state = _shard(mesh, params, ()), _shard(mesh, opt_state, ())
-  train_step, eval_step = make_steps(apply, tx, cfg.seed)
+  batch = lambda b: _shard(mesh, b, batch_axes(mesh)) if mesh is not None else b
+  train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings)
   val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
@@ -247,7 +308,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
 
   # Compile ahead of time so that every timed window (tokens/s, MFU, elapsed) is pure training.
   t0 = time.perf_counter()
-  example = _shard(mesh, stream.batch(stream.position), ("data",))
+  example = batch(stream.batch(stream.position))
   train_step = train_step.lower(params, opt_state, *example, jnp.int32(step)).compile()
   compile_s = time.perf_counter() - t0
   if ckpt is None and cfg.ckpt_every > 0:
@@ -256,7 +317,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   save = lambda force=False: ckpt and ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
 
   def evaluate() -> dict:
-    loss = float(np.mean([eval_step(params, *_shard(mesh, b, ("data",))) for b in val]))
+    loss = float(np.mean([eval_step(params, *batch(b)) for b in val]))
     record = dict(step=step, elapsed_s=elapsed, val_loss=loss, val_bits_per_token=loss / math.log(2))
     if corpus.byte_level:
       record["val_bpb"] = record["val_bits_per_token"]
@@ -267,7 +328,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   last = dict(step=step, elapsed_s=elapsed)
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
   while step < cfg.steps and (cfg.max_time_s is None or elapsed < cfg.max_time_s):
-    x, y = _shard(mesh, next(stream), ("data",))
+    x, y = batch(next(stream))
     params, opt_state, m = train_step(params, opt_state, x, y, jnp.int32(step))
     step, window_steps = step + 1, window_steps + 1
     if step % cfg.log_every == 0 or step == cfg.steps:

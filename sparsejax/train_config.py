@@ -11,6 +11,19 @@ import math
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
+def _parse_mesh(text) -> tuple[int, int] | None:
+  """"data=2,expert=4" -> (2, 4); an axis left out has size 1; None when the text is malformed."""
+  if not isinstance(text, str):
+    return None
+  sizes = {}
+  for item in text.replace(" ", "").split(","):
+    name, sep, value = item.partition("=")
+    if not sep or name not in ("data", "expert") or name in sizes or not value.isdigit() or int(value) < 1:
+      return None
+    sizes[name] = int(value)
+  return sizes.get("data", 1), sizes.get("expert", 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Everything a run needs; model_overrides replace fields of the preset's TransformerConfig."""
@@ -37,6 +50,7 @@ class TrainConfig:
   upcycle_from: str | None = None  # a dense run's out dir (or checkpoint dir): preset must be its MoE twin
   peak_flops: float | None = None  # per device; None: looked up from the device kind
   allow_binary: bool = False       # accept a data file that does not look like text
+  mesh: str | None = None          # "data=D,expert=X": expert parallelism over D * X devices
   progress: bool = True
   model_overrides: dict = dataclasses.field(default_factory=dict)
 
@@ -62,6 +76,12 @@ class TrainConfig:
     need(self.dtype is None or self.dtype in COMPUTE_DTYPES, "dtype", f"one of {', '.join(COMPUTE_DTYPES)}")
     need(isinstance(self.preset, str) and bool(self.preset), "preset", "a preset name")
     need(isinstance(self.out, str) and bool(self.out.strip()), "out", "a folder path")
+    need(self.mesh is None or _parse_mesh(self.mesh) is not None, "mesh",
+         "'data=D,expert=X' with D, X integers >= 1 (either may be left out: 1)")
+
+  def mesh_shape(self) -> tuple[int, int] | None:
+    """(data, expert) device counts of --mesh, None without one."""
+    return None if self.mesh is None else _parse_mesh(self.mesh)
 
   def model_config(self):
     """The preset's TransformerConfig with dtype, model_overrides and max_seq_len >= seq_len applied."""

@@ -112,13 +112,13 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
   """h = x + Attn(norm(x)); y = h + FFN(norm(h)); FFN is MoE or MLP, both returning (y, MoELayerStats)."""
 
-  def __init__(self, cfg: TransformerConfig, moe: bool, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, moe: bool, *, rngs: nnx.Rngs, mesh=None):
     pd = DTYPES[cfg.param_dtype]
     self.attn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.attn = Attention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.is_moe = moe
-    self.ffn = MoE(cfg.moe_config(), rngs=rngs) if moe else MLP(cfg.moe_config(), rngs=rngs)
+    self.ffn = MoE(cfg.moe_config(), rngs=rngs, mesh=mesh) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
                cache: "DecodeView | None" = None):
@@ -139,13 +139,15 @@ class Transformer(nnx.Module):
   """logits[b, t] = W_head RMSNorm(blocks(Embed(tokens)))[b, t], predicting tokens[b, t + 1].
 
   Pass rng while training (router jitter); logits come back in float32 for a stable softmax.
+  mesh (a sparsejax.mesh.make_expert_mesh mesh) makes the MoE layers expert-parallel over it; the
+  parameters are the same either way, so a checkpoint moves between meshes.
   """
 
-  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, mesh=None):
     self.cfg = cfg
     pd = DTYPES[cfg.param_dtype]
     self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.d_model), pd))
-    blocks = [Block(cfg, cfg.is_moe_layer(i), rngs=rngs) for i in range(cfg.num_layers)]
+    blocks = [Block(cfg, cfg.is_moe_layer(i), rngs=rngs, mesh=mesh) for i in range(cfg.num_layers)]
     self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.final_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.head = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.d_model, cfg.vocab_size), pd))
