@@ -116,3 +116,23 @@ def test_a_checkpoint_moves_between_meshes(tmp_path, one_device):
   for name, mesh in (("a", "data=2,expert=4"), ("b", None)):
     train(_cfg(tmp_path, name, mesh=mesh, steps=3, ckpt_every=2))
     np.testing.assert_allclose(_losses(tmp_path / name), one_device[0], rtol=2e-5)
+
+
+def test_fewer_experts_than_devices_slice_d_ff():
+  """E = 4 on expert=8: each expert's d_ff is split over the two devices of its slice axis."""
+  from flax import nnx
+
+  from sparsejax.mesh import make_expert_mesh
+  from sparsejax.models import Transformer, get_preset
+  from sparsejax.train import param_shardings
+  mesh = make_expert_mesh(1, 8)
+  model = Transformer(get_preset("tiny-moe", **{**TINY, "num_experts": 4}), rngs=nnx.Rngs(0), mesh=mesh)
+  ffn = param_shardings(model, mesh, 4)["blocks"][0]["ffn"]
+  assert ffn["w_in"].spec == P("expert", None, "expert_slice") and ffn["w_out"].spec == P("expert", "expert_slice", None)
+  assert ffn["w_in"].shard_shape((4, 32, 64)) == (1, 32, 32)
+
+
+def test_the_flag_reaches_the_config():
+  assert parse_args(["--mesh", "data=2,expert=4"]).mesh_shape() == (2, 4)
+  assert parse_args(["--mesh", "expert=8"]).mesh_shape() == (1, 8)
+  assert parse_args([]).mesh is None
