@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
-from sparsejax.mesh import DATA, EXPERT, expert_layout, logical_to_mesh, make_expert_mesh
+from sparsejax.mesh import DATA, EXPERT, EXPERT_GROUP, expert_layout, logical_to_mesh, make_expert_mesh
 from sparsejax.data import BatchStream, Corpus, eval_batches, load_corpus
 from sparsejax.models import Transformer, TransformerConfig, cross_entropy
 from sparsejax.train_config import TrainConfig
@@ -107,12 +107,38 @@ def mfu(flops_per_step: float, steps: int, seconds: float, peak: float | None) -
   return None if not peak else steps * flops_per_step / seconds / peak
 
 
+def mesh_from_config(cfg: TrainConfig):
+  """The (data, [expert_group,] expert) mesh of cfg.mesh, None without one."""
+  if cfg.mesh is None:
+    return None
+  shape = cfg.mesh_shape()
+  return make_expert_mesh(shape["data"], shape["expert"], expert_groups=shape.get("expert_group"))
+
+
+def expert_axes(mesh) -> str | tuple[str, str]:
+  """The mesh axes that shard experts: ("expert_group", "expert") on a two-level mesh, else "expert"."""
+  return (EXPERT_GROUP, EXPERT) if EXPERT_GROUP in mesh.axis_names else EXPERT
+
+
+def build_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None) -> Transformer:
+  """Transformer(model_cfg) whose MoE layers run expert-parallel over expert_mesh; on a two-level
+  mesh their all-to-all is hierarchical (across expert groups, then within one)."""
+  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
+  if expert_mesh is not None and EXPERT_GROUP in expert_mesh.axis_names:
+    from sparsejax.parallel import ExpertParallelConfig
+    config = ExpertParallelConfig(expert_axis=expert_axes(expert_mesh), hierarchical=True)
+    for block in model.blocks:
+      if block.is_moe:
+        block.ffn.parallel = config  # static: part of the graphdef, as MoE(parallel=...) would set it
+  return model
+
+
 def init_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None):
   """A fresh model, or the sparse upcycling of a dense checkpoint when cfg.upcycle_from is set.
 
   expert_mesh: the MoE layers run expert-parallel over it (same parameters as without).
   """
-  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
+  model = build_model(cfg, model_cfg, expert_mesh)
   if cfg.upcycle_from is not None:
     from sparsejax.upcycle import load_dense_and_upcycle
     nnx.update(model, nnx.state(load_dense_and_upcycle(cfg.upcycle_from, model_cfg, seed=cfg.seed)))
@@ -127,8 +153,8 @@ def _shard(mesh, tree, spec):
 
 
 def batch_axes(mesh) -> tuple:
-  """Batch rows split over "data" and, on an expert mesh, "expert" too (every device its own tokens)."""
-  return (tuple(a for a in (DATA, EXPERT) if a in mesh.axis_names),)
+  """Batch rows split over "data" and, on an expert mesh, the expert axes too (every device its own tokens)."""
+  return (tuple(a for a in (DATA, EXPERT_GROUP, EXPERT) if a in mesh.axis_names),)
 
 
 def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
@@ -140,7 +166,7 @@ def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
   def place(spec):
     if EXPERT not in tuple(spec):
       return replicated
-    layout = expert_layout(mesh, num_experts)
+    layout = expert_layout(mesh, num_experts, expert_axis=expert_axes(mesh))
     return layout.sharding(logical_to_mesh(tuple(spec), layout))
   return jax.tree.map(place, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
@@ -196,14 +222,18 @@ def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
 
 def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
   """--mesh fits the visible devices, the batch and the experts (dividing them, or sliced by them)."""
-  data, expert = cfg.mesh_shape()
-  n, visible = data * expert, jax.device_count()
+  shape = cfg.mesh_shape()
+  expert, groups = shape["expert"], shape.get("expert_group")
+  n, visible = math.prod(shape.values()), jax.device_count()
   if n > visible:
     raise ValueError(f"--mesh {cfg.mesh} needs {n} devices; {visible} are visible.")
   if cfg.batch_size % n:
     raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {n} devices of --mesh {cfg.mesh}: "
                      f"pass a multiple of {n}.")
   e, f = model_cfg.num_experts, model_cfg.d_ff
+  if model_cfg.moe_every and groups is not None and e % (groups * expert):
+    raise ValueError(f"--mesh {cfg.mesh}: expert_group x expert = {groups * expert} devices must divide "
+                     f"num_experts={e} (expert slicing needs a single expert axis: leave out expert_group).")
   if model_cfg.moe_every and e % expert and (expert % e or f % (expert // e)):
     raise ValueError(f"--mesh {cfg.mesh}: expert={expert} must divide num_experts={e}, or be a multiple of it "
                      f"whose ratio divides d_ff={f} (expert slicing).")
@@ -267,12 +297,12 @@ def run(plan: Plan, *, mesh=None) -> dict:
   cfg, model_cfg, corpus = plan.cfg, plan.model_cfg, plan.corpus
   if cfg.mesh is not None and mesh is not None:
     raise ValueError("pass either TrainConfig.mesh (expert parallelism) or run(mesh=...) (data parallelism).")
-  expert_mesh = None if cfg.mesh is None else make_expert_mesh(*cfg.mesh_shape())
+  expert_mesh = mesh_from_config(cfg)
   mesh = expert_mesh if expert_mesh is not None else mesh
   out = pathlib.Path(cfg.out)
   resuming = plan.resume_step is not None
   ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if resuming else None
-  model = (Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh) if resuming
+  model = (build_model(cfg, model_cfg, expert_mesh) if resuming
            else init_model(cfg, model_cfg, expert_mesh))
   apply, params = functional(model)
   shardings = None
