@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from sparsejax import distributed
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
 from sparsejax.mesh import DATA, EXPERT, EXPERT_GROUP, expert_layout, logical_to_mesh, make_expert_mesh
@@ -152,6 +153,14 @@ def _shard(mesh, tree, spec):
   return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
+def global_batch(mesh, local: tuple) -> tuple:
+  """This process's rows of a batch -> the global batch, split over the mesh's batch axes. Each
+  process passes its own contiguous block (data.process_rows), which make_array_from_process_local_data
+  places on that process's devices (the mesh lists devices process by process)."""
+  sharding = NamedSharding(mesh, PartitionSpec(*batch_axes(mesh)))
+  return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in local)
+
+
 def batch_axes(mesh) -> tuple:
   """Batch rows split over "data" and, on an expert mesh, the expert axes too (every device its own tokens)."""
   return (tuple(a for a in (DATA, EXPERT_GROUP, EXPERT) if a in mesh.axis_names),)
@@ -174,13 +183,21 @@ def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
 class MetricsLog:
   """Appends one JSON object per line; after a resume, readers keep the last record of each step."""
 
-  def __init__(self, path: pathlib.Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    self.file = open(path, "a")
+  def __init__(self, path: pathlib.Path | None):
+    self.file = None
+    if path is not None:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      self.file = open(path, "a")
+
+  @classmethod
+  def null(cls) -> "MetricsLog":
+    """A log that writes nothing (the processes other than 0 of a multi-process run)."""
+    return cls(None)
 
   def write(self, **record: Any) -> None:
-    self.file.write(json.dumps(record) + "\n")
-    self.file.flush()
+    if self.file is not None:
+      self.file.write(json.dumps(record) + "\n")
+      self.file.flush()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +244,9 @@ def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
   n, visible = math.prod(shape.values()), jax.device_count()
   if n > visible:
     raise ValueError(f"--mesh {cfg.mesh} needs {n} devices; {visible} are visible.")
+  if jax.process_count() > 1 and n != visible:
+    raise ValueError(f"--mesh {cfg.mesh} covers {n} devices; with {jax.process_count()} processes it must "
+                     f"cover all {visible} of them.")
   if cfg.batch_size % n:
     raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {n} devices of --mesh {cfg.mesh}: "
                      f"pass a multiple of {n}.")
@@ -244,7 +264,12 @@ def prepare(cfg: TrainConfig) -> Plan:
 
   Raises ValueError or OSError for an unknown preset, a bad --set, missing, empty, binary
   or too short data, and an `out` that holds a run of another model config.
+  Of several processes (distributed.initialize_from_env, started here), a run without --mesh is
+  data-parallel over all their devices.
   """
+  distributed.initialize_from_env()
+  if cfg.mesh is None and jax.process_count() > 1:
+    cfg = dataclasses.replace(cfg, mesh=f"data={jax.device_count()}")
   out = pathlib.Path(cfg.out)
   existing = next(p for p in (out, *out.absolute().parents) if p.exists())
   if not existing.is_dir():
@@ -317,17 +342,20 @@ def run(plan: Plan, *, mesh=None) -> dict:
     shardings = jax.tree.map(on_mesh, (params, opt_state))
     params, opt_state = jax.device_put((params, opt_state), shardings)
   del model
-  stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+  procs = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  main_process = procs["process_index"] == 0  # the one that logs; orbax coordinates the checkpoints
+  stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed, **procs)
   step, elapsed = 0, 0.0
   if resuming:  # into this run's layout, whatever mesh the checkpoint was written from
     items, meta = ckpt.restore({"params": params, "opt_state": opt_state})
     params, opt_state = items["params"], items["opt_state"]
     step, elapsed = meta["step"], meta["elapsed_s"]
     stream.restore(meta["data"])
-    print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
-  batch = lambda b: _shard(mesh, b, batch_axes(mesh)) if mesh is not None else b
+    if main_process:
+      print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
+  batch = lambda b: global_batch(mesh, b) if mesh is not None else b
   train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings)
-  val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, **procs)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   # The devices this run computes on: the mesh's, or the one device jit uses without a mesh.
@@ -343,7 +371,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   compile_s = time.perf_counter() - t0
   if ckpt is None and cfg.ckpt_every > 0:
     ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep)
-  log = MetricsLog(out / "metrics.jsonl")
+  log = MetricsLog(out / "metrics.jsonl") if main_process else MetricsLog.null()
   save = lambda force=False: ckpt and ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
 
   def evaluate() -> dict:
@@ -354,7 +382,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
     log.write(kind="val", **record)
     return record
 
-  bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, dynamic_ncols=True)
+  bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and main_process), dynamic_ncols=True)
   last = dict(step=step, elapsed_s=elapsed)
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
   while step < cfg.steps and (cfg.max_time_s is None or elapsed < cfg.max_time_s):
@@ -382,8 +410,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
       t_eval = time.perf_counter()
       v = evaluate()
       next_eval_s = elapsed + (cfg.eval_every_s or math.inf)
-      bar.write(f"step {step:>6} | train loss {last.get('loss', float('nan')):.3f} | "
-                f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
+      if main_process:
+        bar.write(f"step {step:>6} | train loss {last.get('loss', float('nan')):.3f} | "
+                  f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
       window_t += time.perf_counter() - t_eval  # eval time is not training time
     t_save = time.perf_counter()
     save()
@@ -393,9 +422,10 @@ def run(plan: Plan, *, mesh=None) -> dict:
   final = {**last, **evaluate(), "compile_s": compile_s}
   if ckpt:
     ckpt.close()
-  print(f"done: step {step}, train loss {final.get('loss', float('nan')):.3f}, "
-        f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
-        f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
+  if main_process:
+    print(f"done: step {step}, train loss {final.get('loss', float('nan')):.3f}, "
+          f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
+          f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
   return final
 
 
