@@ -44,7 +44,9 @@ HELP = {
     "peak_flops": "peak FLOP/s of one device, for MFU",
     "allow_binary": "accept a --data file that does not look like text",
     "mesh": "expert parallelism, e.g. data=2,expert=4: experts and their optimizer state sharded over "
-            "'expert', batches over data x expert devices, the rest replicated",
+            "'expert', batches over data x expert devices, the rest replicated; data=2,expert_group=2,expert=2: "
+            "experts over expert_group x expert with a two-stage all-to-all (groups = hosts); fewer experts "
+            "than 'expert' devices split each expert's d_ff (expert slicing)",
 }
 # What a None default means, for the help text.
 NONE_MEANS = {"data": "the Python standard library's sources", "dtype": "bfloat16 on GPU/TPU, float32 on CPU",

@@ -132,21 +132,35 @@ def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
   return _split_bytes(path.read_bytes(), str(path), val_fraction)
 
 
+def process_rows(batch_size: int, process_index: int, process_count: int) -> slice:
+  """The rows of a global batch that process_index of process_count reads: an equal contiguous block."""
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must lie in [0, process_count={process_count}).")
+  if batch_size % process_count:
+    raise ValueError(f"batch size {batch_size} does not split over {process_count} processes.")
+  per = batch_size // process_count
+  return slice(process_index * per, (process_index + 1) * per)
+
+
 class BatchStream:
   """Random windows of seq_len + 1 tokens: batch n is a pure function of (seed, n), so state is two ints.
 
   inputs = window[:-1], targets = window[1:]. state() / BatchStream(..., position=p) resume exactly.
+  Of several processes, process i of count reads only rows [i * b / count, (i + 1) * b / count) of
+  the global batch of b = batch_size rows, the same rows one process would read there.
   """
 
-  def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0, position: int = 0):
+  def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, *, seed: int = 0, position: int = 0,
+               process_index: int = 0, process_count: int = 1):
     if len(tokens) < seq_len + 2:
       raise ValueError(f"Corpus of {len(tokens)} tokens is too short for seq_len={seq_len}.")
+    self.rows = process_rows(batch_size, process_index, process_count)
     self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
     self.seed, self.position = seed, position
 
   def batch(self, n: int) -> tuple[Int[np.ndarray, "b t"], Int[np.ndarray, "b t"]]:
     rng = np.random.default_rng([self.seed, n])
-    starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+    starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[self.rows]
     windows = np.stack([np.asarray(self.tokens[s:s + self.seq_len + 1]) for s in starts]).astype(np.int32)
     return windows[:, :-1], windows[:, 1:]
 
@@ -165,13 +179,16 @@ class BatchStream:
     self.seed, self.position = int(state["seed"]), int(state["position"])
 
 
-def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int):
-  """Fixed validation batches: evenly spaced windows, the same every call, independent of any seed."""
+def eval_batches(tokens: np.ndarray, batch_size: int, seq_len: int, num_batches: int, *,
+                 process_index: int = 0, process_count: int = 1):
+  """Fixed validation batches: evenly spaced windows, the same every call, independent of any seed
+  (each process's rows of them, as BatchStream's)."""
+  rows = process_rows(batch_size, process_index, process_count)
   n = num_batches * batch_size
   span = len(tokens) - seq_len - 1
   if span < 1:
     raise ValueError(f"Validation split of {len(tokens)} tokens is too short for seq_len={seq_len}.")
-  starts = np.linspace(0, span - 1, n).astype(np.int64)
+  starts = np.linspace(0, span - 1, n).astype(np.int64).reshape(num_batches, batch_size)[:, rows].ravel()
   windows = np.stack([np.asarray(tokens[s:s + seq_len + 1]) for s in starts]).astype(np.int32)
-  windows = windows.reshape(num_batches, batch_size, seq_len + 1)
+  windows = windows.reshape(num_batches, -1, seq_len + 1)
   return [(w[:, :-1], w[:, 1:]) for w in windows]

@@ -27,9 +27,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from sparsejax import distributed
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
-from sparsejax.mesh import DATA, EXPERT, expert_layout, logical_to_mesh, make_expert_mesh
+from sparsejax.mesh import DATA, EXPERT, EXPERT_GROUP, expert_layout, logical_to_mesh, make_expert_mesh
 from sparsejax.data import BatchStream, Corpus, eval_batches, load_corpus
 from sparsejax.models import Transformer, TransformerConfig, cross_entropy
 from sparsejax.train_config import TrainConfig
@@ -107,12 +108,38 @@ def mfu(flops_per_step: float, steps: int, seconds: float, peak: float | None) -
   return None if not peak else steps * flops_per_step / seconds / peak
 
 
+def mesh_from_config(cfg: TrainConfig):
+  """The (data, [expert_group,] expert) mesh of cfg.mesh, None without one."""
+  if cfg.mesh is None:
+    return None
+  shape = cfg.mesh_shape()
+  return make_expert_mesh(shape["data"], shape["expert"], expert_groups=shape.get("expert_group"))
+
+
+def expert_axes(mesh) -> str | tuple[str, str]:
+  """The mesh axes that shard experts: ("expert_group", "expert") on a two-level mesh, else "expert"."""
+  return (EXPERT_GROUP, EXPERT) if EXPERT_GROUP in mesh.axis_names else EXPERT
+
+
+def build_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None) -> Transformer:
+  """Transformer(model_cfg) whose MoE layers run expert-parallel over expert_mesh; on a two-level
+  mesh their all-to-all is hierarchical (across expert groups, then within one)."""
+  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
+  if expert_mesh is not None and EXPERT_GROUP in expert_mesh.axis_names:
+    from sparsejax.parallel import ExpertParallelConfig
+    config = ExpertParallelConfig(expert_axis=expert_axes(expert_mesh), hierarchical=True)
+    for block in model.blocks:
+      if block.is_moe:
+        block.ffn.parallel = config  # static: part of the graphdef, as MoE(parallel=...) would set it
+  return model
+
+
 def init_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None):
   """A fresh model, or the sparse upcycling of a dense checkpoint when cfg.upcycle_from is set.
 
   expert_mesh: the MoE layers run expert-parallel over it (same parameters as without).
   """
-  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
+  model = build_model(cfg, model_cfg, expert_mesh)
   if cfg.upcycle_from is not None:
     from sparsejax.upcycle import load_dense_and_upcycle
     nnx.update(model, nnx.state(load_dense_and_upcycle(cfg.upcycle_from, model_cfg, seed=cfg.seed)))
@@ -126,9 +153,17 @@ def _shard(mesh, tree, spec):
   return jax.device_put(tree, NamedSharding(mesh, PartitionSpec(*spec)))
 
 
+def global_batch(mesh, local: tuple) -> tuple:
+  """This process's rows of a batch -> the global batch, split over the mesh's batch axes. Each
+  process passes its own contiguous block (data.process_rows), which make_array_from_process_local_data
+  places on that process's devices (the mesh lists devices process by process)."""
+  sharding = NamedSharding(mesh, PartitionSpec(*batch_axes(mesh)))
+  return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(a)) for a in local)
+
+
 def batch_axes(mesh) -> tuple:
-  """Batch rows split over "data" and, on an expert mesh, "expert" too (every device its own tokens)."""
-  return (tuple(a for a in (DATA, EXPERT) if a in mesh.axis_names),)
+  """Batch rows split over "data" and, on an expert mesh, the expert axes too (every device its own tokens)."""
+  return (tuple(a for a in (DATA, EXPERT_GROUP, EXPERT) if a in mesh.axis_names),)
 
 
 def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
@@ -140,7 +175,7 @@ def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
   def place(spec):
     if EXPERT not in tuple(spec):
       return replicated
-    layout = expert_layout(mesh, num_experts)
+    layout = expert_layout(mesh, num_experts, expert_axis=expert_axes(mesh))
     return layout.sharding(logical_to_mesh(tuple(spec), layout))
   return jax.tree.map(place, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
 
@@ -148,13 +183,21 @@ def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
 class MetricsLog:
   """Appends one JSON object per line; after a resume, readers keep the last record of each step."""
 
-  def __init__(self, path: pathlib.Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    self.file = open(path, "a")
+  def __init__(self, path: pathlib.Path | None):
+    self.file = None
+    if path is not None:
+      path.parent.mkdir(parents=True, exist_ok=True)
+      self.file = open(path, "a")
+
+  @classmethod
+  def null(cls) -> "MetricsLog":
+    """A log that writes nothing (the processes other than 0 of a multi-process run)."""
+    return cls(None)
 
   def write(self, **record: Any) -> None:
-    self.file.write(json.dumps(record) + "\n")
-    self.file.flush()
+    if self.file is not None:
+      self.file.write(json.dumps(record) + "\n")
+      self.file.flush()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,14 +239,21 @@ def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
 
 def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
   """--mesh fits the visible devices, the batch and the experts (dividing them, or sliced by them)."""
-  data, expert = cfg.mesh_shape()
-  n, visible = data * expert, jax.device_count()
+  shape = cfg.mesh_shape()
+  expert, groups = shape["expert"], shape.get("expert_group")
+  n, visible = math.prod(shape.values()), jax.device_count()
   if n > visible:
     raise ValueError(f"--mesh {cfg.mesh} needs {n} devices; {visible} are visible.")
+  if jax.process_count() > 1 and n != visible:
+    raise ValueError(f"--mesh {cfg.mesh} covers {n} devices; with {jax.process_count()} processes it must "
+                     f"cover all {visible} of them.")
   if cfg.batch_size % n:
     raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {n} devices of --mesh {cfg.mesh}: "
                      f"pass a multiple of {n}.")
   e, f = model_cfg.num_experts, model_cfg.d_ff
+  if model_cfg.moe_every and groups is not None and e % (groups * expert):
+    raise ValueError(f"--mesh {cfg.mesh}: expert_group x expert = {groups * expert} devices must divide "
+                     f"num_experts={e} (expert slicing needs a single expert axis: leave out expert_group).")
   if model_cfg.moe_every and e % expert and (expert % e or f % (expert // e)):
     raise ValueError(f"--mesh {cfg.mesh}: expert={expert} must divide num_experts={e}, or be a multiple of it "
                      f"whose ratio divides d_ff={f} (expert slicing).")
@@ -214,7 +264,12 @@ def prepare(cfg: TrainConfig) -> Plan:
 
   Raises ValueError or OSError for an unknown preset, a bad --set, missing, empty, binary
   or too short data, and an `out` that holds a run of another model config.
+  Of several processes (distributed.initialize_from_env, started here), a run without --mesh is
+  data-parallel over all their devices.
   """
+  distributed.initialize_from_env()
+  if cfg.mesh is None and jax.process_count() > 1:
+    cfg = dataclasses.replace(cfg, mesh=f"data={jax.device_count()}")
   out = pathlib.Path(cfg.out)
   existing = next(p for p in (out, *out.absolute().parents) if p.exists())
   if not existing.is_dir():
@@ -267,12 +322,12 @@ def run(plan: Plan, *, mesh=None) -> dict:
   cfg, model_cfg, corpus = plan.cfg, plan.model_cfg, plan.corpus
   if cfg.mesh is not None and mesh is not None:
     raise ValueError("pass either TrainConfig.mesh (expert parallelism) or run(mesh=...) (data parallelism).")
-  expert_mesh = None if cfg.mesh is None else make_expert_mesh(*cfg.mesh_shape())
+  expert_mesh = mesh_from_config(cfg)
   mesh = expert_mesh if expert_mesh is not None else mesh
   out = pathlib.Path(cfg.out)
   resuming = plan.resume_step is not None
   ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep) if resuming else None
-  model = (Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh) if resuming
+  model = (build_model(cfg, model_cfg, expert_mesh) if resuming
            else init_model(cfg, model_cfg, expert_mesh))
   apply, params = functional(model)
   shardings = None
@@ -287,17 +342,20 @@ def run(plan: Plan, *, mesh=None) -> dict:
     shardings = jax.tree.map(on_mesh, (params, opt_state))
     params, opt_state = jax.device_put((params, opt_state), shardings)
   del model
-  stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+  procs = dict(process_index=jax.process_index(), process_count=jax.process_count())
+  main_process = procs["process_index"] == 0  # the one that logs; orbax coordinates the checkpoints
+  stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed, **procs)
   step, elapsed = 0, 0.0
   if resuming:  # into this run's layout, whatever mesh the checkpoint was written from
     items, meta = ckpt.restore({"params": params, "opt_state": opt_state})
     params, opt_state = items["params"], items["opt_state"]
     step, elapsed = meta["step"], meta["elapsed_s"]
     stream.restore(meta["data"])
-    print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
-  batch = lambda b: _shard(mesh, b, batch_axes(mesh)) if mesh is not None else b
+    if main_process:
+      print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
+  batch = lambda b: global_batch(mesh, b) if mesh is not None else b
   train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings)
-  val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+  val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, **procs)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
   # The devices this run computes on: the mesh's, or the one device jit uses without a mesh.
@@ -313,7 +371,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   compile_s = time.perf_counter() - t0
   if ckpt is None and cfg.ckpt_every > 0:
     ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep)
-  log = MetricsLog(out / "metrics.jsonl")
+  log = MetricsLog(out / "metrics.jsonl") if main_process else MetricsLog.null()
   save = lambda force=False: ckpt and ckpt.save(step, {"params": params, "opt_state": opt_state}, meta(), force=force)
 
   def evaluate() -> dict:
@@ -324,7 +382,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
     log.write(kind="val", **record)
     return record
 
-  bar = tqdm(total=cfg.steps, initial=step, disable=not cfg.progress, dynamic_ncols=True)
+  bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and main_process), dynamic_ncols=True)
   last = dict(step=step, elapsed_s=elapsed)
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
   while step < cfg.steps and (cfg.max_time_s is None or elapsed < cfg.max_time_s):
@@ -352,8 +410,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
       t_eval = time.perf_counter()
       v = evaluate()
       next_eval_s = elapsed + (cfg.eval_every_s or math.inf)
-      bar.write(f"step {step:>6} | train loss {last.get('loss', float('nan')):.3f} | "
-                f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
+      if main_process:
+        bar.write(f"step {step:>6} | train loss {last.get('loss', float('nan')):.3f} | "
+                  f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
       window_t += time.perf_counter() - t_eval  # eval time is not training time
     t_save = time.perf_counter()
     save()
@@ -363,9 +422,10 @@ def run(plan: Plan, *, mesh=None) -> dict:
   final = {**last, **evaluate(), "compile_s": compile_s}
   if ckpt:
     ckpt.close()
-  print(f"done: step {step}, train loss {final.get('loss', float('nan')):.3f}, "
-        f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
-        f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
+  if main_process:
+    print(f"done: step {step}, train loss {final.get('loss', float('nan')):.3f}, "
+          f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
+          f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
   return final
 
 

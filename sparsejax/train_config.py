@@ -11,17 +11,21 @@ import math
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _parse_mesh(text) -> tuple[int, int] | None:
-  """"data=2,expert=4" -> (2, 4); an axis left out has size 1; None when the text is malformed."""
+MESH_AXES = ("data", "expert_group", "expert")  # mesh order: the inner axes stay within a host
+
+
+def _parse_mesh(text) -> dict[str, int] | None:
+  """"data=2,expert_group=2,expert=2" -> {"data": 2, "expert_group": 2, "expert": 2}: data and expert
+  default to 1, expert_group is present only when given; None when the text is malformed."""
   if not isinstance(text, str):
     return None
   sizes = {}
   for item in text.replace(" ", "").split(","):
     name, sep, value = item.partition("=")
-    if not sep or name not in ("data", "expert") or name in sizes or not value.isdigit() or int(value) < 1:
+    if not sep or name not in MESH_AXES or name in sizes or not value.isdigit() or int(value) < 1:
       return None
     sizes[name] = int(value)
-  return sizes.get("data", 1), sizes.get("expert", 1)
+  return {a: sizes.get(a, 1) for a in MESH_AXES if a != "expert_group" or a in sizes}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +54,7 @@ class TrainConfig:
   upcycle_from: str | None = None  # a dense run's out dir (or checkpoint dir): preset must be its MoE twin
   peak_flops: float | None = None  # per device; None: looked up from the device kind
   allow_binary: bool = False       # accept a data file that does not look like text
-  mesh: str | None = None          # "data=D,expert=X": expert parallelism over D * X devices
+  mesh: str | None = None          # "data=D[,expert_group=G],expert=X": expert parallelism over D*[G*]X devices
   progress: bool = True
   model_overrides: dict = dataclasses.field(default_factory=dict)
 
@@ -77,10 +81,11 @@ class TrainConfig:
     need(isinstance(self.preset, str) and bool(self.preset), "preset", "a preset name")
     need(isinstance(self.out, str) and bool(self.out.strip()), "out", "a folder path")
     need(self.mesh is None or _parse_mesh(self.mesh) is not None, "mesh",
-         "'data=D,expert=X' with D, X integers >= 1 (either may be left out: 1)")
+         "'data=D,expert=X' or 'data=D,expert_group=G,expert=X' with integers >= 1 "
+         "(data or expert left out: 1)")
 
-  def mesh_shape(self) -> tuple[int, int] | None:
-    """(data, expert) device counts of --mesh, None without one."""
+  def mesh_shape(self) -> dict[str, int] | None:
+    """{axis: devices} of --mesh in mesh order ("expert_group" only when given), None without one."""
     return None if self.mesh is None else _parse_mesh(self.mesh)
 
   def model_config(self):

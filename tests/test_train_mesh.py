@@ -1,4 +1,4 @@
-"""`--mesh data=D,expert=X`: expert-parallel training on 8 host devices follows the one-device run's
+"""`--mesh data=D,[expert_group=G,]expert=X`: expert-parallel training on 8 host devices follows the one-device run's
 losses, and the expert weights and their optimizer moments lie on the mesh as it says."""
 import json
 import shutil
@@ -46,18 +46,20 @@ def one_device(tmp_path_factory):
 
 
 @pytest.mark.parametrize("spec, shape", [("data=2,expert=4", {"data": 2, "expert": 4}),
-                                         ("data=1,expert=8", {"data": 1, "expert": 8})])
+                                         ("data=1,expert=8", {"data": 1, "expert": 8}),
+                                         ("data=2,expert_group=2,expert=2", {"data": 2, "expert_group": 2, "expert": 2})])
 def test_expert_parallel_training_follows_one_device(tmp_path, one_device, monkeypatch, spec, shape):
   """Same losses as one device; the compiled step gets w_in [E, d, f] split over "expert" (E/X per
   device), its Adam moments alike, the router and attention replicated; the MoE layers are traced
-  through the expert-parallel layer."""
+  through the expert-parallel layer, with the two-stage all-to-all when the mesh has expert groups."""
   from sparsejax import parallel
   from sparsejax import train as loop
-  seen = {"ep_calls": 0}
+  seen = {"ep_calls": 0, "hierarchical": set()}
   real, real_ep = loop.make_steps, parallel.expert_parallel_moe_mlp
 
   def ep_spy(*args, **kw):
     seen["ep_calls"] += 1
+    seen["hierarchical"].add(kw["parallel"].hierarchical)
     return real_ep(*args, **kw)
 
   def spy(apply, tx, seed, *, shardings=None):
@@ -71,24 +73,27 @@ def test_expert_parallel_training_follows_one_device(tmp_path, one_device, monke
   np.testing.assert_allclose(_losses(tmp_path / "run"), losses, rtol=2e-5)
   np.testing.assert_allclose(got["val_loss"], final["val_loss"], rtol=2e-5)
 
-  assert seen["ep_calls"] >= 1  # the MoE layer went through it
+  grouped = "expert_group" in shape
+  assert seen["ep_calls"] >= 1 and seen["hierarchical"] == {grouped}  # the MoE layer went through it
   params, opt_state = seen["shardings"]
   w_in = params["blocks"][0]["ffn"]["w_in"]
-  assert dict(w_in.mesh.shape) == shape and w_in.spec == P("expert", None, None)
-  assert w_in.shard_shape((8, 32, 64)) == (8 // shape["expert"], 32, 64)
-  assert params["blocks"][0]["ffn"]["w_out"].spec == P("expert", None, None)
+  experts = ("expert_group", "expert") if grouped else "expert"
+  assert dict(w_in.mesh.shape) == shape and w_in.spec == P(experts, None, None)
+  assert w_in.shard_shape((8, 32, 64)) == (8 // (shape["expert"] * shape.get("expert_group", 1)), 32, 64)
+  assert params["blocks"][0]["ffn"]["w_out"].spec == P(experts, None, None)
   assert params["blocks"][0]["ffn"]["router"]["w"].spec == P()
   assert params["blocks"][0]["attn"]["w_qkv"].spec == P()
   moments = [s for path, s in jax.tree_util.tree_leaves_with_path(opt_state)
              if jax.tree_util.keystr(path).endswith("['blocks'][0]['ffn']['w_in']")]
-  assert len(moments) == 2 and all(m.spec == P("expert", None, None) for m in moments)  # Adam's mu, nu
-  assert loop.batch_axes(w_in.mesh) == (("data", "expert"),)
+  assert len(moments) == 2 and all(m.spec == P(experts, None, None) for m in moments)  # Adam's mu, nu
+  assert loop.batch_axes(w_in.mesh) == (tuple(shape),)
 
 
 @pytest.mark.parametrize("spec, error", [
     ("data=2,expert", "--mesh must be 'data=D,expert=X'"),
     ("data=0,expert=4", "--mesh must be 'data=D,expert=X'"),
     ("tensor=2", "--mesh must be 'data=D,expert=X'"),
+    ("data=2,expert_group=0,expert=2", "--mesh must be 'data=D,expert=X'"),
 ])
 def test_a_malformed_mesh_is_one_line(spec, error, capsys):
   with pytest.raises(SystemExit) as e:
@@ -102,6 +107,9 @@ def test_a_malformed_mesh_is_one_line(spec, error, capsys):
     ({}, "data=4,expert=4", "needs 16 devices; 8 are visible"),
     ({"num_experts": 6}, "data=2,expert=4", "expert=4 must divide num_experts=6"),
     ({}, "data=1,expert=3", "--batch-size 8 does not split over the 3 devices"),
+    ({}, "data=1,expert_group=3,expert=2", "--batch-size 8 does not split over the 6"),
+    ({"num_experts": 4}, "data=1,expert_group=2,expert=4", "expert_group x expert = 8 devices must divide num_experts=4"),
+    ({}, "data=2,expert_group=4,expert=2", "needs 16 devices; 8 are visible"),
 ])
 def test_a_mesh_that_does_not_fit_fails_before_compiling(tmp_path, overrides, spec, error):
   with pytest.raises(ValueError, match=error):
@@ -133,6 +141,8 @@ def test_fewer_experts_than_devices_slice_d_ff():
 
 
 def test_the_flag_reaches_the_config():
-  assert parse_args(["--mesh", "data=2,expert=4"]).mesh_shape() == (2, 4)
-  assert parse_args(["--mesh", "expert=8"]).mesh_shape() == (1, 8)
+  assert parse_args(["--mesh", "data=2,expert=4"]).mesh_shape() == {"data": 2, "expert": 4}
+  assert parse_args(["--mesh", "expert=8"]).mesh_shape() == {"data": 1, "expert": 8}
+  assert parse_args(["--mesh", "data=2,expert_group=2,expert=2"]).mesh_shape() == {
+      "data": 2, "expert_group": 2, "expert": 2}
   assert parse_args([]).mesh is None

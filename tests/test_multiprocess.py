@@ -1,0 +1,122 @@
+"""Several processes on jax.distributed: two real `sparsejax-train` processes on this machine (a local
+coordinator, gloo collectives on the CPU, 2 host devices each) train the same losses as one process
+with the whole batch; each process reads only its own rows of the data."""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sparsejax.data import BatchStream, eval_batches
+from sparsejax.distributed import initialize_from_env
+from sparsejax.train import TrainConfig, train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=16)
+ARGS = ["--preset", "tiny-moe", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--warmup", "1",
+        "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "0", "--log-every", "1", "--no-progress",
+        "--dtype", "float32"] + [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
+
+
+def _corpus(tmp_path):
+  d = tmp_path / "corpus"
+  d.mkdir(exist_ok=True)
+  rng = np.random.default_rng(0)
+  words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "router", "token"]
+  for i in range(4):
+    (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
+  return str(d)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _records(out):
+  return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _launch(tmp_path, extra, processes=2, devices=2, timeout=90):
+  """Start `processes` CLI processes (plain launch: JAX_* variables) and wait for all; on a failure
+  or a timeout the others are killed and every process's output is shown."""
+  port = _free_port()
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  procs = []
+  for i in range(processes):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_NUM_PROCESSES": str(processes), "JAX_PROCESS_ID": str(i),
+           "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+           "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"]),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    procs.append(subprocess.Popen([sys.executable, "-m", "sparsejax.cli", *ARGS, *extra], env=env, cwd=tmp_path,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outputs = [None] * processes
+  try:
+    for i, p in enumerate(procs):
+      outputs[i] = p.communicate(timeout=timeout)[0]
+  except subprocess.TimeoutExpired:
+    pass
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+  assert not failed, "\n".join(f"--- process {i} (status {procs[i].returncode}):\n{(outputs[i] or '')[-3000:]}"
+                               for i in failed)
+  return outputs
+
+
+def test_two_processes_train_as_one(tmp_path):
+  """--mesh data=2,expert=2 over 2 processes x 2 devices (experts exchanged across processes): the
+  train and validation losses of one process with the whole batch on one device; only process 0
+  writes metrics (each step logged once) and prints."""
+  data = _corpus(tmp_path)
+  outputs = _launch(tmp_path, ["--data", data, "--out", str(tmp_path / "two"), "--mesh", "data=2,expert=2"])
+  one = train(TrainConfig(preset="tiny-moe", data=data, out=str(tmp_path / "one"), steps=3, batch_size=8, seq_len=16,
+                          warmup=1, eval_every=0, eval_batches=1, ckpt_every=0, log_every=1, progress=False,
+                          dtype="float32", model_overrides=TINY))
+  got = _records(tmp_path / "two")
+  want = _records(tmp_path / "one")
+  assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3]
+  np.testing.assert_allclose([r["loss"] for r in got if r["kind"] == "train"],
+                             [r["loss"] for r in want if r["kind"] == "train"], rtol=2e-5)
+  np.testing.assert_allclose(got[-1]["val_loss"], one["val_loss"], rtol=2e-5)
+  assert "done: step 3" in outputs[0] and "done:" not in outputs[1]
+
+
+def test_each_process_reads_its_own_rows():
+  """Processes' rows are disjoint and together the one-process batch, for training and validation."""
+  tokens = np.arange(500, dtype=np.uint16)
+  whole = BatchStream(tokens, 8, 16, seed=3).batch(5)
+  parts = [BatchStream(tokens, 8, 16, seed=3, process_index=i, process_count=4).batch(5) for i in range(4)]
+  for k in range(2):
+    np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), whole[k])
+  whole = eval_batches(tokens, 8, 16, 2)
+  parts = [eval_batches(tokens, 8, 16, 2, process_index=i, process_count=2) for i in range(2)]
+  for b in range(2):
+    np.testing.assert_array_equal(np.concatenate([p[b][0] for p in parts]), whole[b][0])
+  with pytest.raises(ValueError, match="batch size 8 does not split over 3 processes"):
+    BatchStream(tokens, 8, 16, process_index=0, process_count=3)
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two': expected an integer >= 1"),
+    ({"JAX_NUM_PROCESSES": "2"}, "JAX_PROCESS_ID='': expected an integer >= 0"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID=2 must be below JAX_NUM_PROCESSES=2"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"}, "JAX_COORDINATOR_ADDRESS='': expected host:port"),
+])
+def test_a_bad_environment_is_one_line(env, error):
+  with pytest.raises(ValueError, match=error):
+    initialize_from_env(env)
+
+
+@pytest.mark.parametrize("env", [{}, {"JAX_NUM_PROCESSES": "1"}, {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1",
+                                                                   "SLURM_STEP_NODELIST": "n1"}])
+def test_one_process_starts_nothing(env):
+  assert initialize_from_env(env) is False
