@@ -67,6 +67,11 @@ def dropless_placement(
 ) -> Placement:
   """Rows sorted by expert, each expert's rows padded up to a multiple of block_size; none dropped."""
   rank, counts = rank_within_expert(expert_ids, num_experts)
+  return _dropless_from_ranks(expert_ids, rank, counts, num_experts, block_size)
+
+
+def _dropless_from_ranks(expert_ids, rank, counts, num_experts: int, block_size: int) -> Placement:
+  """row = offset[e] + rank, offsets over the block-padded counts; ids outside [0, E) get no row."""
   padded = _round_up(counts, block_size)
   offsets = jnp.cumsum(padded) - padded
   num_rows = dropless_num_rows(expert_ids.size, num_experts, block_size)
@@ -165,9 +170,4 @@ def dropless_placement_histogram(
 ) -> Placement:
   """dropless_placement with the ranks of rank_within_expert_histogram: an identical Placement."""
   rank, counts = rank_within_expert_histogram(expert_ids, num_experts, chunk=chunk)
-  padded = _round_up(counts, block_size)
-  offsets = jnp.cumsum(padded) - padded
-  num_rows = dropless_num_rows(expert_ids.size, num_experts, block_size)
-  valid = (expert_ids >= 0) & (expert_ids < num_experts)
-  rows = jnp.where(valid, offsets[jnp.clip(expert_ids, 0, num_experts - 1)] + rank, num_rows)
-  return Placement(rows.astype(jnp.int32), padded, counts, jnp.zeros((), jnp.int32), num_rows)
+  return _dropless_from_ranks(expert_ids, rank, counts, num_experts, block_size)
