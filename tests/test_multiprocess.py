@@ -14,6 +14,7 @@ import pytest
 from sparsejax.data import BatchStream, eval_batches
 from sparsejax.distributed import initialize_from_env
 from sparsejax.train import TrainConfig, train
+from corpus_testing import write_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=16)
@@ -23,13 +24,7 @@ ARGS = ["--preset", "tiny-moe", "--steps", "3", "--batch-size", "8", "--seq-len"
 
 
 def _corpus(tmp_path):
-  d = tmp_path / "corpus"
-  d.mkdir(exist_ok=True)
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "router", "token"]
-  for i in range(4):
-    (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
-  return str(d)
+  return write_corpus(tmp_path)
 
 
 def _free_port() -> int:

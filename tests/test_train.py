@@ -12,18 +12,13 @@ from flax import nnx
 
 from sparsejax.models import Transformer, cross_entropy, get_preset
 from sparsejax.train import TrainConfig, functional, make_optimizer, make_steps, mfu, parse_args, peak_flops, train
+from corpus_testing import write_corpus
 
 TINY = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=4, max_seq_len=32)
 
 
 def _corpus(tmp_path):
-  d = tmp_path / "corpus"
-  d.mkdir(exist_ok=True)
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "router", "token"]
-  for i in range(12):
-    (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 400)))
-  return str(d)
+  return write_corpus(tmp_path, docs=12, words_per_doc=400)
 
 
 def _cfg(tmp_path, **kw):

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparsejax.cli import parse_args
 from sparsejax.train import TrainConfig, prepare, run, train
+from corpus_testing import write_corpus
 
 # One block with E = 8 experts: expert=4 holds 2 per device, expert=8 one each (float32 on the CPU).
 TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=16,
@@ -17,13 +18,7 @@ TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_e
 
 
 def _corpus(tmp_path):
-  d = tmp_path / "corpus"
-  d.mkdir(exist_ok=True)
-  rng = np.random.default_rng(0)
-  words = ["alpha", "beta", "gamma", "delta", "moe", "expert", "router", "token"]
-  for i in range(4):
-    (d / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 300)))
-  return str(d)
+  return write_corpus(tmp_path)
 
 
 def _cfg(tmp_path, name, **kw):
