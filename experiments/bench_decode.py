@@ -98,9 +98,24 @@ def check_step(model, prompt) -> tuple[float, np.ndarray]:
   return float(np.linalg.norm(got - want) / np.linalg.norm(want)), got
 
 
-def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, reps: int, seed: int) -> dict:
+def trace_steps(dec, tok, steps: int) -> tuple[dict, jax.Array]:
+  """Kernel time of `steps` decode steps under jax.profiler (profile_step.kernel_table's fields)."""
+  import tempfile
+  from profile_step import kernel_table, load_trace
+  log_dir = tempfile.mkdtemp(prefix="decode_trace_")
+  with jax.profiler.trace(log_dir):
+    for _ in range(steps):
+      tok = dec(tok[:, None])
+    tok.block_until_ready()
+  table = kernel_table(load_trace(log_dir), steps, top=12)
+  shutil.rmtree(log_dir, ignore_errors=True)
+  return table, tok
+
+
+def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, reps: int, seed: int,
+                trace: bool = False) -> dict:
   """Median ms of one decode step: pipelined (reps x steps back to back) and synced (one at a time)."""
-  cache_len = prompt_len + warmup + reps * steps + steps + 2
+  cache_len = prompt_len + warmup + (reps + 2) * steps + 2
   dec = Decoder(model, batch, cache_len, Sampling(0.0))
   prompt = jax.random.randint(jax.random.key(seed), (batch, prompt_len), 1, model.cfg.vocab_size)
   t0 = time.perf_counter()
@@ -125,6 +140,9 @@ def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, rep
     t0 = time.perf_counter()
     tok = dec(tok[:, None]).block_until_ready()
     synced.append(time.perf_counter() - t0)
+  kernels = None
+  if trace:
+    kernels, tok = trace_steps(dec, tok, steps)
   # Step i (counting the prefill as 0) writes slot prompt_len + i - 1 and reads the slots up to it.
   kv_slots = prompt_len + (first_timed + dec.steps - 1) / 2
   tpe = np.asarray(dec.tokens_per_expert)
@@ -133,13 +151,13 @@ def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, rep
   step = statistics.median(pipelined)
   return dict(step_ms=1e3 * step, step_ms_synced=1e3 * statistics.median(synced), tokens_per_s=batch / step,
               prefill_s=prefill_s, compile_s=compile_s, kv_slots=kv_slots, distinct=distinct.tolist(),
-              static_slots=min(batch * model.cfg.top_k, model.cfg.num_experts))
+              static_slots=min(batch * model.cfg.top_k, model.cfg.num_experts), kernels=kernels)
 
 
 def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> list[dict]:
   dtype = args.dtype
   cfg = get_preset(preset, dtype=dtype, param_dtype=dtype)
-  need = args.prompt_len + args.warmup + (args.reps + 1) * args.steps + 2
+  need = args.prompt_len + args.warmup + (args.reps + 2) * args.steps + 2
   cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, need))
   t0 = time.perf_counter()
   model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -166,7 +184,8 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
           assert row["rel_err_int8_vs_float"] < 0.1, row
         else:
           ref_logits[b] = logits
-        row.update(time_decode(m, b, args.prompt_len, args.warmup, args.steps, args.reps, seed=b))
+        row.update(time_decode(m, b, args.prompt_len, args.warmup, args.steps, args.reps, seed=b,
+                               trace=args.trace))
         by = step_bytes(m, b, row["kv_slots"], np.asarray(row["distinct"]))
         row.update({f"bytes_{k}": v for k, v in by.items()})
         row["bound_ms"] = 1e3 * by["total"] / bandwidth
@@ -175,6 +194,10 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
       except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
         row["error"] = f"{type(e).__name__}: {e}"[:300]
       log(_fmt_row(row))
+      if row.get("kernels"):
+        k = row["kernels"]
+        log(f"  kernels: union busy {k['busy_union_ms']:.3f} ms / step; " + "; ".join(
+            f"{name} {ms:.3f} ms x{n:.0f}" for name, ms, n in k["kernels"]))
       rows.append(row)
     del m
     gc.collect()
@@ -285,6 +308,7 @@ def main(argv=None) -> dict:
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, float32 on CPU")
   ap.add_argument("--no-int8", action="store_true")
+  ap.add_argument("--trace", action="store_true", help="also trace the steps: kernel time per op (GPU)")
   ap.add_argument("--copy-mb", type=int, default=2048)
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--val-runs", default="", help="comma-separated trained MoE runs: report their validation "

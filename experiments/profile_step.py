@@ -221,7 +221,9 @@ def op_times(trace: dict, module: str) -> tuple[dict[str, float], float]:
     evs.sort(key=lambda e: (e["ts"], -e["dur"]))
     stack, self_time = [], {}
     for i, e in enumerate(evs):
-      while stack and evs[stack[-1]]["ts"] + evs[stack[-1]]["dur"] <= e["ts"]:
+      # Only an event that ends inside the open one is nested in it: kernels of one stream that
+      # overlap by a few ns (launch timestamps) are neighbours, and their time is their own.
+      while stack and evs[stack[-1]]["ts"] + evs[stack[-1]]["dur"] < e["ts"] + e["dur"]:
         stack.pop()
       if stack:
         self_time[stack[-1]] -= e["dur"]
@@ -234,6 +236,66 @@ def op_times(trace: dict, module: str) -> tuple[dict[str, float], float]:
       else:
         unattributed += max(self_time[i], 0.0)
   return dict(times), unattributed
+
+
+def stream_kernels(trace: dict) -> list[dict]:
+  """The trace's kernel and copy events on the device stream lines, by start time."""
+  events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+  meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+  procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+  devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
+  return sorted((e for e in events if e["pid"] in devices
+                 and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda e: e["ts"])
+
+
+def kernel_table(trace: dict, steps: int, top: int = 20) -> dict:
+  """Raw device time per kernel (no nesting subtracted): [(op or kernel name, ms per step, launches per step)],
+  and the union of busy intervals per step."""
+  kernels = stream_kernels(trace)
+  by = collections.defaultdict(lambda: [0.0, 0])
+  busy, end = 0.0, None
+  for e in kernels:
+    key = e.get("args", {}).get("hlo_op") or e["name"][:80]
+    by[key][0] += e["dur"]
+    by[key][1] += 1
+    lo, hi = e["ts"], e["ts"] + e["dur"]
+    if end is None or lo >= end:
+      busy += hi - lo
+      end = hi
+    elif hi > end:
+      busy += hi - end
+      end = hi
+  rows = sorted(by.items(), key=lambda kv: -kv[1][0])[:top]
+  return {"busy_union_ms": busy / 1e3 / steps,
+          "kernels": [(k, v[0] / 1e3 / steps, v[1] / steps) for k, v in rows]}
+
+
+def device_gaps(trace: dict, module: str, steps: int, cats: dict[str, str]) -> dict:
+  """Per step: the device's idle time between the module's kernels, by the category of the op that waited.
+
+  The kernels of one device (all its stream lines) are merged into busy intervals; a gap is the
+  time from the end of one interval to the start of the next kernel, charged to that kernel's op:
+  the GPU was waiting for the host to launch it (or for a host-side callback). Gaps between steps
+  (the next step's launch) are charged to "between steps".
+  """
+  kernels = stream_kernels(trace)
+  if not kernels:
+    return {}
+  mod = lambda e: e.get("args", {}).get("hlo_module", "")
+  by_cat, first_ops, end, total = collections.Counter(), set(), None, 0.0
+  for e in kernels:
+    op = e.get("args", {}).get("hlo_op", "")
+    if end is not None and e["ts"] > end:
+      gap = e["ts"] - end
+      total += gap
+      name = "between steps" if mod(e) and mod(e).split("(")[0] != module else cats.get(op, "other")
+      by_cat[name] += gap
+    end = max(end or 0.0, e["ts"] + e["dur"])
+  span = end - kernels[0]["ts"]
+  return {"span_ms": span / 1e3 / steps, "idle_ms": total / 1e3 / steps,
+          "idle_by_category_ms": {c: us / 1e3 / steps for c, us in by_cat.most_common()},
+          "kernels_per_step": len(kernels) / steps}
 
 
 # ------------------------------------------------------------------ one preset
@@ -276,6 +338,9 @@ def profile_preset(preset: str, args, corpus) -> dict:
     jax.block_until_ready((params, opt_state, m))
 
   run(0, args.warmup)
+  t = time.perf_counter()
+  run(args.warmup, args.warmup + args.steps)  # back to back, as a training loop runs them
+  pipelined_ms = 1e3 * (time.perf_counter() - t) / args.steps
   step_s = []
   for i in range(args.warmup, args.warmup + args.steps):
     t = time.perf_counter()
@@ -288,12 +353,15 @@ def profile_preset(preset: str, args, corpus) -> dict:
   trace_dir = os.path.join(log_dir, preset)
   with jax.profiler.trace(trace_dir, profiler_options=options):
     run(args.warmup + args.steps, n)
-  times, unattributed = op_times(load_trace(trace_dir), module)
+  trace = load_trace(trace_dir)
+  times, unattributed = op_times(trace, module)
   if not args.keep_trace:
     shutil.rmtree(log_dir, ignore_errors=True)
   if not times:
     raise RuntimeError(f"the trace holds no op of {module}; nothing to categorize")
   cats = op_categories(hlo)
+  gaps = device_gaps(trace, module, n - args.warmup - args.steps, cats)
+  raw = kernel_table(trace, n - args.warmup - args.steps)
   per_step = lambda us: us / 1e3 / args.steps
   by_cat = collections.Counter()
   for op, us in times.items():
@@ -301,7 +369,8 @@ def profile_preset(preset: str, args, corpus) -> dict:
   by_cat["other"] += unattributed
   unmapped = sum(us for op, us in times.items() if op not in cats)
   device_ms = per_step(sum(by_cat.values()))
-  step_ms = 1e3 * statistics.median(step_s)
+  step_ms = pipelined_ms  # the training loop's rate: steps back to back, one sync at the end
+  single_ms = 1e3 * statistics.median(step_s)
   tokens = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens
   peak = peak_flops(jax.devices()[0].device_kind, 1, cfg.peak_flops)  # one device, as train() without a mesh
@@ -311,7 +380,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
       "dtype": model_cfg.dtype, "moe_impl": model_cfg.moe_impl if model_cfg.moe_every else None,
       "hlo_module": module, "compile_s": compile_s, "steps_traced": args.steps,
       "command_buffers": args.keep_command_buffers or jax.default_backend() != "gpu",
-      "step_ms": step_ms, "device_ms": device_ms, "tokens_per_s": tokens / (step_ms / 1e3),
+      "step_ms": step_ms, "single_step_ms": single_ms, "device_ms": device_ms, "gaps": gaps, "raw_kernels": raw, "tokens_per_s": tokens / (step_ms / 1e3),
       "flops_per_step": flops, "mfu": mfu(flops, 1, step_ms / 1e3, peak),
       "categories_ms": {c: per_step(by_cat.get(c, 0.0)) for c in CATEGORIES},
       "share": {c: by_cat.get(c, 0.0) / max(sum(by_cat.values()), 1e-12) for c in CATEGORIES},
@@ -335,10 +404,24 @@ def preset_markdown(r: dict, device: str) -> str:
            f"batch {r['batch_size']} x {r['seq_len']} tokens, {r['dtype']}, moe_impl {r['moe_impl']}; "
            f"{r['steps_traced']} steps traced"
            + ("." if r["command_buffers"] else ", CUDA graphs off (as while timing the step)."), "",
-           f"step {r['step_ms']:.2f} ms (wall, median), device busy {r['device_ms']:.2f} ms, "
+           f"step {r['step_ms']:.2f} ms (wall, {r['steps_traced']} steps back to back; one step alone "
+           f"{r['single_step_ms']:.2f} ms), device busy {r['device_ms']:.2f} ms, "
            f"{r['tokens_per_s']:,.0f} tokens/s, MFU {_mfu(r)}", "",
            FLOP_NOTE, "", "| category | ms / step | share |", "|---|---|---|"]
   lines += [f"| {c} | {r['categories_ms'][c]:.3f} | {100 * r['share'][c]:.1f}% |" for c in CATEGORIES]
+  g = r.get("gaps") or {}
+  if g:
+    lines += ["", f"Device idle while the steps ran back to back: {g['idle_ms']:.2f} ms of a "
+              f"{g['span_ms']:.2f} ms span per step ({g['kernels_per_step']:.0f} kernels per step), "
+              "charged to the op that waited for its launch:", "", "| waiting op's category | idle ms / step |",
+              "|---|---|"]
+    lines += [f"| {c} | {ms:.3f} |" for c, ms in g["idle_by_category_ms"].items()]
+  raw = r.get("raw_kernels") or {}
+  if raw.get("kernels"):
+    lines += ["", f"Raw kernel time (events' whole durations, nothing nested subtracted; union of busy "
+              f"intervals {raw['busy_union_ms']:.2f} ms / step):", "", "| kernel (op) | ms / step | launches / step |",
+              "|---|---|---|"]
+    lines += [f"| {k} | {ms:.3f} | {n:.1f} |" for k, ms, n in raw["kernels"]]
   lines += ["", "Heaviest ops:", "", "| op | category | ms / step |", "|---|---|---|"]
   lines += [f"| {o['op']} | {o['category']} | {o['ms']:.3f} |" for o in r["top_ops"]]
   return "\n".join(lines) + "\n"
@@ -352,6 +435,8 @@ def comparison_markdown(results: list[dict], device: str) -> str:
   for c in CATEGORIES:
     lines.append(f"| {c} | " + " | ".join(f"{r['categories_ms'][c]:.3f} | {100 * r['share'][c]:.1f}%"
                                           for r in results) + " |")
+  lines.append("| **device idle ms** | " + " | ".join(f"{(r.get('gaps') or {}).get('idle_ms', float('nan')):.2f} | "
+                                                     for r in results) + " |")
   for label, key, spec in (("device busy ms", "device_ms", ".2f"), ("step ms (wall)", "step_ms", ".2f"),
                            ("tokens/s", "tokens_per_s", ",.0f")):
     lines.append(f"| **{label}** | " + " | ".join(f"{r[key]:{spec}} | " for r in results) + " |")

@@ -85,6 +85,20 @@ def test_op_times_counts_self_time_of_nested_events():
   assert times == {"while.1": 5, "fusion.2": 3, "fusion.3": 2, "sort.4": 1}
 
 
+def test_op_times_keeps_the_time_of_overlapping_neighbours():
+  """Two kernels of one stream whose timestamps overlap by a little are neighbours, not nested: the
+  first keeps its time (an earlier version took the second's whole duration off the first)."""
+  meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}}]
+  ev = lambda ts, dur, op: {"ph": "X", "pid": 1, "tid": 7, "ts": ts, "dur": dur, "name": "k",
+                            "args": {"hlo_op": op, "hlo_module": "jit_train_step"}}
+  trace = {"traceEvents": meta + [ev(0, 100, "loop_add_fusion.1"), ev(99.9, 50, "fusion.2")]}
+  times, _ = profile_step.op_times(trace, "jit_train_step")
+  assert times == {"loop_add_fusion.1": 100, "fusion.2": 50}
+  gaps = profile_step.kernel_table(trace, steps=1)
+  assert abs(gaps["busy_union_ms"] - 0.1499) < 1e-9
+
+
 def test_profile_step_smoke(tmp_path, monkeypatch):
   """A real trace of the tiny MoE's train step on the CPU: every category named, and they add up."""
   monkeypatch.delenv("OUT", raising=False)
