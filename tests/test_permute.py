@@ -105,3 +105,41 @@ def test_block_padded_layout_computes_the_moe(impl, block):
   g_ref = jax.jit(jax.grad(loss(ref), argnums=tuple(range(5))))(*args)
   for a, b, n in zip(g, g_ref, ("x", "cw", "w_in", "w_out", "w_gate")):
     assert_close(a, b, 1e-5, n)
+
+
+def _plain_moves(x, p, cw):
+  """gather_rows and scatter_rows as plain indexing, differentiated by autodiff (scatter-add transposes)."""
+  src = jnp.full((p.num_rows,), x.shape[0], jnp.int32).at[p.rows.reshape(-1)].set(
+      jnp.repeat(jnp.arange(x.shape[0], dtype=jnp.int32), p.rows.shape[1]), mode="drop")
+  buf = jnp.concatenate([x, jnp.zeros((1, x.shape[1]), x.dtype)])[src]
+  out = buf * 1.5 + 0.25  # a stand-in for the experts, so the buffer's gradient is not the combine's alone
+  picked = jnp.concatenate([out, jnp.zeros((1, out.shape[1]), out.dtype)])[p.rows].astype(jnp.float32)
+  return jnp.sum(cw.astype(jnp.float32)[:, :, None] * picked, axis=1).astype(x.dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("mode", ["dropless", "capacity", "all_on_one", "k_equals_E"])
+def test_gather_and_scatter_gradients_are_the_autodiff_ones(mode, dtype, tol):
+  """The custom VJPs (gathers both ways) give autodiff's values and gradients: dropped, unassigned and
+  padding rows included, k = 1 and k > 1."""
+  T, E, d = 37, 5, 6
+  k = {"dropless": 2, "capacity": 2, "all_on_one": 1, "k_equals_E": E}[mode]
+  rng = np.random.default_rng(seed_of("moves", mode, str(dtype)))
+  ids = (np.zeros((T, 1), np.int32) if mode == "all_on_one"
+         else _ids(T, E, k, seed_of("moves-ids", mode), 0.1 if mode != "k_equals_E" else 0.0))
+  ids = jnp.asarray(ids)
+  p = (permute.capacity_placement(ids, E, 6) if mode == "capacity"
+       else permute.dropless_placement(ids, E, block_size=4))
+  x = jnp.asarray(rand(rng, (T, d))).astype(dtype)
+  cw = jnp.asarray(rng.uniform(0.1, 1, (T, k)).astype(np.float32))
+
+  def ours(x, cw):
+    return permute.scatter_rows(permute.gather_rows(x, p) * 1.5 + 0.25, p, cw, x.dtype)
+
+  loss = lambda fn: lambda x, cw: jnp.sum(jnp.sin(fn(x, cw).astype(jnp.float32)))
+  assert_close(jax.jit(ours)(x, cw), jax.jit(_plain_moves)(x, p, cw), tol, "forward")
+  g = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(x, cw)
+  g_ref = jax.jit(jax.grad(loss(lambda x, cw: _plain_moves(x, p, cw)), argnums=(0, 1)))(x, cw)
+  for a, b, n in zip(g, g_ref, ("x", "cw")):
+    assert a.dtype == b.dtype, n
+    assert_close(a, b, tol, n)

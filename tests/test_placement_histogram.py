@@ -77,3 +77,21 @@ def test_rank_matches_sort_on_valid_ids(T, k, E, chunk):
   np.testing.assert_array_equal(np.asarray(rank_new)[valid], np.asarray(rank_old)[valid])
   np.testing.assert_array_equal(counts_new, counts_old)
   np.testing.assert_array_equal(counts_new, np.bincount(ids[valid], minlength=E))
+
+
+@pytest.mark.parametrize("case", ["with -1", "empty experts, repeats in a token", "out of range ids"])
+def test_placements_pick_the_histogram_on_gpus_with_the_same_result(case, monkeypatch):
+  """On a GPU backend dropless_placement and capacity_placement rank by histogram; the Placements
+  (rows, sizes, counts, drops) are those of the argsort they use elsewhere."""
+  ids, E = jnp.asarray(CASES[case]), NUM_EXPERTS[case]
+  make = lambda: (permute.dropless_placement(ids, E, block_size=4), permute.capacity_placement(ids, E, 3))
+  cpu = make()
+  used = []
+  hist = permute.rank_within_expert_histogram
+  monkeypatch.setattr(permute.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(permute, "rank_within_expert_histogram", lambda *a, **kw: used.append(1) or hist(*a, **kw))
+  gpu = make()
+  assert len(used) == 2
+  for a, b in zip(cpu, gpu):
+    for field in ("rows", "group_sizes", "tokens_per_expert", "num_dropped"):
+      np.testing.assert_array_equal(getattr(b, field), getattr(a, field), err_msg=f"{case}: {field}")
