@@ -1,8 +1,9 @@
 """Decode speed of the dense and MoE presets against the memory bound, bf16 vs int8 experts (one GPU).
 
 For each preset and batch size: build the model (random weights), check the cached decode step
-against the full forward (and int8 against bf16), then time the jitted decode step with warm-up and
-medians. The bound is the bytes one step must read at the card's copy bandwidth, measured here with a
+against the full forward (and int8 against bf16), then time decoding with warm-up and medians: the
+device loop (Decoder.run: `steps` steps in one jitted call, the step time its time / steps) and, for
+comparison, host-driven steps (one jitted call per token from Python). The bound is the bytes one step must read at the card's copy bandwidth, measured here with a
 large device-to-device copy: the weights of the experts the step's tokens chose (distinct, per MoE
 layer), every other weight (the embedding only as the rows looked up), and the filled KV cache.
 Writes experiments/results/decode_<device>.{json,md,png} (and copies them to $OUT when set).
@@ -29,6 +30,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsejax.inference import Decoder, Sampling, quantize_model  # noqa: E402
+from sparsejax.inference.generate import DECODE_CHUNK  # noqa: E402
 from sparsejax.inference.decode_moe import SMALL_BATCH_MAX_ASSIGNMENTS  # noqa: E402
 from sparsejax.modules import MoE  # noqa: E402
 from sparsejax.models import Transformer, get_preset  # noqa: E402
@@ -98,25 +100,34 @@ def check_step(model, prompt) -> tuple[float, np.ndarray]:
   return float(np.linalg.norm(got - want) / np.linalg.norm(want)), got
 
 
-def trace_steps(dec, tok, steps: int) -> tuple[dict, jax.Array]:
-  """Kernel time of `steps` decode steps under jax.profiler (profile_step.kernel_table's fields)."""
+def trace_loop(dec, tok, steps: int) -> tuple[dict, jax.Array]:
+  """Kernel time per step of one device-loop call of `steps` steps under jax.profiler
+  (profile_step.kernel_table's fields, divided by `steps`)."""
   import tempfile
   from profile_step import kernel_table, load_trace
   log_dir = tempfile.mkdtemp(prefix="decode_trace_")
   with jax.profiler.trace(log_dir):
-    for _ in range(steps):
-      tok = dec(tok[:, None])
+    buf, tok = dec.run_buffer(tok, steps)
     tok.block_until_ready()
   table = kernel_table(load_trace(log_dir), steps, top=12)
   shutil.rmtree(log_dir, ignore_errors=True)
   return table, tok
 
 
+def decode_slots(prompt_len: int, warmup: int, steps: int, reps: int) -> int:
+  """Cache slots time_decode fills: prefill, the host-driven steps (first, warm-up, reps x steps,
+  steps synced, steps compared with the loop and rewound), then the device loop (one warm-up call,
+  reps calls, one traced call) of `steps` each."""
+  return prompt_len + 1 + warmup + reps * steps + 2 * steps + (reps + 2) * steps
+
+
 def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, reps: int, seed: int,
-                trace: bool = False) -> dict:
-  """Median ms of one decode step: pipelined (reps x steps back to back) and synced (one at a time)."""
-  cache_len = prompt_len + warmup + (reps + 2) * steps + 2
-  dec = Decoder(model, batch, cache_len, Sampling(0.0))
+                trace: bool = False, chunk: int = DECODE_CHUNK) -> dict:
+  """Median ms of one decode step: the device loop (one call of `steps` steps, / steps), and host-driven
+  steps pipelined (reps x steps back to back) and synced (one at a time). loop_tokens_differ: the
+  fraction of greedy tokens that the loop and host-driven steps from the same cache pick differently
+  (0 on the CPU; on a GPU the loop's body may fuse differently, and a near-tie may flip)."""
+  dec = Decoder(model, batch, decode_slots(prompt_len, warmup, steps, reps), Sampling(0.0), chunk=chunk)
   prompt = jax.random.randint(jax.random.key(seed), (batch, prompt_len), 1, model.cfg.vocab_size)
   t0 = time.perf_counter()
   tok = dec(prompt).block_until_ready()
@@ -127,37 +138,56 @@ def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, rep
   for _ in range(warmup):
     tok = dec(tok[:, None])
   tok.block_until_ready()
-  first_timed = dec.steps
-  pipelined = []
+  host = []
   for _ in range(reps):
     t0 = time.perf_counter()
     for _ in range(steps):
       tok = dec(tok[:, None])
     tok.block_until_ready()
-    pipelined.append((time.perf_counter() - t0) / steps)
+    host.append((time.perf_counter() - t0) / steps)
   synced = []
   for _ in range(steps):
     t0 = time.perf_counter()
     tok = dec(tok[:, None]).block_until_ready()
     synced.append(time.perf_counter() - t0)
+  # The loop and `steps` host-driven steps from the same cache: do they pick the same tokens?
+  saved = ([jnp.copy(c) for c in dec.cache], dec.steps, dec.position)
+  host_tokens = [tok]
+  for _ in range(steps):
+    host_tokens.append(dec(host_tokens[-1][:, None]))
+  dec.cache, dec.steps, dec.position = saved
+  t0 = time.perf_counter()
+  buf, tok = dec.run_buffer(tok, steps)  # compiles the loop (once for every n)
+  tok.block_until_ready()
+  loop_compile_s = time.perf_counter() - t0
+  loop_vs_host = float(np.mean(np.asarray(buf)[:, :steps] != np.stack(host_tokens[1:], axis=1)))
+  first_timed = dec.steps
+  loop = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    _, tok = dec.run_buffer(tok, steps)
+    tok.block_until_ready()
+    loop.append((time.perf_counter() - t0) / steps)
+  kv_slots = prompt_len + (first_timed + dec.steps - 1) / 2  # step i (prefill = 0) fills slot prompt_len + i - 1
   kernels = None
   if trace:
-    kernels, tok = trace_steps(dec, tok, steps)
-  # Step i (counting the prefill as 0) writes slot prompt_len + i - 1 and reads the slots up to it.
-  kv_slots = prompt_len + (first_timed + dec.steps - 1) / 2
+    kernels, tok = trace_loop(dec, tok, steps)
   tpe = np.asarray(dec.tokens_per_expert)
   distinct = (tpe > 0).sum(-1) if tpe.size else np.zeros((0,))
   assert int(tok.min()) >= 0 and int(tok.max()) < model.cfg.vocab_size
-  step = statistics.median(pipelined)
-  return dict(step_ms=1e3 * step, step_ms_synced=1e3 * statistics.median(synced), tokens_per_s=batch / step,
-              prefill_s=prefill_s, compile_s=compile_s, kv_slots=kv_slots, distinct=distinct.tolist(),
-              static_slots=min(batch * model.cfg.top_k, model.cfg.num_experts), kernels=kernels)
+  step = statistics.median(loop)
+  return dict(step_ms=1e3 * step, step_ms_host=1e3 * statistics.median(host),
+              step_ms_synced=1e3 * statistics.median(synced), tokens_per_s=batch / step, prefill_s=prefill_s,
+              compile_s=compile_s, loop_compile_s=loop_compile_s, chunk=chunk, kv_slots=kv_slots,
+              loop_tokens_differ=loop_vs_host,
+              distinct=distinct.tolist(), static_slots=min(batch * model.cfg.top_k, model.cfg.num_experts),
+              kernels=kernels)
 
 
 def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> list[dict]:
   dtype = args.dtype
   cfg = get_preset(preset, dtype=dtype, param_dtype=dtype)
-  need = args.prompt_len + args.warmup + (args.reps + 2) * args.steps + 2
+  need = decode_slots(args.prompt_len, args.warmup, args.steps, args.reps)
   cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, need))
   t0 = time.perf_counter()
   model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -185,7 +215,7 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
         else:
           ref_logits[b] = logits
         row.update(time_decode(m, b, args.prompt_len, args.warmup, args.steps, args.reps, seed=b,
-                               trace=args.trace))
+                               trace=args.trace, chunk=args.chunk))
         by = step_bytes(m, b, row["kv_slots"], np.asarray(row["distinct"]))
         row.update({f"bytes_{k}": v for k, v in by.items()})
         row["bound_ms"] = 1e3 * by["total"] / bandwidth
@@ -194,6 +224,8 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
       except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
         row["error"] = f"{type(e).__name__}: {e}"[:300]
       log(_fmt_row(row))
+      if row.get("loop_tokens_differ"):
+        log(f"  device loop vs host steps from one cache: {row['loop_tokens_differ']:.1%} of greedy tokens differ")
       if row.get("kernels"):
         k = row["kernels"]
         log(f"  kernels: union busy {k['busy_union_ms']:.3f} ms / step; " + "; ".join(
@@ -204,7 +236,8 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
   return rows
 
 
-HEADER = ("| preset | experts | batch | step ms | tokens/s | bound ms | x bound | expert MB read | other MB | KV MB "
+HEADER = ("| preset | experts | batch | step ms | host step ms | tokens/s | bound ms | x bound | expert MB read "
+          "| other MB | KV MB "
           "| distinct experts / layer | err vs full fwd | err int8 vs float |")
 
 
@@ -214,7 +247,8 @@ def _fmt_row(r: dict) -> str:
   mb = lambda k: f"{r[k] / 1e6:,.1f}"
   distinct = f"{np.mean(r['distinct']):.1f} (of {r['static_slots']} slots)" if r["distinct"] else "-"
   int8 = f"{r['rel_err_int8_vs_float']:.1e}" if "rel_err_int8_vs_float" in r else "-"
-  return (f"| {r['preset']} | {r['variant']} | {r['batch']} | {r['step_ms']:.3f} | {r['tokens_per_s']:,.0f} | "
+  return (f"| {r['preset']} | {r['variant']} | {r['batch']} | {r['step_ms']:.3f} | {r['step_ms_host']:.3f} | "
+          f"{r['tokens_per_s']:,.0f} | "
           f"{r['bound_ms']:.3f} | {r['x_bound']:.2f} | {mb('bytes_experts')} | {mb('bytes_other')} | "
           f"{mb('bytes_kv')} | {distinct} | {r['rel_err_vs_full_forward']:.1e} | {int8} |")
 
@@ -248,7 +282,9 @@ def write_outputs(results: dict, out_dir: str, name: str) -> str:
   table = "\n".join([HEADER, "|" + "---|" * (HEADER.count("|") - 1)] + [_fmt_row(r) for r in results["rows"]])
   report = (f"# Decode on {results['device']}\n\n{results['dtype']} weights, prompt {results['prompt_len']} tokens, "
             f"copy bandwidth {results['copy_GBps']:,.0f} GB/s (read + write). Bound = bytes one step must read / "
-            f"bandwidth. Step ms: median of back-to-back steps.\n\n{table}\n\n" + "\n".join(results["targets"]) + "\n")
+            f"bandwidth. Step ms: one device-loop call of {results['steps']} steps (Decoder.run, chunk "
+            f"{results['chunk']}) / {results['steps']}, median; host step ms: one Python-driven jitted call per "
+            f"step, back to back, median.\n\n{table}\n\n" + "\n".join(results["targets"]) + "\n")
   with open(stem + ".md", "w") as fh:
     fh.write(report)
   try:
@@ -308,7 +344,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--reps", type=int, default=5)
   ap.add_argument("--dtype", default=None, help="default: bfloat16 on accelerators, float32 on CPU")
   ap.add_argument("--no-int8", action="store_true")
-  ap.add_argument("--trace", action="store_true", help="also trace the steps: kernel time per op (GPU)")
+  ap.add_argument("--trace", action="store_true", help="also trace one device-loop call: kernel time per op "
+                  "and step (GPU)")
+  ap.add_argument("--chunk", type=int, default=DECODE_CHUNK, help="steps per inner device loop (Decoder chunk); "
+                  "--steps should be a multiple of it, else each timed call also runs the wasted rest of a chunk")
   ap.add_argument("--copy-mb", type=int, default=2048)
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   ap.add_argument("--val-runs", default="", help="comma-separated trained MoE runs: report their validation "
@@ -316,6 +355,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--val-data", default=None, help="the runs' corpus (default: the stdlib, as sparsejax-train)")
   ap.add_argument("--val-seq-len", type=int, default=128)
   args = ap.parse_args(argv)
+  if args.chunk < 1:
+    ap.error(f"--chunk must be >= 1; got {args.chunk}")
   if args.val_runs:
     recs = [quantization_val_loss(r, args.val_data, 16, args.val_seq_len, 8) for r in args.val_runs.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
@@ -331,6 +372,7 @@ def main(argv=None) -> dict:
   if args.smoke:
     args.presets, args.batches = "tiny-dense,tiny-moe", "1,4"
     args.prompt_len, args.check_len, args.warmup, args.steps, args.reps, args.copy_mb = 8, 6, 1, 3, 2, 16
+    args.chunk = min(args.chunk, args.steps)  # a loop call of `steps` steps wastes none
   args.tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
   name = (dev.device_kind.replace(" ", "_").replace("/", "_") if dev.platform == "gpu" else dev.platform)
   name += "_smoke" if args.smoke else ""
@@ -338,6 +380,7 @@ def main(argv=None) -> dict:
   bandwidth = copy_bandwidth(args.copy_mb << 20)
   log(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write of {args.copy_mb} MiB)")
   results = dict(device=dev.device_kind, jax=jax.__version__, dtype=args.dtype, prompt_len=args.prompt_len,
+                 steps=args.steps, chunk=args.chunk,
                  copy_GBps=bandwidth / 1e9, small_batch_max_assignments=SMALL_BATCH_MAX_ASSIGNMENTS, rows=[],
                  targets=[])
   batches = [int(b) for b in args.batches.split(",")]

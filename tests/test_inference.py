@@ -1,12 +1,13 @@
-"""Generation with the KV cache: the same tokens as recomputing the full forward, sampling, errors, CLI."""
+"""Generation with the KV cache: the same tokens as recomputing the full forward, the device loop equal to
+single steps, sampling, errors, CLI."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from sparsejax.inference import (Sampling, dequantize_model, expert_bytes, generate, generate_timed,
-                                 quantize_model, sample_logits)
+from sparsejax.inference import (Decoder, Sampling, dequantize_model, expert_bytes, generate, generate_timed,
+                                 left_pad, quantize_model, sample_logits)
 from sparsejax.models import Transformer, TransformerConfig
 
 BASE = TransformerConfig(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=4, top_k=2,
@@ -47,6 +48,42 @@ def test_greedy_cached_decoding_equals_full_forward(variant):
   np.testing.assert_array_equal(got, want)
   assert len({tuple(r) for r in got}) > 1  # the rows really differ: padding did not leak across rows
   assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
+
+
+@pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 8), (1, 0.0, 3), (0, 0.8, 1), (1, 0.8, 8)])
+def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
+  """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts
+  and the cache, of n single steps: same keys fold_in(rng, step), n = 1, n not a multiple of the chunk,
+  n larger than it, and a single step after the loop."""
+  model = _model(moe_every)
+  sampling = Sampling(temperature, top_k=None if temperature == 0 else 20)
+  tokens, lengths = left_pad(PROMPTS)
+  make = lambda c: Decoder(model, len(PROMPTS), tokens.shape[1] + 16, sampling, jax.random.key(7),
+                           start=tokens.shape[1] - lengths, chunk=c)
+  ref, loop = make(8), make(chunk)
+  want = [ref(jnp.asarray(tokens))]
+  got = [loop(jnp.asarray(tokens))]
+  for n in (1, 5, 9):
+    for _ in range(n):
+      want.append(ref(want[-1][:, None]))
+    got.extend(loop.run(got[-1], n).T)
+    np.testing.assert_array_equal(np.stack(got, 1), np.stack(want, 1))
+    np.testing.assert_array_equal(loop.tokens_per_expert, ref.tokens_per_expert)
+  assert loop._loop._cache_size() == 1  # one compile for every n
+  np.testing.assert_array_equal(loop(got[-1][:, None]), ref(want[-1][:, None]))  # the cache index is right
+  assert loop.position == ref.position == tokens.shape[1] + 16 and loop.steps == ref.steps == 17
+  if moe_every:
+    assert np.asarray(loop.tokens_per_expert).sum() > 0
+  with pytest.raises(ValueError, match="no room for 1 more tokens"):
+    loop.run(got[-1], 1)
+  fresh = make(chunk)
+  for bad, err in [(dict(n=0), "n must be an int >= 1"), (dict(n=2.0), "n must be an int >= 1"),
+                   (dict(tokens=jnp.zeros((3, 1), jnp.int32)), r"shape \(3,\); got shape \(3, 1\)"),
+                   (dict(n=tokens.shape[1] + 17), "no room for 24 more tokens")]:
+    with pytest.raises(ValueError, match=err):
+      fresh.run(**{"tokens": jnp.zeros((3,), jnp.int32), "n": 2, **bad})
+  with pytest.raises(ValueError, match="chunk must be an int >= 1"):
+    make(0)
 
 
 def test_quantized_model_halves_expert_bytes_and_keeps_logits_close():
