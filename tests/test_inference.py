@@ -50,7 +50,7 @@ def test_greedy_cached_decoding_equals_full_forward(variant):
   assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
 
 
-@pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 8), (1, 0.0, 3), (0, 0.8, 1), (1, 0.8, 8)])
+@pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts
   and the cache, of n single steps: same keys fold_in(rng, step), n = 1, n not a multiple of the chunk,

@@ -20,10 +20,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
+from sparsejax.inference.sampling import Sampling, sample_logits
+
 # Steps per inner loop of Decoder.run (see _compiled_loop): a GPU syncs with the host once per chunk.
 DECODE_CHUNK = 8
-
-from sparsejax.inference.sampling import Sampling, sample_logits
 
 
 @dataclasses.dataclass(frozen=True)
