@@ -189,6 +189,16 @@ def load_trace(log_dir: str) -> dict:
     return json.load(f)
 
 
+def _trace_lines(trace: dict):
+  """(complete events, the device processes' pids, event -> the name of its thread line)."""
+  events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+  meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+  procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
+  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
+  devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
+  return events, devices, lambda e: threads.get((e["pid"], e.get("tid")), "")
+
+
 def op_times(trace: dict, module: str) -> tuple[dict[str, float], float]:
   """(HLO op -> self time in us, unattributed device time in us) of the module's executions.
 
@@ -196,12 +206,7 @@ def op_times(trace: dict, module: str) -> tuple[dict[str, float], float]:
   derived 'XLA Ops' line serves when no stream line has them. CPU: the thunk executor's events.
   Self time: an event's duration less that of the events nested inside it on the same line.
   """
-  events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-  meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
-  procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
-  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-  devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
-  line = lambda e: threads.get((e["pid"], e.get("tid")), "")
+  events, devices, line = _trace_lines(trace)
   if devices:
     on_device = [e for e in events if e["pid"] in devices]
     picked = [e for e in on_device if line(e).startswith("Stream")]
@@ -240,13 +245,8 @@ def op_times(trace: dict, module: str) -> tuple[dict[str, float], float]:
 
 def stream_kernels(trace: dict) -> list[dict]:
   """The trace's kernel and copy events on the device stream lines, by start time."""
-  events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
-  meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
-  procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
-  threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-  devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
-  return sorted((e for e in events if e["pid"] in devices
-                 and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda e: e["ts"])
+  events, devices, line = _trace_lines(trace)
+  return sorted((e for e in events if e["pid"] in devices and line(e).startswith("Stream")), key=lambda e: e["ts"])
 
 
 def kernel_table(trace: dict, steps: int, top: int = 20) -> dict:
