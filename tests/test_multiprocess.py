@@ -1,6 +1,7 @@
 """Several processes on jax.distributed: two real `sparsejax-train` processes on this machine (a local
 coordinator, gloo collectives on the CPU, 2 host devices each) train the same losses as one process
-with the whole batch; each process reads only its own rows of the data."""
+with the whole batch, and their checkpoint (each process writing its own expert shards) resumes on one
+device; each process reads only its own rows of the data."""
 import json
 import os
 import pathlib
@@ -18,8 +19,8 @@ from corpus_testing import write_corpus
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=16)
-ARGS = ["--preset", "tiny-moe", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--warmup", "1",
-        "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "0", "--log-every", "1", "--no-progress",
+ARGS = ["--preset", "tiny-moe", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--warmup", "2",
+        "--eval-every", "0", "--eval-batches", "1", "--ckpt-every", "3", "--log-every", "1", "--no-progress",
         "--dtype", "float32"] + [a for k, v in TINY.items() for a in ("--set", f"{k}={v}")]
 
 
@@ -70,19 +71,31 @@ def _launch(tmp_path, extra, processes=2, devices=2, timeout=90):
 def test_two_processes_train_as_one(tmp_path):
   """--mesh data=2,expert=2 over 2 processes x 2 devices (experts exchanged across processes): the
   train and validation losses of one process with the whole batch on one device; only process 0
-  writes metrics (each step logged once) and prints."""
+  writes metrics (each step logged once) and prints. Their step-3 checkpoint (each process writes
+  its own expert shards) resumes on one device into the steps 4 and 5 of the one process trained
+  straight on: step 4 checks the params and the data position, step 5 the optimizer state.
+  (--warmup 2: the learning rates of updates 1..3 do not depend on --steps.)"""
   data = _corpus(tmp_path)
-  outputs = _launch(tmp_path, ["--data", data, "--out", str(tmp_path / "two"), "--mesh", "data=2,expert=2"])
-  one = train(TrainConfig(preset="tiny-moe", data=data, out=str(tmp_path / "one"), steps=3, batch_size=8, seq_len=16,
-                          warmup=1, eval_every=0, eval_batches=1, ckpt_every=0, log_every=1, progress=False,
-                          dtype="float32", model_overrides=TINY))
-  got = _records(tmp_path / "two")
+  two = tmp_path / "two"
+  outputs = _launch(tmp_path, ["--data", data, "--out", str(two), "--mesh", "data=2,expert=2"])
+  common = dict(preset="tiny-moe", data=data, batch_size=8, seq_len=16, warmup=2, eval_batches=1, log_every=1,
+                progress=False, dtype="float32", model_overrides=TINY)
+  one = train(TrainConfig(**common, out=str(tmp_path / "one"), steps=5, eval_every=3, ckpt_every=0))
+  got = _records(two)
   want = _records(tmp_path / "one")
+  train_losses = lambda records: [r["loss"] for r in records if r["kind"] == "train"]
   assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3]
-  np.testing.assert_allclose([r["loss"] for r in got if r["kind"] == "train"],
-                             [r["loss"] for r in want if r["kind"] == "train"], rtol=2e-5)
-  np.testing.assert_allclose(got[-1]["val_loss"], one["val_loss"], rtol=2e-5)
+  np.testing.assert_allclose(train_losses(got), train_losses(want)[:3], rtol=2e-5)
+  np.testing.assert_allclose(got[-1]["val_loss"], [r["val_loss"] for r in want if r["kind"] == "val"][0], rtol=2e-5)
   assert "done: step 3" in outputs[0] and "done:" not in outputs[1]
+  # Only finished steps (orbax also saves a run's first step): no temporary folder of an unfinished write.
+  names = [p.name for p in (two / "checkpoints").iterdir()]
+  assert all(n.isdigit() for n in names) and max(map(int, names)) == 3, names
+  resumed = train(TrainConfig(**common, out=str(two), steps=5, eval_every=0, ckpt_every=3))
+  got = _records(two)
+  assert [r["step"] for r in got if r["kind"] == "train"] == [1, 2, 3, 4, 5]  # resumed, not started over
+  np.testing.assert_allclose(train_losses(got)[3:], train_losses(want)[3:], rtol=2e-5)
+  np.testing.assert_allclose(resumed["val_loss"], one["val_loss"], rtol=2e-5)
 
 
 def test_each_process_reads_its_own_rows():
