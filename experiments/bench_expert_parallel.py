@@ -35,6 +35,7 @@ import numpy as np  # noqa: E402
 
 import sparsejax as sj  # noqa: E402
 from sparsejax import mesh as meshlib, parallel  # noqa: E402
+from sparsejax.exchange import dense_all_to_all, ragged_all_to_all_rows  # noqa: E402
 from sparsejax.grouped_matmul import resolve_impl  # noqa: E402
 
 START = time.perf_counter()
@@ -50,7 +51,9 @@ def parse_args():
   p.add_argument("--top-k", type=int, default=1)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--impl", default="auto", help="grouped matmul backend (auto = Pallas on GPU)")
-  p.add_argument("--buffer-factors", default="1.1,none",
+  p.add_argument("--exchanges", default="ragged,dense",
+                 help="dropless exchanges to time: ragged (real rows only) and/or dense (whole buffer)")
+  p.add_argument("--buffer-factors", default="none",
                  help="dropless exchange buffers to time: none = the safe worst-case bound")
   p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity-mode baseline; 0 = skip")
   p.add_argument("--gpus", default="", help="comma list of device counts (default 1, 2, 4, ... up to all)")
@@ -135,9 +138,10 @@ def equivalence(n, args):
   d, f = (32, 64) if args.smoke else (256, 512)
   prob = make_problem(jax.random.key(1), tokens, d, f, args.experts, max(args.top_k, 2), jnp.float32)
   results = {}
-  for mode, cf in (("dropless", None), ("capacity", 1.0)):
+  modes = [(f"dropless {ex}", None, ex) for ex in args.exchanges.split(",")] + [("capacity", 1.0, "auto")]
+  for mode, cf, ex in modes:
     with jax.default_matmul_precision("highest"):
-      ep = fwd_bwd(ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(), cf))(*prob)[0]
+      ep = fwd_bwd(ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(exchange=ex), cf))(*prob)[0]
       with jax.default_device(devices[0]):
         one = fwd_bwd(single_layer(args.impl, cf, 1 if cf is None else n))(
             *jax.device_put(prob, devices[0]))[0]
@@ -146,16 +150,25 @@ def equivalence(n, args):
   return results
 
 
-def a2a_time(layout, slots, d, dtype, args, hierarchical=False):
-  """Seconds of one exchange of a [P, S, d] buffer per device (the dispatch, alone)."""
+def a2a_time(layout, slots, d, dtype, args, expert_ids, hierarchical=False, exchange="dense"):
+  """Seconds of one exchange of a [P, S, d] buffer per device (the dispatch, alone). Ragged: the
+  rows the routing `expert_ids` really places per peer, after the exchange of their counts."""
   p = layout.num_peers
   shards = layout.mesh.devices.size
   spec = layout.tokens
   buf = jax.jit(lambda k: jax.random.normal(k, (shards * p * slots, d), jnp.float32).astype(dtype),
                 out_shardings=layout.sharding(spec))(jax.random.key(3))
-  body = lambda b: parallel._all_to_all(b.reshape(p, slots, d), layout, hierarchical).reshape(-1, d)
-  f = jax.jit(parallel._shard_map(body, layout.mesh, (spec,), spec))
-  return time_fn(f, buf, warmup=args.warmup, iters=args.iters)
+
+  def body(b, ids):
+    b = b.reshape(p, slots, d)
+    if exchange == "dense":
+      return dense_all_to_all(b, layout, hierarchical).reshape(-1, d)
+    _, sent = parallel.peer_placement(ids, args.experts, p, slots)
+    recv = dense_all_to_all(sent, layout, False)
+    return ragged_all_to_all_rows(b, sent.sum(axis=1), recv.sum(axis=1), layout,
+                                  chunks=parallel.ExpertParallelConfig.ragged_chunks).reshape(-1, d)
+  f = jax.jit(parallel._shard_map(body, layout.mesh, (spec, spec), spec, check=False))
+  return time_fn(f, buf, expert_ids, warmup=args.warmup, iters=args.iters)
 
 
 def main():
@@ -197,9 +210,10 @@ def main():
                          single_layer(args.impl, args.capacity_factor), None, None, layout, False))
     else:
       for bf in factors:
-        cfg = parallel.ExpertParallelConfig(buffer_factor=bf)
-        variants.append((f"EP dropless buffer={'safe' if bf is None else bf}",
-                         ep_layer(mesh, args.impl, cfg), bf, None, layout, False))
+        for ex in args.exchanges.split(","):
+          cfg = parallel.ExpertParallelConfig(buffer_factor=bf, exchange=ex)
+          variants.append((f"EP dropless {ex} buffer={'safe' if bf is None else bf}",
+                           ep_layer(mesh, args.impl, cfg), bf, None, layout, False))
       if args.capacity_factor:
         variants.append((f"EP capacity {args.capacity_factor}",
                          ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(), args.capacity_factor),
@@ -225,7 +239,8 @@ def main():
         experts_per_peer = args.experts // n
         slots = (parallel.buffer_slots(t, k, n, experts_per_peer, bf) if cf is None
                  else experts_per_peer * sj.capacity(t, args.experts, k, cf))
-        a2a = a2a_time(var_layout, slots, d, dtype, args, hierarchical)
+        ex = "ragged" if cf is None and " ragged " in name else "dense"
+        a2a = a2a_time(var_layout, slots, d, dtype, args, prob[1], hierarchical, ex)
         run.update(slots_per_peer=slots, a2a_ms=a2a * 1e3, a2a_share=4 * a2a / sec,
                    exchange_overflow=int(stats.exchange_overflow),
                    assignments=int(stats.tokens_per_expert.sum()), num_dropped=int(stats.num_dropped))

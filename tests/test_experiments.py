@@ -51,3 +51,28 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
   err = capsys.readouterr().err
   assert e.value.code == 2 and err.count("\n") == 1 and 'pip install -e ".[plot]"' in err, err
   assert not (tmp_path / "plots").exists()
+
+
+def test_exchange_bench_checks_every_variant_against_dense():
+  import bench_exchange
+  rows = bench_exchange.main(["--smoke", "--chunks", "1,3"])
+  assert [r["variant"] for r in rows] == ["dense", "ragged chunks=1", "ragged chunks=3"]
+  assert all(r["equal_to_dense"] and r["ms"] > 0 for r in rows), rows
+
+
+def test_ep_train_bench_names_the_collectives_and_tables_them():
+  import bench_ep_train as b
+  kind = lambda name, op="": b.collective_kind({"name": name, "args": {"hlo_op": op} if op else {}})
+  assert kind("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "all-to-all"
+  assert kind("x", "ragged-all-to-all.29.2") == kind("x", "all_to_all.152.1") == "all-to-all"
+  assert kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == kind("x", "all-reduce.3") == "all-reduce"
+  assert kind("loop_gather_fusion", "gather.12") is None
+  one = {"gpus": 1, "exchange": "none", "step_ms": 30.0, "tokens_per_s": 1e6, "weak_scaling_efficiency": 1.0,
+         "collectives_ms": {}, "collective_share": {}, "categories_ms": {"optimizer": 7.0}}
+  two = {"gpus": 2, "exchange": "dense", "step_ms": 40.0, "tokens_per_s": 1.5e6, "weak_scaling_efficiency": 0.75,
+         "collectives_ms": {"all-to-all": 8.0}, "collective_share": {"all-to-all": 0.2},
+         "categories_ms": {"optimizer": 3.5, "collectives": 8.0}}
+  table = b.markdown({"preset": "xs-moe", "batch_per_gpu": 32, "seq_len": 1024, "device_kind": "H200", "jax": "x",
+                      "runs": [one, two]})
+  assert "| 2 | dense | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 0 |" in table
+  assert "| 2 | dense | 3.50 | 8.00 |" in table

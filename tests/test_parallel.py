@@ -15,7 +15,7 @@ from flax import nnx
 
 import sparsejax as sj
 from sparsejax import mesh as meshlib
-from sparsejax import parallel
+from sparsejax import exchange, parallel
 from sparsejax.parallel import ExpertParallelConfig, expert_parallel_moe_mlp
 
 from moe_testing import np_capacity_keep
@@ -307,6 +307,79 @@ def test_bad_layouts_are_refused():
   x, ids, cw, w_in, w_out, _, _ = _problem()
   with pytest.raises(ValueError, match="split over"):
     expert_parallel_moe_mlp(x[:60], ids[:60], cw[:60], w_in, w_out, mesh=meshlib.make_expert_mesh(1, 8))
+
+
+# ------------------------------------------------------------------------------------------------
+# The ragged exchange (real rows only). XLA:CPU lacks ragged-all-to-all, so here it runs the dense
+# emulation: these tests check its offsets and sizes; tests/gpu runs the real op.
+
+
+def _shard_mapped(f, mesh, axis, n_in):
+  spec = jax.sharding.PartitionSpec(axis)
+  return jax.jit(parallel._shard_map(f, mesh, (spec,) * n_in, spec))
+
+
+def test_ragged_reference_is_jax_ragged_all_to_all():
+  """The two-device example of jax.lax.ragged_all_to_all's docstring, and a random case against a
+  numpy loop over its pseudocode."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("e",))
+  ref = lambda *a: exchange.ragged_all_to_all_reference(*a, axis_name="e")
+  got = _shard_mapped(ref, mesh, "e", 6)(
+      jnp.array([1, 2, 2, 3, 4, 0]), jnp.zeros(8, jnp.int32), jnp.array([0, 1, 0, 1]),
+      jnp.array([1, 2, 1, 1]), jnp.array([0, 0, 1, 2]), jnp.array([1, 1, 2, 1]))
+  np.testing.assert_array_equal(got, [1, 3, 0, 0, 2, 2, 4, 0])
+
+  p, n = 8, 6
+  rng = np.random.default_rng(0)
+  sizes = rng.integers(0, 3, (p, p))  # sizes[i, j]: rows i sends j
+  operand = rng.normal(size=(p, n, 3)).astype(np.float32)
+  output = rng.normal(size=(p, 2 * p + 2, 3)).astype(np.float32)  # untouched rows keep their values
+  in_off = np.array([[rng.integers(0, n - sizes[i, j] + 1) for j in range(p)] for i in range(p)])
+  out_off = np.zeros((p, p), np.int64)  # where i's rows land on j: stacked by sender on each j
+  for j in range(p):
+    out_off[:, j] = np.concatenate([[0], np.cumsum(sizes[:, j])[:-1]]) + 1
+  want = output.copy()
+  for i in range(p):
+    for j in range(p):
+      want[j, out_off[i, j]:out_off[i, j] + sizes[i, j]] = operand[i, in_off[i, j]:in_off[i, j] + sizes[i, j]]
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("e",))
+  flat = lambda a: jnp.asarray(a.reshape(p * a.shape[1], *a.shape[2:]))
+  got = _shard_mapped(ref, mesh, "e", 6)(flat(operand), flat(output), flat(in_off.astype(np.int32)),
+                                         flat(sizes.astype(np.int32)), flat(out_off.astype(np.int32)),
+                                         flat(sizes.T.astype(np.int32)))
+  np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
+
+
+RAGGED = ExpertParallelConfig(exchange="ragged")
+
+
+def test_ragged_exchange_matches_single_device():
+  mesh = meshlib.make_expert_mesh(1, 8)
+  for kind in KINDS:
+    _check_matches(mesh, _problem(kind), config=RAGGED)
+  # E/P = 1 < k: repeated ids overflow the distinct-ids buffer, and the exact fallback is ragged too.
+  x, _, cw, w_in, w_out, w_gate, g = _problem()
+  _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g), config=RAGGED)
+
+
+def test_ragged_exchange_over_two_axes_and_expert_slices():
+  # One exchange over both expert axes (flattened peer index); expert slicing (sizes before the gather).
+  mesh = meshlib.make_expert_mesh(2, 2, expert_groups=2)
+  _check_matches(mesh, _problem("skewed"), config=ExpertParallelConfig(  # blocks in 3 uneven updates
+      expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT), exchange="ragged", ragged_chunks=3))
+  _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed", num_experts=2, glu=True), config=RAGGED)
+
+
+def test_exchange_choice_and_bad_options():
+  assert exchange.resolve_exchange("auto", hierarchical=False) == "dense"
+  assert exchange.resolve_exchange("ragged", hierarchical=False) == "ragged"
+  with pytest.raises(ValueError, match="ragged_chunks"):
+    ExpertParallelConfig(exchange="ragged", ragged_chunks=0)
+  with pytest.raises(ValueError, match="exchange must be one of"):
+    ExpertParallelConfig(exchange="nccl")
+  with pytest.raises(ValueError, match="single-stage"):
+    ExpertParallelConfig(expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT), hierarchical=True,
+                         exchange="ragged")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,234 @@
+"""Weak scaling of the MoE training step: one GPU against n GPUs with experts sharded over them.
+
+The step is the library's own (sparsejax.train: init_model, make_optimizer, make_steps), at a fixed
+batch per GPU: on one GPU without a mesh, on n GPUs with `--mesh data=1,expert=n` (what
+`sparsejax-train --mesh` builds: the MoE layers expert-parallel, expert weights and their AdamW
+moments sharded over "expert", the rest data-parallel), once per exchange ("ragged": only the
+real rows cross; "dense": the whole static buffer).
+
+Timing: after --warmup steps, --steps steps back to back (as the training loop runs them), one
+sync at the end; the median of --repeats such windows. Then --steps more are traced with
+jax.profiler, and the device time of the collectives is read from the trace: the all-to-alls of
+the MoE layers (and their count exchange) apart from the all-reduces of the data-parallel
+gradients, and every op's device time by profile_step.py's categories (collectives apart). Shares
+are of the step time, per GPU (the mean over the n GPUs). CUDA graphs are off (as in
+profile_step.py) unless --no-trace.
+
+Efficiency(n) = tokens/s(n) / (n * tokens/s(1)). Writes experiments/results/ep_train_<gpu>_x<n>.json
+and a markdown table (and copies under $OUT when set).
+
+  python experiments/bench_ep_train.py                 # GPU machine with 2+ GPUs: xs-moe, 32 x 1024 per GPU
+  python experiments/bench_ep_train.py --smoke         # CPU, 8 host devices, a tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, as the device machines require
+if "--smoke" in sys.argv:
+  os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+  os.environ["JAX_PLATFORMS"] = "cpu"
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
+from sparsejax.data import BatchStream, load_corpus  # noqa: E402
+from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
+from sparsejax.train import (TrainConfig, functional, global_batch, init_model, make_optimizer, make_steps,  # noqa: E402
+                             mesh_from_config, param_shardings)
+
+SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=32)
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="xs-moe")
+  p.add_argument("--batch-per-gpu", type=int, default=32)
+  p.add_argument("--seq-len", type=int, default=1024)
+  p.add_argument("--gpus", default="", help="comma list of device counts (default: 1 and all)")
+  p.add_argument("--exchanges", default="ragged,dense")
+  p.add_argument("--ragged-chunks", type=int, default=ExpertParallelConfig.ragged_chunks)
+  p.add_argument("--warmup", type=int, default=5)
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--no-trace", action="store_true", help="skip the profile of the collectives")
+  p.add_argument("--smoke", action="store_true", help="CPU, 8 host devices, a tiny model, few steps")
+  p.add_argument("--out", default=str(HERE / "results"))
+  a = p.parse_args(argv)
+  if a.smoke:
+    a.batch_per_gpu, a.seq_len, a.warmup, a.steps, a.repeats = 2, 32, 1, 2, 1
+  return a
+
+
+def collective_kind(event: dict) -> str | None:
+  """'all-to-all' (the MoE exchange, its counts included), 'all-reduce' (gradients, stats), or None."""
+  text = (event.get("args", {}).get("hlo_op", "") + " " + event["name"]).lower()
+  if "all-to-all" in text or "alltoall" in text or "all_to_all" in text or "sendrecv" in text:
+    return "all-to-all"
+  if any(s in text for s in ("all-reduce", "allreduce", "reduce-scatter", "reducescatter", "all-gather",
+                             "allgather")):
+    return "all-reduce"
+  if "nccl" in text:
+    return "all-to-all" if "send" in text or "recv" in text else "all-reduce"
+  return None
+
+
+def build(args, corpus, n: int, exchange: str | None):
+  overrides = SMOKE_MODEL if args.smoke else {}
+  cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
+                    steps=10**6, model_overrides=overrides,
+                    mesh=None if n == 1 else f"data=1,expert={n}")
+  model_cfg = cfg.model_config()
+  if corpus.vocab_size != model_cfg.vocab_size:
+    model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
+  mesh = mesh_from_config(cfg)
+  model = init_model(cfg, model_cfg, mesh)
+  if exchange is not None:
+    for block in model.blocks:
+      if block.is_moe:
+        block.ffn.parallel = ExpertParallelConfig(exchange=exchange, ragged_chunks=args.ragged_chunks)
+  apply, params = functional(model)
+  tx = make_optimizer(cfg)
+  shardings = None
+  if mesh is not None:
+    params = jax.device_put(params, param_shardings(model, mesh, model_cfg.num_experts))
+  opt_state = tx.init(params)
+  if mesh is not None:
+    on_mesh = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, PartitionSpec())
+    shardings = jax.tree.map(on_mesh, (params, opt_state))
+    params, opt_state = jax.device_put((params, opt_state), shardings)
+  train_step, _ = make_steps(apply, tx, cfg.seed, shardings=shardings)
+  stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+  total = args.warmup + args.steps * (args.repeats + 1)
+  put = (lambda b: global_batch(mesh, b)) if mesh is not None else jax.device_put
+  batches = [put(next(stream)) for _ in range(total)]
+  return cfg, model_cfg, train_step, params, opt_state, batches
+
+
+def measure(args, corpus, n: int, exchange: str | None) -> dict:
+  cfg, model_cfg, train_step, params, opt_state, batches = build(args, corpus, n, exchange)
+  t0 = time.perf_counter()
+  compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0)).compile()
+  compile_s = time.perf_counter() - t0
+  state = [params, opt_state]
+  losses = []
+
+  def run(lo, hi):
+    m = None
+    for i in range(lo, hi):
+      state[0], state[1], m = compiled(state[0], state[1], *batches[i], jnp.int32(i))
+    jax.block_until_ready(state)
+    losses.append(float(m["loss"]))
+
+  run(0, args.warmup)
+  windows = []
+  for r in range(args.repeats):
+    lo = args.warmup + r * args.steps
+    t = time.perf_counter()
+    run(lo, lo + args.steps)
+    windows.append((time.perf_counter() - t) / args.steps)
+  step_s = statistics.median(windows)
+  rec = {"gpus": n, "exchange": exchange or "none (one device)", "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+         "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
+         "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_last": losses[-1],
+         "finite": all(map(lambda v: v == v, losses))}
+  if not args.no_trace:
+    lo = args.warmup + args.repeats * args.steps
+    log_dir = tempfile.mkdtemp(prefix="ep_train_")
+    try:
+      with jax.profiler.trace(log_dir):
+        run(lo, lo + args.steps)
+      trace = load_trace(log_dir)
+    finally:
+      shutil.rmtree(log_dir, ignore_errors=True)
+    kernels = stream_kernels(trace)
+    hlo = compiled.as_text()
+    module = hlo.split("HloModule", 1)[1].split()[0].rstrip(",")
+    cats = op_categories(hlo)
+    times, unattributed = op_times(trace, module)
+    by_cat = collections.Counter()
+    for op, us in times.items():  # the collectives apart, whatever scope they were issued in
+      by_cat["collectives" if collective_kind({"name": op, "args": {"hlo_op": op}}) else cats.get(op, "other")] += us
+    by_cat["other"] += unattributed
+    rec["categories_ms"] = {c: by_cat[c] / 1e3 / args.steps / n for c in (*CATEGORIES, "collectives") if by_cat[c]}
+    by_kind, names = collections.Counter(), collections.Counter()
+    for e in kernels:
+      kind = collective_kind(e)
+      if kind:
+        by_kind[kind] += e["dur"]
+        names[(kind, (e.get("args", {}).get("hlo_op") or e["name"])[:60])] += e["dur"]
+    per_gpu_step_ms = lambda us: us / 1e3 / args.steps / n
+    rec["collectives_ms"] = {k: per_gpu_step_ms(v) for k, v in by_kind.items()}
+    rec["collective_share"] = {k: per_gpu_step_ms(v) / rec["step_ms"] for k, v in by_kind.items()}
+    rec["top_collectives"] = [(k, name, per_gpu_step_ms(us)) for (k, name), us in names.most_common(8)]
+  return rec
+
+
+def markdown(report: dict) -> str:
+  lines = [f"### MoE training step, weak scaling ({report['preset']}, {report['batch_per_gpu']} x "
+           f"{report['seq_len']} tokens per GPU, {report['device_kind']}, jax {report['jax']})", "",
+           "| GPUs | exchange | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | all-reduce ms (share) |",
+           "|---|---|---|---|---|---|---|"]
+  for r in report["runs"]:
+    c, s = r.get("collectives_ms", {}), r.get("collective_share", {})
+    cell = lambda k: f"{c[k]:.2f} ({100 * s[k]:.1f}%)" if k in c else ("0" if "collectives_ms" in r else "")
+    eff = r["weak_scaling_efficiency"]
+    lines.append(f"| {r['gpus']} | {r['exchange']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.3g} | "
+                 f"{'' if eff is None else f'{100 * eff:.1f}%'} | {cell('all-to-all')} | {cell('all-reduce')} |")
+  names = [c for c in (*CATEGORIES, "collectives") if any(c in r.get("categories_ms", {}) for r in report["runs"])]
+  if names:
+    lines += ["", "Device time per step and GPU, by category (ms; profile_step.py's categories, the "
+              "collectives apart):", "",
+              "| GPUs | exchange | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for r in report["runs"]:
+      c = r.get("categories_ms", {})
+      lines.append(f"| {r['gpus']} | {r['exchange']} | " + " | ".join(f"{c.get(n, 0.0):.2f}" for n in names) + " |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+  args = parse_args(argv)
+  if not args.no_trace and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+    # As profile_step.py: without CUDA graphs every kernel in the trace carries its HLO op (so the
+    # categories can be read); set before the backend starts, for timing and trace alike.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+  ndev = len(jax.devices())
+  counts = [int(c) for c in args.gpus.split(",")] if args.gpus else sorted({1, ndev})
+  corpus = load_corpus(None)
+  kind = jax.devices()[0].device_kind
+  report = {"preset": args.preset, "batch_per_gpu": args.batch_per_gpu, "seq_len": args.seq_len,
+            "device_kind": kind, "jax": jax.__version__, "runs": []}
+  for n in counts:
+    for exchange in ([None] if n == 1 else args.exchanges.split(",")):
+      rec = measure(args, corpus, n, exchange)
+      report["runs"].append(rec)
+      print(json.dumps(rec), flush=True)
+  base = next((r for r in report["runs"] if r["gpus"] == 1), None)
+  for r in report["runs"]:
+    r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
+  table = markdown(report)
+  print("\n" + table)
+  name = ("cpu_smoke" if args.smoke else kind.lower().replace("nvidia ", "").replace(" ", "_")) + f"_x{max(counts)}"
+  dirs = [pathlib.Path(args.out)] + ([pathlib.Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
+  for d in dirs:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"ep_train_{name}.json").write_text(json.dumps(report, indent=1))
+    (d / f"ep_train_{name}.md").write_text(table + "\n")
+  return report
+
+
+if __name__ == "__main__":
+  main()
