@@ -263,7 +263,7 @@ def main():
   for path in paths:
     with open(path, "w") as fh:
       json.dump(report, fh, indent=1, default=str)
-  print(f"wrote {paths}; {report['elapsed_s']:.0f}s")
+  print(f"wrote {[os.path.relpath(p) for p in paths]}; {report['elapsed_s']:.0f}s")
 
   print(f"\n### Expert-parallel MoE fwd+bwd, T={t}/GPU, d={d}, f={args.d_ff}, E={args.experts}, "
         f"top-{k}, {args.dtype}, {report['device_kind']}\n")

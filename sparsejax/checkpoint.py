@@ -22,6 +22,7 @@ class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, *, every: int = 1000, keep: int = 3):
     self.directory = pathlib.Path(directory).absolute()
+    self.every = max(1, every)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, save_interval_steps=max(1, every), create=True,
         # Synchronous: the train step donates its buffers, and saves are rare enough not to matter.
@@ -30,11 +31,12 @@ class Checkpointer:
 
   def save(self, step: int, items: dict[str, Any], meta: dict, *, force: bool = False) -> bool:
     """items: named pytrees of arrays (e.g. params, opt_state), each restorable on its own."""
-    if step in self.manager.all_steps():  # e.g. the final save landing on an interval step
+    if (not force and step % self.every) or step in self.manager.all_steps():
       return False
     args = ocp.args.Composite(meta=ocp.args.JsonSave(meta),
                               **{k: ocp.args.StandardSave(v) for k, v in items.items()})
-    saved = self.manager.save(step, args=args, force=force)
+    # The decision is ours (above): orbax's default policy would also save the first step of a run.
+    saved = self.manager.save(step, args=args, force=True)
     self.manager.wait_until_finished()
     return bool(saved)
 

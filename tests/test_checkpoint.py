@@ -47,3 +47,7 @@ def test_interval_keep_last_and_crashed_writes(tmp_path):
   items, meta = fresh.restore({"x": {"w": jnp.zeros(3)}})
   np.testing.assert_array_equal(items["x"]["w"], 7.0)
   assert fresh.restore_meta() == {"step": 7}
+  # Every `every` steps and nothing else: not the first step of a run (orbax's default policy would).
+  spaced = Checkpointer(tmp_path / "spaced", every=3, keep=10)
+  saved = [s for s in range(1, 8) if spaced.save(s, {"x": {"w": jnp.zeros(2)}}, {"step": s})]
+  assert saved == spaced.all_steps() == [3, 6]

@@ -112,7 +112,7 @@ def test_an_existing_run_of_another_model_is_one_line(tmp_path, text, capsys, no
   out = tmp_path / "run"
   other = get_preset("tiny-moe", d_model=64, num_experts=4, dtype="float32")
   ckpt = Checkpointer(out / "checkpoints")
-  ckpt.save(3, {"params": {"w": jnp.zeros(2)}}, {"step": 3, "model_config": other.to_dict()})
+  ckpt.save(3, {"params": {"w": jnp.zeros(2)}}, {"step": 3, "model_config": other.to_dict()}, force=True)
   ckpt.close()
   with pytest.raises(SystemExit) as e:
     cli.main(["--preset", "tiny-moe", "--data", text, "--out", str(out)])
