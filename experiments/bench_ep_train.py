@@ -42,13 +42,12 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
-from sparsejax.train import (TrainConfig, functional, global_batch, init_model, make_optimizer, make_steps,  # noqa: E402
-                             mesh_from_config, param_shardings)
+from sparsejax.train import (TrainConfig, expert_parallel_state, functional, global_batch, init_model,  # noqa: E402
+                             make_optimizer, make_steps, mesh_from_config)
 
 SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=32)
 
@@ -95,21 +94,14 @@ def build(args, corpus, n: int, exchange: str | None):
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   mesh = mesh_from_config(cfg)
-  model = init_model(cfg, model_cfg, mesh)
-  if exchange is not None:
-    for block in model.blocks:
-      if block.is_moe:
-        block.ffn.parallel = ExpertParallelConfig(exchange=exchange, ragged_chunks=args.ragged_chunks)
+  parallel = None if exchange is None else ExpertParallelConfig(exchange=exchange, ragged_chunks=args.ragged_chunks)
+  model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
-  shardings = None
   if mesh is not None:
-    params = jax.device_put(params, param_shardings(model, mesh, model_cfg.num_experts))
-  opt_state = tx.init(params)
-  if mesh is not None:
-    on_mesh = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, PartitionSpec())
-    shardings = jax.tree.map(on_mesh, (params, opt_state))
-    params, opt_state = jax.device_put((params, opt_state), shardings)
+    params, opt_state, shardings = expert_parallel_state(model, params, tx, mesh, model_cfg.num_experts)
+  else:
+    opt_state, shardings = tx.init(params), None
   train_step, _ = make_steps(apply, tx, cfg.seed, shardings=shardings)
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   total = args.warmup + args.steps * (args.repeats + 1)

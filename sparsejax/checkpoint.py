@@ -24,7 +24,7 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self.every = max(1, every)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, save_interval_steps=max(1, every), create=True,
+        max_to_keep=keep, create=True,
         # Synchronous: the train step donates its buffers, and saves are rare enough not to matter.
         enable_async_checkpointing=False)
     self.manager = ocp.CheckpointManager(self.directory, options=options)

@@ -121,25 +121,28 @@ def expert_axes(mesh) -> str | tuple[str, str]:
   return (EXPERT_GROUP, EXPERT) if EXPERT_GROUP in mesh.axis_names else EXPERT
 
 
-def build_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None) -> Transformer:
-  """Transformer(model_cfg) whose MoE layers run expert-parallel over expert_mesh; on a two-level
-  mesh their all-to-all is hierarchical (across expert groups, then within one)."""
+def build_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None, parallel=None) -> Transformer:
+  """Transformer(model_cfg) whose MoE layers run expert-parallel over expert_mesh, with `parallel`
+  (an ExpertParallelConfig) or, by default, the mesh's: on a two-level mesh the all-to-all is
+  hierarchical (across expert groups, then within one)."""
   model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
-  if expert_mesh is not None and EXPERT_GROUP in expert_mesh.axis_names:
+  if parallel is None and expert_mesh is not None and EXPERT_GROUP in expert_mesh.axis_names:
     from sparsejax.parallel import ExpertParallelConfig
-    config = ExpertParallelConfig(expert_axis=expert_axes(expert_mesh), hierarchical=True)
+    parallel = ExpertParallelConfig(expert_axis=expert_axes(expert_mesh), hierarchical=True)
+  if expert_mesh is not None and parallel is not None:
     for block in model.blocks:
       if block.is_moe:
-        block.ffn.parallel = config  # static: part of the graphdef, as MoE(parallel=...) would set it
+        block.ffn.parallel = parallel  # static: part of the graphdef, as MoE(parallel=...) would set it
   return model
 
 
-def init_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None):
+def init_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None, parallel=None):
   """A fresh model, or the sparse upcycling of a dense checkpoint when cfg.upcycle_from is set.
 
-  expert_mesh: the MoE layers run expert-parallel over it (same parameters as without).
+  expert_mesh: the MoE layers run expert-parallel over it (same parameters as without), with
+  `parallel` as in build_model.
   """
-  model = build_model(cfg, model_cfg, expert_mesh)
+  model = build_model(cfg, model_cfg, expert_mesh, parallel)
   if cfg.upcycle_from is not None:
     from sparsejax.upcycle import load_dense_and_upcycle
     nnx.update(model, nnx.state(load_dense_and_upcycle(cfg.upcycle_from, model_cfg, seed=cfg.seed)))
@@ -178,6 +181,18 @@ def param_shardings(model: nnx.Module, mesh, num_experts: int) -> dict:
     layout = expert_layout(mesh, num_experts, expert_axis=expert_axes(mesh))
     return layout.sharding(logical_to_mesh(tuple(spec), layout))
   return jax.tree.map(place, specs, is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def expert_parallel_state(model: nnx.Module, params, tx: optax.GradientTransformation, mesh, num_experts: int):
+  """(params, opt_state, their shardings) laid out on an expert mesh: expert weights and their AdamW
+  moments sharded (zeros_like keeps a sharding), the rest and the optimizer's scalars replicated
+  (jit wants every state array on the mesh)."""
+  params = jax.device_put(params, param_shardings(model, mesh, num_experts))
+  opt_state = tx.init(params)
+  on_mesh = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, PartitionSpec())
+  shardings = jax.tree.map(on_mesh, (params, opt_state))
+  params, opt_state = jax.device_put((params, opt_state), shardings)
+  return params, opt_state, shardings
 
 
 class MetricsLog:
@@ -330,17 +345,12 @@ def run(plan: Plan, *, mesh=None) -> dict:
   model = (build_model(cfg, model_cfg, expert_mesh) if resuming
            else init_model(cfg, model_cfg, expert_mesh))
   apply, params = functional(model)
-  shardings = None
-  if expert_mesh is not None:  # the optimizer's moments follow their params (zeros_like keeps a sharding)
-    params = jax.device_put(params, param_shardings(model, expert_mesh, model_cfg.num_experts))
-  else:
-    params = _shard(mesh, params, ())
   tx = make_optimizer(cfg)
-  opt_state = tx.init(params)
-  if expert_mesh is not None:  # scalars (the step count) replicate; jit wants every state array on the mesh
-    on_mesh = lambda a: a.sharding if isinstance(a.sharding, NamedSharding) else NamedSharding(mesh, PartitionSpec())
-    shardings = jax.tree.map(on_mesh, (params, opt_state))
-    params, opt_state = jax.device_put((params, opt_state), shardings)
+  if expert_mesh is not None:
+    params, opt_state, shardings = expert_parallel_state(model, params, tx, expert_mesh, model_cfg.num_experts)
+  else:
+    params, shardings = _shard(mesh, params, ()), None
+    opt_state = tx.init(params)
   del model
   procs = dict(process_index=jax.process_index(), process_count=jax.process_count())
   main_process = procs["process_index"] == 0  # the one that logs; orbax coordinates the checkpoints
