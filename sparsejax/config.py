@@ -7,15 +7,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sparsejax.activations import ACTIVATIONS
 from sparsejax.grouped_matmul import IMPLS
 
 ROUTERS = ("top_k", "expert_choice", "dense_to_sparse")
-ACTIVATIONS = {
-    "gelu": jax.nn.gelu,
-    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,8 +88,9 @@ def expert_ffn(
   """FFN_e(r) = act(r W_in[e]) W_out[e], or (act(r W_gate[e]) * r W_in[e]) W_out[e], for rows of group e.
 
   group_sizes=None means E equal groups (the capacity layout): a batched einsum then does the work.
-  A topology (rows already in the block-padded layout) sends all three products to the Pallas
-  kernels with one topology, built once. precision: as jax.lax.dot's; None is full float32
+  A topology (rows already in the block-padded layout) sends all the products to the Pallas
+  kernels with one topology, built once (without w_gate, as one `expert_mlp`, whose activation the
+  Hopper kernels fuse). precision: as jax.lax.dot's; None is full float32
   precision for float32 inputs (no TF32 on GPU), the backend default for bf16 (the Pallas kernels
   are always full precision for their input dtype).
   """
@@ -98,6 +99,8 @@ def expert_ffn(
 
     r = rows
     backend = kernel_backend(impl) if impl in BLOCK_IMPLS else "auto"
+    if w_gate is None:  # one op, so a backend can fuse the activation into its kernels
+      return gmm.expert_mlp(r, w_in, w_out, topology, activation=activation, backend=backend)
     mm = lambda a, w: gmm.gmm(a, w, topology, backend=backend)
   elif group_sizes is None:
     num_experts = w_in.shape[0]

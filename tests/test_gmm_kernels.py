@@ -1,9 +1,9 @@
 """The grouped-GEMM kernels of every backend, in interpret mode on the CPU, against their reference.
 
 The Triton backend runs every case in float32 and bf16. The Mosaic GPU (Hopper) backend is slower
-to interpret, so it runs a few bf16 cases through the custom_vjp (its three kernels: gmm, gmm with
-the transposed weight, tgmm) on shapes that cross several K and N tiles; its float32 calls are
-served by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
+to interpret, so one bf16 expert MLP runs all its kernels (gmm with and without an activation
+epilogue, gmm with the transposed weight with and without the derivative epilogue, tgmm) on shapes
+that cross several K and N tiles; its float32 calls are served by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
 """
 import jax
 import jax.numpy as jnp
@@ -75,41 +75,45 @@ def test_triton_kernels_match_reference(groups, dtype, k, n):
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
-def _grads(f, lhs, rhs, topo, ct):
-  loss = lambda a, b: jnp.sum(f(a, b).astype(jnp.float32) * ct)
-  return jax.value_and_grad(loss, argnums=(0, 1))(lhs, rhs)
-
-
 # Interpreting a Mosaic kernel costs about a second a pipeline step on two CPU cores: 128-deep K
 # steps keep K = N = 300 (3 K steps, 2 column tiles per product) affordable.
 _MOSAIC_TEST_CONFIGS = mosaic.Configs(
     gmm=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
     gmm_t=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
+    gmm_act=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
+    gmm_dact=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=32),
     tgmm=mosaic.Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32))
 
 
-@pytest.mark.parametrize("groups", [[130, 0, 5, 200]])
-def test_mosaic_kernels_and_vjp_match_reference(groups, monkeypatch):
-  """All three Hopper kernels (the forward gmm, then gmm with rhs^T and tgmm in its VJP) against
-  the reference, with K = N = 300: several K steps and N tiles, padded to the tiles; an empty
-  expert, experts whose last block is mostly padding, an inactive spare block."""
+def test_mosaic_fused_expert_mlp_matches_reference(monkeypatch):
+  """Every Hopper kernel, through expert_mlp's custom_vjp, against the float32 reference (values
+  and all three gradients): gmm_act (gelu in the epilogue, writing pre and act(pre)), gmm
+  (h W_out), gmm_dact (its derivative in the dH = dY W_out^T epilogue, pre arriving by TMA), tgmm
+  (both weight gradients) and the transposed gmm (dX). d = f = 300 cross K and N tiles; an
+  empty expert, a mostly-padding last block and an inactive spare block."""
   monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", _MOSAIC_TEST_CONFIGS)
-  k, n = 300, 300
-  topo, lhs, rhs, _, ct = _operands(groups, jnp.bfloat16, k, n, 7 + len(groups))
-  out = G.gmm(lhs, rhs, topo, backend="mosaic")
-  ref = G.gmm_reference(lhs, rhs, topo)
-  assert out.dtype == jnp.bfloat16 and out.shape == ref.shape
-  assert rel_err(out, ref) < TOL[jnp.bfloat16]
+  groups, d, f = [130, 0, 70], 300, 300
+  topo = topology_for(groups)
+  rows = topo.num_row_blocks * topo.block_size
+  keys = jax.random.split(jax.random.key(11), 4)
+  x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
+  w_in = (jax.random.normal(keys[1], (3, d, f)) / d**0.5).astype(jnp.bfloat16)
+  w_out = (jax.random.normal(keys[2], (3, f, d)) / f**0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(keys[3], (rows, d))
+  fused = lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=jax.nn.gelu, backend="mosaic")
+  ref = lambda a, b, c: G.mlp_reference(a, b, c, topo, jax.nn.gelu)
+  y = fused(x, w_in, w_out)
+  assert y.dtype == jnp.bfloat16
+  assert rel_err(y, ref(x, w_in, w_out)) < TOL[jnp.bfloat16]
   real = np.asarray(G.reference.real_rows(topo))
-  assert np.all(np.asarray(out)[~real] == 0)
-  ct = ct.astype(jnp.float32)
-  (_, g), (_, g_ref) = (_grads(lambda a, b: G.gmm(a, b, topo, backend="mosaic"), lhs, rhs, topo, ct),
-                        _grads(lambda a, b: G.gmm_reference(a, b, topo), lhs, rhs, topo, ct))
+  assert np.all(np.asarray(y)[~real] == 0)
+  loss = lambda mlp: lambda a, b, c: jnp.sum(mlp(a, b, c).astype(jnp.float32) * ct)
+  g = jax.grad(loss(fused), argnums=(0, 1, 2))(x, w_in, w_out)
+  g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(x, w_in, w_out)
   for a, b in zip(g, g_ref):
     assert rel_err(a, b) < TOL[jnp.bfloat16]
-  empty = [i for i, s in enumerate(groups) if s == 0]
-  assert np.all(np.asarray(g[1])[empty] == 0)  # an expert with no rows gets a zero gradient
   assert np.all(np.asarray(g[0])[~real] == 0)
+  assert np.all(np.asarray(g[1])[1] == 0) and np.all(np.asarray(g[2])[1] == 0)  # the empty expert
 
 
 def test_mosaic_float32_is_exact():

@@ -14,6 +14,7 @@ import pytest
 
 import sparsejax as sj
 from sparsejax import permute
+from sparsejax.activations import ACTIVATIONS
 from sparsejax.kernels import gmm as G
 from sparsejax.kernels.gmm import op
 from sparsejax.topology import make_topology
@@ -82,3 +83,33 @@ def test_moe_mlp_compiled_matches_reference(impl, dtype):
   assert abs(float(val) - float(val_r)) <= tol * max(1.0, abs(float(val_r)))
   for a, b in zip(g, g_r):
     assert rel_err(a, b) < tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ["gelu", "silu"] + (["gelu_exact", "relu"] if HOPPER else []))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expert_mlp_compiled_matches_reference(backend, act, shape):
+  """The expert MLP op (on Hopper: the activation and its derivative in the kernels' epilogues)
+  against the float32 reference, values and gradients."""
+  T, d, f, E, k, skew = shape
+  keys = jax.random.split(jax.random.key(T + E + 1), 5)
+  topo, _ = routed_topology(keys[0], T, E, k, skew)
+  rows = topo.num_row_blocks * 128
+  fn = ACTIVATIONS[act]
+  x = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
+  w_in = (jax.random.normal(keys[2], (E, d, f)) / d**0.5).astype(jnp.bfloat16)
+  w_out = (jax.random.normal(keys[3], (E, f, d)) / f**0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(keys[4], (rows, d), jnp.float32)
+  y = jax.jit(lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=fn, backend=backend))(x, w_in, w_out)
+  assert y.dtype == jnp.bfloat16
+  assert rel_err(y, G.mlp_reference(x, w_in, w_out, topo, fn)) < 1e-2
+  real = np.asarray(G.reference.real_rows(topo))
+  assert np.all(np.asarray(y)[~real] == 0)
+  loss = lambda mlp: lambda a, b, c: jnp.sum(mlp(a, b, c).astype(jnp.float32) * ct)
+  g = jax.jit(jax.grad(loss(lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=fn, backend=backend)),
+                       argnums=(0, 1, 2)))(x, w_in, w_out)
+  g_ref = jax.jit(jax.grad(loss(lambda a, b, c: G.mlp_reference(a, b, c, topo, fn)),
+                           argnums=(0, 1, 2)))(x, w_in, w_out)
+  for a, b in zip(g, g_ref):
+    assert rel_err(a, b) < 1e-2
+  assert np.all(np.asarray(g[0])[~real] == 0)

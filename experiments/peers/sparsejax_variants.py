@@ -4,6 +4,8 @@ sparsejax_pallas: impl="pallas", the kernels moe_mlp's "auto" runs on this GPU (
   sm_90, Pallas-Triton elsewhere; the record names which). sparsejax_mosaic / sparsejax_triton:
   one backend each. A named backend that is the one "pallas" resolves to runs the same program,
   so it is not compiled and timed twice: its record is a copy marked same_as.
+sparsejax_mosaic_unfused: the Mosaic kernels with the activation as its own XLA pass (gmm, act,
+  gmm: the library before the activation moved into the kernels' epilogues), to measure the fusion.
 The rows are placed the way moe_mlp places them (permute.dropless_placement with block_size=128),
 outside the timed call; useful FLOPs count the N real rows, not the padding.
 """
@@ -18,12 +20,13 @@ import numpy as np
 
 import sparsejax as sj
 from sparsejax import permute
+from sparsejax.kernels import gmm as G
 from sparsejax.kernels.gmm import resolve_backend
 from sparsejax.topology import BLOCK_SIZE, make_topology
 
 from peers.common import Case, Problem, Reference, compare, jax_case
 
-IMPL_BACKEND = {"pallas": "auto", "mosaic": "mosaic", "triton": "triton"}
+IMPL_BACKEND = {"pallas": "auto", "mosaic": "mosaic", "triton": "triton", "mosaic_unfused": "mosaic"}
 
 
 def topology(placement: permute.Placement):
@@ -54,13 +57,16 @@ def _place(values, pos, num_rows):
 
 
 def sparsejax_case(p: Problem, ref: Reference, impl: str) -> Case:
-  """impl in ("pallas", "mosaic", "triton")."""
+  """impl in ("pallas", "mosaic", "triton", "mosaic_unfused")."""
   s = p.shape
   placement, topo, pos = padded_layout(p)
   rows = _place(p.rows, pos, placement.num_rows)
   ct = _place(p.ct, pos, placement.num_rows)
 
   def ffn(rows, topo, w_in, w_out):
+    if impl == "mosaic_unfused":
+      h = jax.nn.gelu(G.gmm(rows, w_in, topo, backend="mosaic"))
+      return G.gmm(h, w_out, topo, backend="mosaic")
     return sj.expert_ffn(rows, None, w_in, w_out, impl=impl, topology=topo)
 
   def check(y, grads):

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
+from sparsejax.activations import DERIVATIVES, PLAIN
 from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.topology import Topology
 
@@ -58,12 +59,18 @@ class Config:
   grid_minor_dim: int = M_DIM
   grid_tile_width: int = 4
   delay_release: int = 1
+  epi_slots: int = 2  # gmm: smem slots the epilogue's TMA stores rotate through
 
 
 @dataclasses.dataclass(frozen=True)
 class Configs:
   gmm: Config = Config(grid_tile_width=8)
   gmm_t: Config = Config()
+  # x W_in writing (pre, act(pre)): twice the stores, so four slots keep three in flight.
+  gmm_act: Config = Config(grid_tile_width=8, epi_slots=4, epi_tile_n=32)
+  # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
+  # tile beside a 5-deep ring.
+  gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8)
   tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                         grid_tile_width=1)
 
@@ -114,17 +121,26 @@ def _fit(cfg: Config, k: int, n: int, *, stage_bytes, out_bytes) -> Config:
   return cfg
 
 
-def _store_tile(acc, out_smem, out_ref, wg_idx, epi_tile_n):
-  """Write one consumer's accumulator to out_ref (its [rows, cols] window) via smem + TMA, in
-  epi_tile_n-wide pieces through two smem slots, so a store overlaps the next conversion."""
+def _store_tile(acc, out_smem, out_refs, wg_idx, epi_tile_n, epilogue=None):
+  """Write one consumer's accumulator to out_refs (their [rows, cols] windows) via smem + TMA, in
+  epi_tile_n-wide pieces through out_smem's slots (its dim 1), so stores overlap the next pieces.
+
+  epilogue(piece, j) -> one array per out_ref, for the piece acc[:, j*epi_tile_n:...]; None
+  stores the piece itself. Working piece by piece keeps an epilogue's temporaries small.
+  """
+  slots = out_smem.shape[1]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  slot = 0
   for j in range(acc.shape[1] // epi_tile_n):
     cols = slice(j * epi_tile_n, (j + 1) * epi_tile_n)
-    slot = j % 2
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-    out_smem[wg_idx, slot] = acc[:, cols]
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], out_ref.at[:, pl.ds(j * epi_tile_n, epi_tile_n)])
+    pieces = (acc[:, cols],) if epilogue is None else epilogue(acc[:, cols], j)
+    for piece, out_ref in zip(pieces, out_refs, strict=True):
+      plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+      out_smem[wg_idx, slot] = piece.astype(out_smem.dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot],
+                              out_ref.at[:, pl.ds(j * epi_tile_n, epi_tile_n)])
+      slot = (slot + 1) % slots
 
 
 def _consumer_done(steps, tile_done):
@@ -175,8 +191,10 @@ def _launch(body, out_shape, *args):
 # ----------------------------------------------------------------------------------------------
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
-def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpose_rhs, out_dtype,
-                cfg: Config):
+def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, pre=None, *, block_m, transpose_rhs,
+                out_dtype, cfg: Config, activation=None):
+  """The gmm kernel. With an activation, its epilogue either writes (pre, act(pre)) (pre=None: the
+  first product of the expert MLP) or writes acc * act'(pre) (pre given: dH = dY W_out^T)."""
   rows, k = lhs.shape
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   tile_n, tile_k, epi_tile_n = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
@@ -184,6 +202,8 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
   half = block_m // 2  # rows per consumer warpgroup: one wgmma M of 64
   m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
   dtype = lhs.dtype
+  forward_act = activation is not None and pre is None
+  backward_act = pre is not None
   a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
                            delay_release=delay)
   if transpose_rhs:
@@ -193,8 +213,18 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
     b_spec = plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_transforms(tile_n, dtype),
                              delay_release=delay)
   out_transforms = _transforms(epi_tile_n, out_dtype)
+  scratch = {}
+  if backward_act:
+    # Each consumer's [64, tile_n] tile of pre, loaded by TMA while its K loop runs.
+    scratch = dict(pre_smem=plgpu.SMEM((2, half, tile_n), pre.dtype,
+                                       transforms=_transforms(epi_tile_n, pre.dtype)),
+                   pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
-  def body(rbe_gmem, rbr_gmem, lhs_gmem, rhs_gmem, out_gmem):
+  def body(*refs):
+    if backward_act:
+      rbe_gmem, rbr_gmem, lhs_gmem, rhs_gmem, pre_gmem, *out_gmems = refs
+    else:
+      rbe_gmem, rbr_gmem, lhs_gmem, rhs_gmem, *out_gmems = refs
     ignore = lambda *_, **__: None
     # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
     # (a shorter static grid would shrink it below the dynamic pipeline's).
@@ -205,9 +235,9 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
 
     @functools.partial(
         pl.run_scoped, pipeline_allocs=allocs,
-        out_smem=plgpu.SMEM((2, 2, half, epi_tile_n), out_dtype, transforms=out_transforms),
-        tile_done=plgpu.Barrier(num_arrivals=2), collective_axes="wg")
-    def _scope(pipeline_allocs, out_smem, tile_done):
+        out_smem=plgpu.SMEM((2, cfg.epi_slots, half, epi_tile_n), out_dtype, transforms=out_transforms),
+        tile_done=plgpu.Barrier(num_arrivals=2), collective_axes="wg", **scratch)
+    def _scope(pipeline_allocs, out_smem, tile_done, pre_smem=None, pre_ready=None):
       wg_idx = lax.axis_index("wg")
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -223,16 +253,40 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
         wg_m = pl.ds(wg_idx * half, half)
         # A consumer whose 64 rows hold no token issues no wgmma: its zero accumulator is right.
         has_rows = num_real > wg_idx * half
+        outs = [o.at[m_slice, n_slice].at[wg_m] for o in out_gmems]
 
         def compute_context(eval_pipeline):
+          if backward_act:
+            @pl.when(has_rows)
+            def _():
+              plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
+              plgpu.copy_gmem_to_smem(pre_gmem.at[m_slice, n_slice].at[wg_m], pre_smem.at[wg_idx],
+                                      pre_ready.at[wg_idx])
+
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((half, tile_n), jnp.float32))
           def _acc(acc_ref):
             eval_pipeline(acc_ref)
             acc = acc_ref[...]
             _consumer_done(steps, tile_done)
             real = _row_iota((half, tile_n)) < num_real - wg_idx * half
-            acc = jnp.where(real, acc, 0.0).astype(out_dtype)
-            _store_tile(acc, out_smem, out_gmem.at[m_slice, n_slice].at[wg_m], wg_idx, epi_tile_n)
+            acc = jnp.where(real, acc, 0.0)
+            epilogue = None
+            if forward_act:
+              def epilogue(piece, j):
+                act = PLAIN.get(activation, activation)(piece)
+                act = jnp.where(real[:, j * epi_tile_n:(j + 1) * epi_tile_n], act, 0.0)
+                return piece, act
+            elif backward_act:
+              @pl.when(has_rows)
+              def _():
+                plgpu.barrier_wait(pre_ready.at[wg_idx])
+
+              def epilogue(piece, j):
+                # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
+                p = _load_wgmma(pre_smem.at[wg_idx, :, pl.ds(j * epi_tile_n, epi_tile_n)])
+                d = piece * DERIVATIVES[activation](p.astype(jnp.float32))
+                return (jnp.where(real[:, j * epi_tile_n:(j + 1) * epi_tile_n], d, 0.0),)
+            _store_tile(acc, out_smem, outs, wg_idx, epi_tile_n, epilogue)
 
         def mma(_, a_smem, b_smem, acc_ref):
           b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
@@ -252,8 +306,49 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, *, block_m, transpos
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return _launch(body, jax.ShapeDtypeStruct((rows, n), out_dtype),
-                 row_block_expert, row_block_rows, lhs, rhs)
+  out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
+  args = (row_block_expert, row_block_rows, lhs, rhs) + ((pre,) if backward_act else ())
+  return _launch(body, (out_shape, out_shape) if forward_act else out_shape, *args)
+
+
+def _load_wgmma(ref):
+  """A shared-memory tile read into registers in the accumulator's (wgmma) layout."""
+  if _interpret() is not None:
+    return ref[...]
+  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)  # jax 0.10 takes the index separately
+
+
+def _gmm_config(lhs, rhs, topo, kind, out_dtype, configs, pre_dtype=None):
+  """The fitted config of one gmm call; kind names its Configs field; pre_dtype: the
+  backward-activation epilogue's extra tile."""
+  cfg = getattr(configs or DEFAULT_CONFIGS, kind)
+  k = lhs.shape[1]
+  n = rhs.shape[1] if kind in ("gmm_t", "gmm_dact") else rhs.shape[2]
+  size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  block_m = topo.block_size
+  pre_bytes = lambda c: 0 if pre_dtype is None else block_m * c.tile_n * jnp.dtype(pre_dtype).itemsize
+  return _fit(cfg, k, n,
+              stage_bytes=lambda c: (block_m + c.tile_n) * c.tile_k * size,
+              out_bytes=lambda c: 2 * c.epi_slots * (block_m // 2) * c.epi_tile_n * out_size + pre_bytes(c))
+
+
+def _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs, activation=None, pre=None):
+  k = lhs.shape[1]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  kind = ("gmm_dact" if pre is not None else "gmm_t" if transpose_rhs else
+          "gmm_act" if activation is not None else "gmm")
+  cfg = _gmm_config(lhs, rhs, topo, kind, out_dtype, configs, None if pre is None else pre.dtype)
+  lhs_p = pad_to(lhs, 1, cfg.tile_k)
+  if transpose_rhs:
+    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_n), 2, cfg.tile_k)
+  else:
+    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_k), 2, cfg.tile_n)
+  pre_p = None if pre is None else pad_to(pre, 1, cfg.tile_n)
+  out = _gmm_padded(lhs_p, rhs_p, topo.row_block_expert, topo.row_block_rows, pre_p,
+                    block_m=topo.block_size, transpose_rhs=transpose_rhs,
+                    out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
+  unpad = lambda o: o if o.shape[1] == n else o[:, :n]
+  return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
 
 
 def gmm(
@@ -268,23 +363,34 @@ def gmm(
   if lhs.dtype == jnp.float32:
     from sparsejax.kernels.gmm import triton
     return triton.gmm(lhs, rhs, topo, transpose_rhs, out_dtype)
-  configs = configs or DEFAULT_CONFIGS
-  k = lhs.shape[1]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  block_m = topo.block_size
-  cfg = _fit(configs.gmm_t if transpose_rhs else configs.gmm, k, n,
-             stage_bytes=lambda c: (block_m + c.tile_n) * c.tile_k * size,
-             out_bytes=lambda c: 2 * 2 * (block_m // 2) * c.epi_tile_n * out_size)
-  lhs_p = pad_to(lhs, 1, cfg.tile_k)
-  if transpose_rhs:
-    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_n), 2, cfg.tile_k)
-  else:
-    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_k), 2, cfg.tile_n)
-  out = _gmm_padded(lhs_p, rhs_p, topo.row_block_expert, topo.row_block_rows,
-                    block_m=topo.block_size, transpose_rhs=transpose_rhs,
-                    out_dtype=jnp.dtype(out_dtype), cfg=cfg)
-  return out if out.shape[1] == n else out[:, :n]
+  return _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs)
+
+
+def gmm_act(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "experts k n"],
+    topo: Topology,
+    activation,
+    configs: Configs | None = None,
+) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"]]:
+  """(pre, act(pre)) with pre[r] = lhs[r] @ rhs[e(r)]: one kernel, the activation applied to the
+  float32 accumulator in the epilogue (no separate pass over pre). Both zero past the real rows.
+  bf16 operands only (the caller routes float32 to the unfused path)."""
+  return _gmm_call(lhs, rhs, topo, False, lhs.dtype, configs, activation=activation)
+
+
+def gmm_dact(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "experts n k"],
+    topo: Topology,
+    pre: Float[Array, "rows n"],
+    activation,
+    configs: Configs | None = None,
+) -> Float[Array, "rows n"]:
+  """(lhs[r] @ rhs[e(r)]^T) * act'(pre[r]): dH = dY W_out^T times the activation's derivative, in
+  one kernel (each consumer's pre tile arrives by TMA while its K loop runs). activation: a key
+  of sparsejax.activations.DERIVATIVES."""
+  return _gmm_call(lhs, rhs, topo, True, lhs.dtype, configs, activation=activation, pre=pre)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -343,8 +449,8 @@ def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg:
             eval_pipeline(acc_ref)
             acc = acc_ref[...]
             _consumer_done(steps, tile_done)
-            _store_tile(acc.astype(out_dtype), out_smem,
-                        out_gmem.at[e, m_slice, n_slice].at[:, wg_n], wg_idx, epi_tile_n)
+            _store_tile(acc, out_smem, [out_gmem.at[e, m_slice, n_slice].at[:, wg_n]], wg_idx,
+                        epi_tile_n)
 
         def mma(idx, a_smem, b_smem, acc_ref):
           b = b_smem.at[:, wg_n]

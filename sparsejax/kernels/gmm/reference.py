@@ -47,3 +47,16 @@ def tgmm_reference(
   out = jnp.einsum("re,rk,rn->ekn", mask, lhs.astype(jnp.float32), dout.astype(jnp.float32),
                    precision=_HI)
   return out.astype(out_dtype or lhs.dtype)
+
+
+def mlp_reference(
+    lhs: Float[Array, "rows d_model"],
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    topo: Topology,
+    activation,
+) -> Float[Array, "rows d_model"]:
+  """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)] for real rows, in float32 (h rounded to lhs's
+  dtype between the products, as every backend stores it)."""
+  h = activation(gmm_reference(lhs, w_in, topo, out_dtype=jnp.float32)).astype(lhs.dtype)
+  return gmm_reference(h, w_out, topo, out_dtype=jnp.float32).astype(lhs.dtype)

@@ -1,0 +1,77 @@
+"""expert_mlp: y[r] = act(lhs[r] @ W_in[e(r)]) @ W_out[e(r)] on the block topology, one custom_vjp.
+
+On the Mosaic backend the activation lives in the kernels' epilogues, so no separate pass reads
+or writes the [rows, d_ff] activations:
+  forward   (pre, h) = gmm_act(lhs, W_in)          h = act(pre), from the float32 accumulator
+            y        = gmm(h, W_out)
+  backward  dpre     = gmm_dact(dy, W_out, pre)    (dy W_out^T) * act'(pre)
+            dW_out = tgmm(h, dy), dW_in = tgmm(lhs, dpre), dlhs = gmm(dpre, W_in^T)
+Unfused, the activation costs a read of pre and a write of h forward, and a write and two reads
+of dh plus a write of dpre backward. Other backends, float32 operands (which the Mosaic backend
+hands to Triton) and activations outside FUSED compose op.gmm with the activation: same
+contract, same answer.
+Reference: reference.mlp_reference.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from sparsejax.kernels.gmm import op
+from sparsejax.topology import Topology
+
+# The activations the Mosaic epilogues apply (their derivatives: sparsejax.activations). Not
+# exact GELU: Mosaic GPU (jax 0.11) has no layout rule for erf/erfc.
+FUSED = (jax.nn.gelu, jax.nn.silu, jax.nn.relu)
+
+
+def expert_mlp(
+    lhs: Float[Array, "rows d_model"],
+    w_in: Float[Array, "experts d_model d_ff"],
+    w_out: Float[Array, "experts d_ff d_model"],
+    topo: Topology,
+    *,
+    activation: Callable = jax.nn.gelu,
+    backend: str = "auto",
+) -> Float[Array, "rows d_model"]:
+  """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)] for real rows r, zero elsewhere; differentiable
+  in lhs, w_in and w_out. activation: an elementwise function of one array."""
+  if w_out.shape != (w_in.shape[0], w_in.shape[2], w_in.shape[1]):
+    raise ValueError(f"w_out must be [E, d_ff, d_model] = {(w_in.shape[0], w_in.shape[2], w_in.shape[1])}; "
+                     f"got {w_out.shape}.")
+  backend = op.resolve_backend(backend)
+  if backend != "mosaic" or lhs.dtype == jnp.float32 or activation not in FUSED:
+    h = activation(op.gmm(lhs, w_in, topo, backend=backend))
+    return op.gmm(h, w_out, topo, backend=backend)
+  op._check(lhs, w_in, topo)
+  return _fused(lhs, w_in, w_out, topo, activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fused(lhs, w_in, w_out, topo, activation):
+  return _fused_fwd(lhs, w_in, w_out, topo, activation)[0]
+
+
+def _fused_fwd(lhs, w_in, w_out, topo, activation):
+  from sparsejax.kernels.gmm import mosaic
+  pre, h = mosaic.gmm_act(lhs, w_in, topo, activation)
+  y = mosaic.gmm(h, w_out, topo, False, lhs.dtype)
+  return y, (lhs, w_in, w_out, topo, pre, h)
+
+
+def _fused_bwd(activation, res, dy):
+  from sparsejax.kernels.gmm import mosaic
+  lhs, w_in, w_out, topo, pre, h = res
+  dy = dy.astype(lhs.dtype)
+  dpre = mosaic.gmm_dact(dy, w_out, topo, pre, activation)
+  dw_out = mosaic.tgmm(h, dy, topo, w_out.dtype)
+  dw_in = mosaic.tgmm(lhs, dpre, topo, w_in.dtype)
+  dlhs = mosaic.gmm(dpre, w_in, topo, True, lhs.dtype)
+  return dlhs, dw_in, dw_out, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
