@@ -5,7 +5,7 @@ Variants: "dropless" (impl="auto": the Pallas kernels on a GPU, ragged_dot elsew
 factor cf, the batched-einsum experts). The router is a real, differentiated layer; fixed Gumbel
 noise plus a log-prior on its logits makes the top-k choice a sample of the shape's routing
 distribution (uniform, or (i+1)^-0.5). Forward+backward: jax.value_and_grad of
-sum(y * ct) + load-balancing loss in x, the router and both expert weights.
+sum(tanh(y) * ct) + load-balancing loss in x, the router and both expert weights.
 
 The check compares the layer's forward output with a float32 reference built from the same routing
 (ids, combine weights, the capacity keep mask): each kept assignment's expert MLP on a zero-padded
@@ -73,7 +73,10 @@ def functions(s: Shape, impl: str, cf: float | None):
 
   def loss(x, bias, w_r, w_in, w_out, ct):
     y, stats, r = layer(x, bias, w_r, w_in, w_out)
-    value = jnp.sum(y.astype(jnp.float32) * ct.astype(jnp.float32))
+    # tanh stands for the layers above: the cotangent of y depends on y, as in training, so XLA
+    # cannot start the backward before the forward ends (with a loss linear in y it merges the
+    # forward and backward activation passes, which no training step can do).
+    value = jnp.sum(jnp.tanh(y.astype(jnp.float32)) * ct.astype(jnp.float32))
     return value + sj.load_balancing_loss(r.router_probs, r.expert_ids), stats
 
   fwd = jax.jit(lambda *a: layer(*a)[:2])
