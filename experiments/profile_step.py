@@ -310,7 +310,7 @@ def _scoped(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 def profile_preset(preset: str, args, corpus) -> dict:
   overrides = {**(SMOKE_MODEL if args.smoke else {}), **args.overrides}
   cfg = TrainConfig(preset=preset, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                    steps=10**6, model_overrides=overrides)
+                    steps=10**6, adam_mu_dtype=args.adam_mu_dtype, model_overrides=overrides)
   model_cfg = cfg.model_config()
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
@@ -455,6 +455,8 @@ def main(argv=None) -> dict:
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="override a TransformerConfig field, e.g. --set moe_impl=ragged_dot")
   p.add_argument("--data", default=None, help="corpus (default: the Python standard library)")
+  p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="AdamW's first-moment dtype (TrainConfig.adam_mu_dtype)")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, smoke 1)")
   p.add_argument("--steps", type=int, default=None, help="timed steps, then as many traced (default 10, smoke 2)")
   p.add_argument("--top-ops", type=int, default=15, help="heaviest ops listed per preset")

@@ -60,12 +60,15 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   """clip(g, grad_clip) -> AdamW(b2=0.95) with lr: linear warm-up, cosine decay to min_lr_ratio * lr.
 
   Weight decay skips vectors (norm scales): decaying them only shrinks the residual stream.
+  adam_mu_dtype="bfloat16" stores the first moment in bf16 (optax's mu_dtype; the update math
+  stays float32), for optimizer steps bound by the bytes of many expert parameters.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.lr, max(1, cfg.warmup), max(cfg.steps, cfg.warmup + 1), cfg.lr * cfg.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask))
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask,
+                                 mu_dtype=jnp.dtype(cfg.adam_mu_dtype)))
 
 
 def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, shardings=None):

@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+MU_DTYPES = ("float32", "bfloat16")
 
 
 MESH_AXES = ("data", "expert_group", "expert")  # mesh order: the inner axes stay within a host
@@ -42,6 +43,7 @@ class TrainConfig:
   warmup: int = 20
   weight_decay: float = 0.1
   grad_clip: float = 1.0
+  adam_mu_dtype: str = "float32"   # AdamW's first moment; "bfloat16" halves its bytes
   seed: int = 0
   dtype: str | None = None         # compute dtype; None: bfloat16 on GPU/TPU, float32 on CPU
   eval_every: int = 100
@@ -78,6 +80,7 @@ class TrainConfig:
       v = getattr(self, name)
       need(v is None or (is_num(v) and v > 0), name, "a finite number > 0 (or unset)")
     need(self.dtype is None or self.dtype in COMPUTE_DTYPES, "dtype", f"one of {', '.join(COMPUTE_DTYPES)}")
+    need(self.adam_mu_dtype in MU_DTYPES, "adam_mu_dtype", f"one of {', '.join(MU_DTYPES)}")
     need(isinstance(self.preset, str) and bool(self.preset), "preset", "a preset name")
     need(isinstance(self.out, str) and bool(self.out.strip()), "out", "a folder path")
     need(self.mesh is None or _parse_mesh(self.mesh) is not None, "mesh",

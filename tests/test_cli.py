@@ -57,6 +57,7 @@ BAD = [
     (["--warmup", "-1"], "--warmup must be an integer >= 0"),
     (["--eval-batches", "0"], "--eval-batches must be an integer >= 1"),
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16, float16"),
+    (["--adam-mu-dtype", "float16"], "--adam-mu-dtype must be one of float32, bfloat16"),
     (["--max-time-s", "0"], "--max-time-s must be a finite number > 0"),
     (["--set", "capacity_factor"], "expected FIELD=VALUE"),
     (["--bogus"], "unrecognized arguments: --bogus"),

@@ -43,6 +43,28 @@ def test_steps_lower_the_loss_on_a_fixed_batch():
   assert m["tokens_per_expert"].shape == (1, 4) and int(m["tokens_per_expert"].sum()) == 4 * 32
 
 
+def test_bfloat16_first_moment_tracks_float32():
+  """adam_mu_dtype="bfloat16": mu is stored in bf16 (nu stays float32), and the params after a
+  few steps stay within bf16 rounding of the float32-moment run's."""
+  tokens = jax.random.randint(jax.random.key(2), (4, 33), 0, 256)
+  runs = {}
+  for mu_dtype in ("float32", "bfloat16"):
+    apply, params = functional(Transformer(get_preset("tiny-moe", **TINY), rngs=nnx.Rngs(0)))
+    tx = make_optimizer(TrainConfig(lr=1e-2, warmup=1, steps=30, adam_mu_dtype=mu_dtype))
+    opt_state = tx.init(params)
+    adam = opt_state[1][0]  # chain(clip, adamw): adamw's first state is ScaleByAdamState
+    assert {x.dtype for x in jax.tree.leaves(adam.mu)} == {jnp.dtype(mu_dtype)}
+    assert {x.dtype for x in jax.tree.leaves(adam.nu)} == {jnp.dtype("float32")}
+    step, _ = make_steps(apply, tx, seed=0)
+    for i in range(4):
+      params, opt_state, m = step(params, opt_state, tokens[:, :-1], tokens[:, 1:], jnp.int32(i))
+    runs[mu_dtype] = (params, float(m["loss"]))
+  (p32, l32), (p16, l16) = runs["float32"], runs["bfloat16"]
+  assert abs(l16 - l32) < 1e-2 * l32
+  w32, w16 = p32["blocks"][1]["ffn"]["w_in"], p16["blocks"][1]["ffn"]["w_in"]
+  assert float(jnp.linalg.norm(w16 - w32) / jnp.linalg.norm(w32)) < 1e-2
+
+
 def test_aux_loss_reaches_the_router_gradient():
   """The step's loss is ce + lb_weight * load balancing + z_weight * z-loss, gradient included: with SGD
   at lr 1 (params - new params = the gradient), the router's gradient in train_step equals an
