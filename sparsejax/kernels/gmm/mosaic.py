@@ -20,7 +20,11 @@ The tile order is `planar_snake` over (row tiles, column tiles): with minor dime
 width of about one expert's row blocks, the CTAs in flight share each expert's weight tiles
 and row tiles in L2.
 
-Contract and custom_vjp: op.py. Reference: reference.py. Float32 operands go to the Triton
+The expert MLP (mlp.py) uses two epilogue variants of gmm: gmm_act stores pre and act(pre) of
+the float32 accumulator, and gmm_dact, whose consumers TMA-load their pre tile while the K loop
+runs, stores acc * act'(pre). No separate pass then touches the [rows, d_ff] activations.
+
+Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
 """
 from __future__ import annotations
