@@ -6,15 +6,24 @@
 does not depend on y, so XLA may run dY W_out^T before the forward's activation and merge the
 unfused forward and backward activation passes into one; this script shows where it does.
 """
-import os, sys, tempfile
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import jax, jax.numpy as jnp
-import profile_step as ps
-from tune_activation_fusion import expert_problem
-from sparsejax.kernels import gmm as G
+import profile_step as ps  # noqa: E402
+from tune_gmm import problem  # noqa: E402
+
+from sparsejax.kernels import gmm as G  # noqa: E402
+
 for name in sys.argv[1].split(","):
-  topo, x, wi, wo, ct = expert_problem(name)
+  p = problem(name)
+  topo, x, wi, wo = p["topo"], p["x"], p["w_in"], p["w_out"]
+  ct = p["x"]  # any [rows, d] cotangent; the problem's rows stand in
   fused = lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=jax.nn.gelu, backend="mosaic")
   unfused = lambda a, b, c: G.gmm(jax.nn.gelu(G.gmm(a, b, topo, backend="mosaic")), c, topo, backend="mosaic")
   for tag, mlp in [("fused", fused), ("unfused", unfused)]:
