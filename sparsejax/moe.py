@@ -89,20 +89,19 @@ def expert_ffn(
 
   group_sizes=None means E equal groups (the capacity layout): a batched einsum then does the work.
   A topology (rows already in the block-padded layout) sends all the products to the Pallas
-  kernels with one topology, built once (without w_gate, as one `expert_mlp`, whose activation the
-  Hopper kernels fuse). precision: as jax.lax.dot's; None is full float32
+  kernels with one topology, built once, as one `expert_mlp`, whose activation (and GLU product)
+  the Hopper kernels fuse. precision: as jax.lax.dot's; None is full float32
   precision for float32 inputs (no TF32 on GPU), the backend default for bf16 (the Pallas kernels
   are always full precision for their input dtype).
   """
   if topology is not None:
     from sparsejax.kernels import gmm
 
-    r = rows
     backend = kernel_backend(impl) if impl in BLOCK_IMPLS else "auto"
-    if w_gate is None:  # one op, so a backend can fuse the activation into its kernels
-      return gmm.expert_mlp(r, w_in, w_out, topology, activation=activation, backend=backend)
-    mm = lambda a, w: gmm.gmm(a, w, topology, backend=backend)
-  elif group_sizes is None:
+    # One op, so a backend can fuse the activation (and the GLU product) into its kernels.
+    return gmm.expert_mlp(rows, w_in, w_out, topology, activation=activation, backend=backend,
+                          w_gate=w_gate)
+  if group_sizes is None:
     num_experts = w_in.shape[0]
     r = rows.reshape(num_experts, -1, rows.shape[-1])
     # A plain einsum: the matmul accumulates in float32 inside, and its backward stays in the

@@ -1,4 +1,5 @@
-"""expert_mlp: y[r] = act(lhs[r] @ W_in[e(r)]) @ W_out[e(r)] on the block topology, one custom_vjp.
+"""expert_mlp: y[r] = act(lhs[r] @ W_in[e(r)]) @ W_out[e(r)] on the block topology, one custom_vjp;
+with W_gate the GLU form y[r] = (act(lhs[r] @ W_gate[e(r)]) * (lhs[r] @ W_in[e(r)])) @ W_out[e(r)].
 
 On the Mosaic backend the activation lives in the kernels' epilogues, so no separate pass reads
 or writes the [rows, d_ff] activations:
@@ -6,6 +7,12 @@ or writes the [rows, d_ff] activations:
             y        = gmm(h, W_out)
   backward  dpre     = gmm_dact(dy, W_out, pre)    (dy W_out^T) * act'(pre)
             dW_out = tgmm(h, dy), dW_in = tgmm(lhs, dpre), dlhs = gmm(dpre, W_in^T)
+GLU:
+  forward   (g, u, h) = gmm_glu(lhs, W_gate, W_in)  two accumulators, h = act(g) * u
+            y         = gmm(h, W_out)
+  backward  (dg, du)  = gmm_dglu(dy, W_out, g, u)   (dh * u * act'(g), dh * act(g))
+            dW_out = tgmm(h, dy), dW_gate = tgmm(lhs, dg), dW_in = tgmm(lhs, du),
+            dlhs = gmm(dg, W_gate^T) + gmm(du, W_in^T)
 Unfused, the activation costs a read of pre and a write of h forward, and a write and two reads
 of dh plus a write of dpre backward. Other backends, float32 operands (which the Mosaic backend
 hands to Triton) and activations outside FUSED compose op.gmm with the activation: same
@@ -37,18 +44,25 @@ def expert_mlp(
     *,
     activation: Callable = jax.nn.gelu,
     backend: str = "auto",
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
 ) -> Float[Array, "rows d_model"]:
-  """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)] for real rows r, zero elsewhere; differentiable
-  in lhs, w_in and w_out. activation: an elementwise function of one array."""
+  """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)] (with w_gate: act(lhs[r] @ w_gate[e(r)]) *
+  (lhs[r] @ w_in[e(r)]) in place of act(...)) for real rows r, zero elsewhere; differentiable in
+  lhs and the weights. activation: an elementwise function of one array."""
   if w_out.shape != (w_in.shape[0], w_in.shape[2], w_in.shape[1]):
     raise ValueError(f"w_out must be [E, d_ff, d_model] = {(w_in.shape[0], w_in.shape[2], w_in.shape[1])}; "
                      f"got {w_out.shape}.")
+  if w_gate is not None and (w_gate.shape != w_in.shape or w_gate.dtype != w_in.dtype):
+    raise ValueError(f"w_gate must match w_in ({w_in.shape} {w_in.dtype}); got {w_gate.shape} {w_gate.dtype}.")
   backend = op.resolve_backend(backend)
   if backend != "mosaic" or lhs.dtype == jnp.float32 or activation not in FUSED:
-    h = activation(op.gmm(lhs, w_in, topo, backend=backend))
+    h = op.gmm(lhs, w_in, topo, backend=backend)
+    h = activation(h) if w_gate is None else activation(op.gmm(lhs, w_gate, topo, backend=backend)) * h
     return op.gmm(h, w_out, topo, backend=backend)
   op._check(lhs, w_in, topo)
-  return _fused(lhs, w_in, w_out, topo, activation)
+  if w_gate is None:
+    return _fused(lhs, w_in, w_out, topo, activation)
+  return _fused_glu(lhs, w_gate, w_in, w_out, topo, activation)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -75,3 +89,32 @@ def _fused_bwd(activation, res, dy):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_glu(lhs, w_gate, w_in, w_out, topo, activation):
+  return _fused_glu_fwd(lhs, w_gate, w_in, w_out, topo, activation)[0]
+
+
+def _fused_glu_fwd(lhs, w_gate, w_in, w_out, topo, activation):
+  from sparsejax.kernels.gmm import mosaic
+  g, u, h = mosaic.gmm_glu(lhs, w_gate, w_in, topo, activation)
+  y = mosaic.gmm(h, w_out, topo, False, lhs.dtype)
+  return y, (lhs, w_gate, w_in, w_out, topo, g, u, h)
+
+
+def _fused_glu_bwd(activation, res, dy):
+  from sparsejax.kernels.gmm import mosaic
+  lhs, w_gate, w_in, w_out, topo, g, u, h = res
+  dy = dy.astype(lhs.dtype)
+  dg, du = mosaic.gmm_dglu(dy, w_out, topo, g, u, activation)
+  dw_out = mosaic.tgmm(h, dy, topo, w_out.dtype)
+  dw_gate = mosaic.tgmm(lhs, dg, topo, w_gate.dtype)
+  dw_in = mosaic.tgmm(lhs, du, topo, w_in.dtype)
+  dx_gate = mosaic.gmm(dg, w_gate, topo, True, lhs.dtype)
+  dx_in = mosaic.gmm(du, w_in, topo, True, lhs.dtype)
+  dlhs = (dx_gate.astype(jnp.float32) + dx_in.astype(jnp.float32)).astype(lhs.dtype)
+  return dlhs, dw_gate, dw_in, dw_out, None
+
+
+_fused_glu.defvjp(_fused_glu_fwd, _fused_glu_bwd)

@@ -20,9 +20,11 @@ The tile order is `planar_snake` over (row tiles, column tiles): with minor dime
 width of about one expert's row blocks, the CTAs in flight share each expert's weight tiles
 and row tiles in L2.
 
-The expert MLP (mlp.py) uses two epilogue variants of gmm: gmm_act stores pre and act(pre) of
-the float32 accumulator, and gmm_dact, whose consumers TMA-load their pre tile while the K loop
-runs, stores acc * act'(pre). No separate pass then touches the [rows, d_ff] activations.
+The expert MLP (mlp.py) uses epilogue variants of gmm: gmm_act stores pre and act(pre) of the
+float32 accumulator, and gmm_dact, whose consumers TMA-load their pre tile while the K loop runs,
+stores acc * act'(pre). For the GLU form, gmm_glu keeps two accumulators per consumer (x W_gate
+and x W_in over the same lhs tile) and stores g, u and act(g) * u; gmm_dglu loads g and u and
+stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows, d_ff] activations.
 
 Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
@@ -75,6 +77,10 @@ class Configs:
   # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
   # tile beside a 5-deep ring.
   gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8)
+  # GLU: two weight tiles per stage and two accumulators per consumer, so 128-wide tiles (two
+  # 64x256 float32 accumulators would not fit the registers). Untuned.
+  gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32)
+  gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8)
   tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                         grid_tile_width=1)
 
@@ -111,9 +117,9 @@ _SMEM_BYTES = 227 * 1024  # per block on sm_90
 
 
 def _fit(cfg: Config, k: int, n: int, *, stage_bytes, out_bytes) -> Config:
-  """Shrink tiles for small problems (tile_k, tile_n down to 64), then the epilogue tile and the
-  ring until shared memory holds them: stage_bytes(cfg) is one pipeline stage, out_bytes(cfg) the
-  epilogue's buffers (a float32 output needs twice a bf16 one's)."""
+  """Shrink tiles for small problems (tile_k, tile_n down to 64), then the epilogue tile, the ring
+  (down to 2), tile_k and tile_n until shared memory holds them: stage_bytes(cfg) is one pipeline
+  stage, out_bytes(cfg) the epilogue's buffers (a float32 output needs twice a bf16 one's)."""
   tile_k = min(cfg.tile_k, max(64, pl.next_power_of_2(k)))
   tile_n = min(cfg.tile_n, max(64, pl.next_power_of_2(n)))
   cfg = dataclasses.replace(cfg, tile_k=tile_k, tile_n=tile_n, epi_tile_n=min(cfg.epi_tile_n, tile_n))
@@ -122,22 +128,32 @@ def _fit(cfg: Config, k: int, n: int, *, stage_bytes, out_bytes) -> Config:
     cfg = dataclasses.replace(cfg, epi_tile_n=cfg.epi_tile_n // 2)
   while not fits(cfg) and cfg.max_concurrent_steps > 2:
     cfg = dataclasses.replace(cfg, max_concurrent_steps=cfg.max_concurrent_steps - 1)
+  # Last resort, for a config given by hand: shallower K steps, then narrower N tiles.
+  while not fits(cfg) and cfg.tile_k > 64:
+    cfg = dataclasses.replace(cfg, tile_k=cfg.tile_k // 2)
+  while not fits(cfg) and cfg.tile_n > 64:
+    cfg = dataclasses.replace(cfg, tile_n=cfg.tile_n // 2, epi_tile_n=min(cfg.epi_tile_n, cfg.tile_n // 2))
+  if not fits(cfg):
+    raise ValueError(f"no tiles of {cfg} fit the {_SMEM_BYTES} bytes of shared memory")
   return cfg
 
 
-def _store_tile(acc, out_smem, out_refs, wg_idx, epi_tile_n, epilogue=None):
-  """Write one consumer's accumulator to out_refs (their [rows, cols] windows) via smem + TMA, in
-  epi_tile_n-wide pieces through out_smem's slots (its dim 1), so stores overlap the next pieces.
+def _store_tile(accs, out_smem, out_refs, wg_idx, epi_tile_n, epilogue=None):
+  """Write one consumer's accumulators to out_refs (their [rows, cols] windows) via smem + TMA,
+  in epi_tile_n-wide pieces through out_smem's slots (its dim 1), so stores overlap the next pieces.
 
-  epilogue(piece, j) -> one array per out_ref, for the piece acc[:, j*epi_tile_n:...]; None
-  stores the piece itself. Working piece by piece keeps an epilogue's temporaries small.
+  epilogue(pieces, j) -> one array per out_ref, for the pieces acc[:, j*epi_tile_n:...] of each
+  accumulator; None stores the pieces themselves. Working piece by piece keeps an epilogue's
+  temporaries small.
   """
   slots = out_smem.shape[1]
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   slot = 0
-  for j in range(acc.shape[1] // epi_tile_n):
+  for j in range(accs[0].shape[1] // epi_tile_n):
     cols = slice(j * epi_tile_n, (j + 1) * epi_tile_n)
-    pieces = (acc[:, cols],) if epilogue is None else epilogue(acc[:, cols], j)
+    pieces = tuple(acc[:, cols] for acc in accs)
+    if epilogue is not None:
+      pieces = epilogue(pieces, j)
     for piece, out_ref in zip(pieces, out_refs, strict=True):
       plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       out_smem[wg_idx, slot] = piece.astype(out_smem.dtype)
@@ -195,19 +211,29 @@ def _launch(body, out_shape, *args):
 # ----------------------------------------------------------------------------------------------
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
-def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, pre=None, *, block_m, transpose_rhs,
+def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
                 out_dtype, cfg: Config, activation=None):
-  """The gmm kernel. With an activation, its epilogue either writes (pre, act(pre)) (pre=None: the
-  first product of the expert MLP) or writes acc * act'(pre) (pre given: dH = dY W_out^T)."""
+  """The gmm kernel and its epilogue variants. rhs: one weight, or (W_gate, W_in) for the GLU
+  form (two accumulators per consumer over the same lhs tile); pre: the forward's products that
+  a backward epilogue reads, each consumer's tile arriving by TMA while its K loop runs.
+
+    rhs        pre      writes
+    W          ()       acc                                     (no activation)
+    W          ()       acc, act(acc)                           x W_in
+    Wg, Wi     ()       g, u, act(g) * u                        x W_gate, x W_in
+    W          (p,)     acc * act'(p)                           dY W_out^T
+    W          (g, u)   acc * u * act'(g), acc * act(g)         dY W_out^T
+  """
+  weights = rhs if isinstance(rhs, tuple) else (rhs,)
   rows, k = lhs.shape
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   tile_n, tile_k, epi_tile_n = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
   delay = min(cfg.delay_release, cfg.max_concurrent_steps - 1)
   half = block_m // 2  # rows per consumer warpgroup: one wgmma M of 64
   m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
   dtype = lhs.dtype
-  forward_act = activation is not None and pre is None
-  backward_act = pre is not None
+  num_w, num_pre = len(weights), len(pre)
+  num_out = num_pre if num_pre else 3 if num_w == 2 else 2 if activation is not None else 1
   a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
                            delay_release=delay)
   if transpose_rhs:
@@ -216,26 +242,24 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, pre=None, *, block_m
   else:
     b_spec = plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_transforms(tile_n, dtype),
                              delay_release=delay)
+  specs = [a_spec] + [b_spec] * num_w
   out_transforms = _transforms(epi_tile_n, out_dtype)
   scratch = {}
-  if backward_act:
-    # Each consumer's [64, tile_n] tile of pre, loaded by TMA while its K loop runs.
-    scratch = dict(pre_smem=plgpu.SMEM((2, half, tile_n), pre.dtype,
-                                       transforms=_transforms(epi_tile_n, pre.dtype)),
-                   pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if num_pre:
+    # Each consumer's [64, tile_n] tiles of the pre-activations, one barrier per copy.
+    scratch = dict(pre_smem=plgpu.SMEM((2, num_pre, half, tile_n), pre[0].dtype,
+                                       transforms=_transforms(epi_tile_n, pre[0].dtype)),
+                   pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
+  window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
 
-  def body(*refs):
-    if backward_act:
-      rbe_gmem, rbr_gmem, lhs_gmem, rhs_gmem, pre_gmem, *out_gmems = refs
-    else:
-      rbe_gmem, rbr_gmem, lhs_gmem, rhs_gmem, *out_gmems = refs
+  def body(rbe_gmem, rbr_gmem, lhs_gmem, *refs):
+    w_gmems, pre_gmems, out_gmems = refs[:num_w], refs[num_w:num_w + num_pre], refs[num_w + num_pre:]
     ignore = lambda *_, **__: None
     # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
     # (a shorter static grid would shrink it below the dynamic pipeline's).
-    allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), [a_spec, b_spec], cfg,
+    allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), specs, cfg,
                                ignore).get_allocations(
-        lhs_gmem.at[pl.ds(0, block_m), :],
-        rhs_gmem.at[0, pl.ds(0, tile_n), :] if transpose_rhs else rhs_gmem.at[0, :, pl.ds(0, tile_n)])
+        lhs_gmem.at[pl.ds(0, block_m), :], *[window(w.at[0], pl.ds(0, tile_n)) for w in w_gmems])
 
     @functools.partial(
         pl.run_scoped, pipeline_allocs=allocs,
@@ -258,61 +282,78 @@ def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, pre=None, *, block_m
         # A consumer whose 64 rows hold no token issues no wgmma: its zero accumulator is right.
         has_rows = num_real > wg_idx * half
         outs = [o.at[m_slice, n_slice].at[wg_m] for o in out_gmems]
+        ready = lambda i: pre_ready.at[wg_idx * num_pre + i]
+        pre_tile = lambda i, j: _load_wgmma(
+            pre_smem.at[wg_idx, i, :, pl.ds(j * epi_tile_n, epi_tile_n)]).astype(jnp.float32)
 
         def compute_context(eval_pipeline):
-          if backward_act:
+          if num_pre:
             @pl.when(has_rows)
             def _():
               plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
-              plgpu.copy_gmem_to_smem(pre_gmem.at[m_slice, n_slice].at[wg_m], pre_smem.at[wg_idx],
-                                      pre_ready.at[wg_idx])
+              for i, p in enumerate(pre_gmems):
+                plgpu.copy_gmem_to_smem(p.at[m_slice, n_slice].at[wg_m], pre_smem.at[wg_idx, i],
+                                        ready(i))
 
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((half, tile_n), jnp.float32))
-          def _acc(acc_ref):
-            eval_pipeline(acc_ref)
-            acc = acc_ref[...]
-            _consumer_done(steps, tile_done)
+          @functools.partial(pl.run_scoped, **{f"acc{i}": plgpu.ACC((half, tile_n), jnp.float32)
+                                               for i in range(num_w)})
+          def _acc(**acc_refs):
+            accs = tuple(acc_refs[f"acc{i}"] for i in range(num_w))
+            eval_pipeline(accs)
             real = _row_iota((half, tile_n)) < num_real - wg_idx * half
-            acc = jnp.where(real, acc, 0.0)
+            accs = tuple(jnp.where(real, a[...], 0.0) for a in accs)
+            _consumer_done(steps, tile_done)
+            piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
+            fn = PLAIN.get(activation, activation)
             epilogue = None
-            if forward_act:
-              def epilogue(piece, j):
-                act = PLAIN.get(activation, activation)(piece)
-                act = jnp.where(real[:, j * epi_tile_n:(j + 1) * epi_tile_n], act, 0.0)
-                return piece, act
-            elif backward_act:
+            if num_pre:
               @pl.when(has_rows)
               def _():
-                plgpu.barrier_wait(pre_ready.at[wg_idx])
+                for i in range(num_pre):
+                  plgpu.barrier_wait(ready(i))
 
-              def epilogue(piece, j):
-                # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
-                p = _load_wgmma(pre_smem.at[wg_idx, :, pl.ds(j * epi_tile_n, epi_tile_n)])
-                d = piece * DERIVATIVES[activation](p.astype(jnp.float32))
-                return (jnp.where(real[:, j * epi_tile_n:(j + 1) * epi_tile_n], d, 0.0),)
-            _store_tile(acc, out_smem, outs, wg_idx, epi_tile_n, epilogue)
+              # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
+              if num_pre == 1:
+                def epilogue(pieces, j):
+                  d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
+                  return (jnp.where(piece_real(j), d, 0.0),)
+              else:
+                def epilogue(pieces, j):
+                  g, u = pre_tile(0, j), pre_tile(1, j)
+                  dg = pieces[0] * u * DERIVATIVES[activation](g)
+                  du = pieces[0] * fn(g)
+                  return jnp.where(piece_real(j), dg, 0.0), jnp.where(piece_real(j), du, 0.0)
+            elif num_w == 2:
+              def epilogue(pieces, j):
+                g, u = pieces
+                return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
+            elif activation is not None:
+              def epilogue(pieces, j):
+                return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
+            _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
 
-        def mma(_, a_smem, b_smem, acc_ref):
-          b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
+        def mma(_, a_smem, *refs):
+          *b_smems, accs = refs
 
           @pl.when(has_rows)
           def _():
-            plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
+            for b_smem, acc_ref in zip(b_smems, accs, strict=True):
+              b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
+              plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
 
-          plgpu.wgmma_wait(delay)
-          return acc_ref
+          plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
+          return accs
 
-        w = rhs_gmem.at[expert]
-        _warp_specialized(mma, (steps,), [a_spec, b_spec], cfg, compute_context)(
-            lhs_gmem.at[m_slice, :], w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice],
+        _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
+            lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems],
             allocations=pipeline_allocs)
         _producer_waits_for_tile(wg_idx, steps, tile_done)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
-  args = (row_block_expert, row_block_rows, lhs, rhs) + ((pre,) if backward_act else ())
-  return _launch(body, (out_shape, out_shape) if forward_act else out_shape, *args)
+  args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
+  return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
 
 
 def _load_wgmma(ref):
@@ -322,34 +363,33 @@ def _load_wgmma(ref):
   return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)  # jax 0.10 takes the index separately
 
 
-def _gmm_config(lhs, rhs, topo, kind, out_dtype, configs, pre_dtype=None):
-  """The fitted config of one gmm call; kind names its Configs field; pre_dtype: the
-  backward-activation epilogue's extra tile."""
+def _gmm_config(lhs, n, topo, kind, out_dtype, configs, num_w=1, pre=()):
+  """The fitted config of one gmm call; kind names its Configs field; num_w weights share each
+  lhs tile (GLU: 2); pre: the backward epilogue's extra tiles."""
   cfg = getattr(configs or DEFAULT_CONFIGS, kind)
   k = lhs.shape[1]
-  n = rhs.shape[1] if kind in ("gmm_t", "gmm_dact") else rhs.shape[2]
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
-  pre_bytes = lambda c: 0 if pre_dtype is None else block_m * c.tile_n * jnp.dtype(pre_dtype).itemsize
+  pre_bytes = lambda c: sum(block_m * c.tile_n * jnp.dtype(p.dtype).itemsize for p in pre)
   return _fit(cfg, k, n,
-              stage_bytes=lambda c: (block_m + c.tile_n) * c.tile_k * size,
+              stage_bytes=lambda c: (block_m + num_w * c.tile_n) * c.tile_k * size,
               out_bytes=lambda c: 2 * c.epi_slots * (block_m // 2) * c.epi_tile_n * out_size + pre_bytes(c))
 
 
-def _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs, activation=None, pre=None):
-  k = lhs.shape[1]
-  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-  kind = ("gmm_dact" if pre is not None else "gmm_t" if transpose_rhs else
-          "gmm_act" if activation is not None else "gmm")
-  cfg = _gmm_config(lhs, rhs, topo, kind, out_dtype, configs, None if pre is None else pre.dtype)
+def _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs, activation=None, pre=()):
+  weights = rhs if isinstance(rhs, tuple) else (rhs,)
+  n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
+  kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
+          else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
+  cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
-    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_n), 2, cfg.tile_k)
+    weights = tuple(pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k) for w in weights)
   else:
-    rhs_p = pad_to(pad_to(rhs, 1, cfg.tile_k), 2, cfg.tile_n)
-  pre_p = None if pre is None else pad_to(pre, 1, cfg.tile_n)
-  out = _gmm_padded(lhs_p, rhs_p, topo.row_block_expert, topo.row_block_rows, pre_p,
-                    block_m=topo.block_size, transpose_rhs=transpose_rhs,
+    weights = tuple(pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n) for w in weights)
+  pre = tuple(pad_to(p, 1, cfg.tile_n) for p in pre)
+  out = _gmm_padded(lhs_p, weights if len(weights) > 1 else weights[0], topo.row_block_expert,
+                    topo.row_block_rows, pre, block_m=topo.block_size, transpose_rhs=transpose_rhs,
                     out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
@@ -394,7 +434,37 @@ def gmm_dact(
   """(lhs[r] @ rhs[e(r)]^T) * act'(pre[r]): dH = dY W_out^T times the activation's derivative, in
   one kernel (each consumer's pre tile arrives by TMA while its K loop runs). activation: a key
   of sparsejax.activations.DERIVATIVES."""
-  return _gmm_call(lhs, rhs, topo, True, lhs.dtype, configs, activation=activation, pre=pre)
+  return _gmm_call(lhs, rhs, topo, True, lhs.dtype, configs, activation=activation, pre=(pre,))
+
+
+def gmm_glu(
+    lhs: Float[Array, "rows k"],
+    w_gate: Float[Array, "experts k n"],
+    w_in: Float[Array, "experts k n"],
+    topo: Topology,
+    activation,
+    configs: Configs | None = None,
+) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"], Float[Array, "rows n"]]:
+  """(g, u, act(g) * u) with g[r] = lhs[r] @ w_gate[e(r)], u[r] = lhs[r] @ w_in[e(r)]: one kernel,
+  two accumulators per consumer over each lhs tile, the GLU product taken in float32 in the
+  epilogue. All zero past the real rows. bf16 operands only."""
+  return _gmm_call(lhs, (w_gate, w_in), topo, False, lhs.dtype, configs, activation=activation)
+
+
+def gmm_dglu(
+    lhs: Float[Array, "rows k"],
+    rhs: Float[Array, "experts n k"],
+    topo: Topology,
+    gate: Float[Array, "rows n"],
+    up: Float[Array, "rows n"],
+    activation,
+    configs: Configs | None = None,
+) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"]]:
+  """(dg, du) = (dh * u * act'(g), dh * act(g)) with dh[r] = lhs[r] @ rhs[e(r)]^T: the GLU's
+  backward through dH = dY W_out^T, in one kernel (g and u tiles arrive by TMA during the K
+  loop). activation: a key of sparsejax.activations.DERIVATIVES."""
+  return _gmm_call(lhs, rhs, topo, True, lhs.dtype, configs, activation=activation,
+                   pre=(gate, up))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,7 +523,7 @@ def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg:
             eval_pipeline(acc_ref)
             acc = acc_ref[...]
             _consumer_done(steps, tile_done)
-            _store_tile(acc, out_smem, [out_gmem.at[e, m_slice, n_slice].at[:, wg_n]], wg_idx,
+            _store_tile((acc,), out_smem, [out_gmem.at[e, m_slice, n_slice].at[:, wg_n]], wg_idx,
                         epi_tile_n)
 
         def mma(idx, a_smem, b_smem, acc_ref):

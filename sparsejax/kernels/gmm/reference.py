@@ -55,8 +55,14 @@ def mlp_reference(
     w_out: Float[Array, "experts d_ff d_model"],
     topo: Topology,
     activation,
+    w_gate: Float[Array, "experts d_model d_ff"] | None = None,
 ) -> Float[Array, "rows d_model"]:
-  """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)] for real rows, in float32 (h rounded to lhs's
-  dtype between the products, as every backend stores it)."""
-  h = activation(gmm_reference(lhs, w_in, topo, out_dtype=jnp.float32)).astype(lhs.dtype)
-  return gmm_reference(h, w_out, topo, out_dtype=jnp.float32).astype(lhs.dtype)
+  """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)], or with w_gate the GLU form
+  (act(lhs[r] @ w_gate[e(r)]) * (lhs[r] @ w_in[e(r)])) @ w_out[e(r)], for real rows, in float32
+  (h rounded to lhs's dtype between the products, as every backend stores it)."""
+  h = gmm_reference(lhs, w_in, topo, out_dtype=jnp.float32)
+  if w_gate is None:
+    h = activation(h)
+  else:
+    h = activation(gmm_reference(lhs, w_gate, topo, out_dtype=jnp.float32)) * h
+  return gmm_reference(h.astype(lhs.dtype), w_out, topo, out_dtype=jnp.float32).astype(lhs.dtype)
