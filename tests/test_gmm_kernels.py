@@ -5,6 +5,8 @@ to interpret, so one bf16 expert MLP runs all its kernels (gmm with and without 
 epilogue, gmm with the transposed weight with and without the derivative epilogue, tgmm) on shapes
 that cross several K and N tiles; its float32 calls are served by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -123,8 +125,10 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   accumulators, the product in the epilogue), gmm_dglu (both derivatives in the dY W_out^T
   epilogue, g and u arriving by TMA), three tgmm and two transposed gmm, against the float32
   reference, values and all four gradients. d = f = 300 (3 K steps, 3 column tiles); an empty
-  expert, one whose rows fill only the first consumer's half, and an inactive spare block."""
-  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", _MOSAIC_TEST_CONFIGS)
+  expert, one whose rows fill only the first consumer's half, and an inactive spare block. The
+  weight gradients walk their tiles N-fastest here (tgmm_long's order), the gelu test M-fastest."""
+  tgmm = dataclasses.replace(_MOSAIC_TEST_CONFIGS.tgmm, grid_minor_dim=mosaic.N_DIM)
+  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(_MOSAIC_TEST_CONFIGS, tgmm=tgmm))
   groups, d, f = [0, 150, 40], 300, 300
   topo = topology_for(groups)
   rows = topo.num_row_blocks * topo.block_size
@@ -147,6 +151,18 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
     assert a.dtype == jnp.bfloat16 and rel_err(a, b) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(g[0])[~real] == 0)
   assert all(np.all(np.asarray(w)[0] == 0) for w in g[1:])  # the empty expert
+
+
+@pytest.mark.parametrize("rows_per_expert,long", [(384, False), (4224, True)])
+def test_mosaic_tgmm_picks_its_order_by_rows_per_expert(monkeypatch, rows_per_expert, long):
+  """Experts averaging LONG_ROWS rows or more take the tgmm_long config (tiles N-fastest)."""
+  seen = []
+  monkeypatch.setattr(mosaic, "_tgmm_padded", lambda lhs, dout, *a, cfg, **k: seen.append(cfg) or
+                      jnp.zeros((2, lhs.shape[1], dout.shape[1]), lhs.dtype))
+  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
+  lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
+  mosaic.tgmm(lhs, lhs, topo, jnp.bfloat16)
+  assert (seen[0].grid_minor_dim == mosaic.N_DIM) == long
 
 
 def test_mosaic_float32_is_exact():

@@ -83,6 +83,14 @@ class Configs:
   gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8)
   tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                         grid_tile_width=1)
+  # tgmm when experts average LONG_ROWS rows or more (E8 top-2: 4,224): walking N fastest ran
+  # 713-734 TFLOP/s against 586-618 for tgmm's order in three H100 runs; on 384 rows an expert
+  # (E64 top-1) it lost 12%, on 1,152 (E64 top-8) it tied (experiments/results/tgmm_sweep_H100.log).
+  tgmm_long: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
+                             grid_minor_dim=N_DIM, grid_tile_width=1)
+
+
+LONG_ROWS = 2048
 
 
 # The defaults won or tied experiments/tune_gmm.py --sweep on an H100 (jax 0.11.2, bf16) for the
@@ -571,7 +579,8 @@ def tgmm(
   k, n = lhs.shape[1], dout.shape[1]
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
-  cfg = _fit(configs.tgmm, block_m, n,
+  long = lhs.shape[0] >= LONG_ROWS * topo.num_experts
+  cfg = _fit(configs.tgmm_long if long else configs.tgmm, block_m, n,
              stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
              out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
   lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, 2 * cfg.tile_n)
