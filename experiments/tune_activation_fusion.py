@@ -85,15 +85,17 @@ def shape_results(name):
   return r
 
 
-def main(names):
+def run_shapes(shape_results, names, json_name, raw=("err",)):
+  """Print shape_results(name) for each shape (seconds as ms, keys starting with `raw` as they
+  are) and write them all to results/<json_name>."""
   out = {}
   for name in names:
     out[name] = r = shape_results(name)
     for k, v in r.items():
-      print(name, k, f"{v * 1e3:.3f} ms" if isinstance(v, float) and not k.startswith("err") else v, flush=True)
-  with open(os.path.join(HERE, "results", "activation_fusion_H100.json"), "w") as fh:
+      print(name, k, f"{v * 1e3:.3f} ms" if isinstance(v, float) and not k.startswith(raw) else v, flush=True)
+  with open(os.path.join(HERE, "results", json_name), "w") as fh:
     json.dump(out, fh, indent=1)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1].split(","))
+  run_shapes(shape_results, sys.argv[1].split(","), "activation_fusion_H100.json")

@@ -15,7 +15,6 @@ stand in for dY. Timer: tune_gmm.timeit. Log: experiments/results/glu_fusion_H10
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, ".."))
-from tune_activation_fusion import _tag, _variant  # noqa: E402
+from tune_activation_fusion import _tag, _variant, run_shapes  # noqa: E402
 from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
 from sparsejax.activations import DERIVATIVES  # noqa: E402
@@ -102,18 +101,6 @@ def shape_results(name):
   return r
 
 
-def main(names):
-  out = {}
-  for name in names:
-    out[name] = r = shape_results(name)
-    for k, v in r.items():
-      if isinstance(v, float) and not k.startswith(("err", "mlp useful")):
-        v = f"{v * 1e3:.3f} ms"
-      print(name, k, v, flush=True)
-  path = os.path.join(HERE, "results", f"glu_fusion_{jax.devices()[0].device_kind.replace(' ', '_')}.json")
-  with open(path, "w") as fh:
-    json.dump(out, fh, indent=1)
-
-
 if __name__ == "__main__":
-  main(sys.argv[1].split(","))
+  run_shapes(shape_results, sys.argv[1].split(","),
+             f"glu_fusion_{jax.devices()[0].device_kind.replace(' ', '_')}.json", raw=("err", "mlp useful"))
