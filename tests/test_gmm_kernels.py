@@ -153,6 +153,15 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   assert all(np.all(np.asarray(w)[0] == 0) for w in g[1:])  # the empty expert
 
 
+@pytest.mark.parametrize("w_gate", [jnp.ones((2, 8, 17), jnp.bfloat16), jnp.ones((2, 8, 16), jnp.float32)])
+def test_expert_mlp_rejects_a_gate_unlike_w_in(w_gate):
+  topo = topology_for([5, 3])
+  x = jnp.ones((topo.num_row_blocks * 128, 8), jnp.bfloat16)
+  w_in, w_out = jnp.ones((2, 8, 16), jnp.bfloat16), jnp.ones((2, 16, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match="w_gate must match w_in"):
+    jax.eval_shape(lambda g: G.expert_mlp(x, w_in, w_out, topo, w_gate=g), w_gate)
+
+
 @pytest.mark.parametrize("rows_per_expert,long", [(384, False), (4224, True)])
 def test_mosaic_tgmm_picks_its_order_by_rows_per_expert(monkeypatch, rows_per_expert, long):
   """Experts averaging LONG_ROWS rows or more take the tgmm_long config (tiles N-fastest)."""
