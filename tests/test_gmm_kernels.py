@@ -1,9 +1,10 @@
 """The grouped-GEMM kernels of every backend, in interpret mode on the CPU, against their reference.
 
 The Triton backend runs every case in float32 and bf16. The Mosaic GPU (Hopper) backend is slower
-to interpret, so one bf16 expert MLP runs all its kernels (gmm with and without an activation
-epilogue, gmm with the transposed weight with and without the derivative epilogue, tgmm) on shapes
-that cross several K and N tiles; its float32 calls are served by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
+to interpret, so two bf16 expert MLPs (plain and GLU) run all its kernels (gmm with each epilogue:
+none, activation, GLU; gmm with the transposed weight with and without a derivative epilogue;
+tgmm in both tile orders) on shapes that cross several K and N tiles; its float32 calls are served
+by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
 """
 import dataclasses
 
@@ -89,68 +90,57 @@ _MOSAIC_TEST_CONFIGS = mosaic.Configs(
     tgmm=mosaic.Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32))
 
 
-def test_mosaic_fused_expert_mlp_matches_reference(monkeypatch):
-  """Every Hopper kernel, through expert_mlp's custom_vjp, against the float32 reference (values
-  and all three gradients): gmm_act (gelu in the epilogue, writing pre and act(pre)), gmm
-  (h W_out), gmm_dact (its derivative in the dH = dY W_out^T epilogue, pre arriving by TMA), tgmm
-  (both weight gradients) and the transposed gmm (dX). d = f = 300 cross K and N tiles; an
-  empty expert, a mostly-padding last block and an inactive spare block."""
-  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", _MOSAIC_TEST_CONFIGS)
-  groups, d, f = [130, 0, 70], 300, 300
+def _check_fused_expert_mlp(groups, activation, glu, seed):
+  """expert_mlp on the Mosaic backend (with glu, the gated form) against the float32 reference:
+  values and every gradient, bf16 out, zero rows where no token is, zero gradients for an empty
+  expert. d = f = 300 cross K and N tiles."""
+  d = f = 300
   topo = topology_for(groups)
   rows = topo.num_row_blocks * topo.block_size
-  keys = jax.random.split(jax.random.key(11), 4)
+  n_in = 2 if glu else 1  # (w_gate,) w_in
+  keys = jax.random.split(jax.random.key(seed), 3 + n_in)
   x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
-  w_in = (jax.random.normal(keys[1], (3, d, f)) / d**0.5).astype(jnp.bfloat16)
-  w_out = (jax.random.normal(keys[2], (3, f, d)) / f**0.5).astype(jnp.bfloat16)
-  ct = jax.random.normal(keys[3], (rows, d))
-  fused = lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=jax.nn.gelu, backend="mosaic")
-  ref = lambda a, b, c: G.mlp_reference(a, b, c, topo, jax.nn.gelu)
+  w_first = [(jax.random.normal(k, (3, d, f)) / d**0.5).astype(jnp.bfloat16) for k in keys[1:1 + n_in]]
+  w_out = (jax.random.normal(keys[1 + n_in], (3, f, d)) / f**0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(keys[2 + n_in], (rows, d)).astype(jnp.bfloat16)
+  args = (x, *w_first, w_out)
+  gate = lambda ws: ws[0] if glu else None
+  fused = lambda a, *ws: G.expert_mlp(a, ws[-2], ws[-1], topo, activation=activation, backend="mosaic",
+                                      w_gate=gate(ws))
+  ref = lambda a, *ws: G.mlp_reference(a, ws[-2], ws[-1], topo, activation, w_gate=gate(ws))
   # One forward serves the values and the gradients (interpreting a kernel is the test's cost).
-  y, vjp = jax.vjp(fused, x, w_in, w_out)
+  y, vjp = jax.vjp(fused, *args)
   assert y.dtype == jnp.bfloat16
-  assert rel_err(y, ref(x, w_in, w_out)) < TOL[jnp.bfloat16]
+  assert rel_err(y, ref(*args)) < TOL[jnp.bfloat16]
   real = np.asarray(G.reference.real_rows(topo))
   assert np.all(np.asarray(y)[~real] == 0)
-  g = vjp(ct.astype(y.dtype))
-  g_ref = jax.vjp(ref, x, w_in, w_out)[1](ct.astype(y.dtype))
-  for a, b in zip(g, g_ref):
-    assert rel_err(a, b) < TOL[jnp.bfloat16]
+  g = vjp(ct)
+  g_ref = jax.vjp(ref, *args)[1](ct)
+  for a, b in zip(g, g_ref, strict=True):
+    assert a.dtype == jnp.bfloat16 and rel_err(a, b) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(g[0])[~real] == 0)
-  assert np.all(np.asarray(g[1])[1] == 0) and np.all(np.asarray(g[2])[1] == 0)  # the empty expert
+  empty = groups.index(0)
+  assert all(np.all(np.asarray(w)[empty] == 0) for w in g[1:])
+
+
+def test_mosaic_fused_expert_mlp_matches_reference(monkeypatch):
+  """Every Hopper kernel through expert_mlp's custom_vjp: gmm_act (gelu in the epilogue, writing
+  pre and act(pre)), gmm (h W_out), gmm_dact (its derivative in the dH = dY W_out^T epilogue, pre
+  arriving by TMA), tgmm (both weight gradients) and the transposed gmm (dX). An empty expert, a
+  mostly-padding last block and an inactive spare block."""
+  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", _MOSAIC_TEST_CONFIGS)
+  _check_fused_expert_mlp([130, 0, 70], jax.nn.gelu, glu=False, seed=11)
 
 
 def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   """The GLU form (silu(x W_gate) * x W_in) W_out through its custom_vjp: gmm_glu (two
   accumulators, the product in the epilogue), gmm_dglu (both derivatives in the dY W_out^T
-  epilogue, g and u arriving by TMA), three tgmm and two transposed gmm, against the float32
-  reference, values and all four gradients. d = f = 300 (3 K steps, 3 column tiles); an empty
-  expert, one whose rows fill only the first consumer's half, and an inactive spare block. The
-  weight gradients walk their tiles N-fastest here (tgmm_long's order), the gelu test M-fastest."""
+  epilogue, g and u arriving by TMA), three tgmm and two transposed gmm. An empty expert, one
+  whose rows fill only the first consumer's half, and an inactive spare block. The weight
+  gradients walk their tiles N-fastest here (tgmm_long's order), the gelu test M-fastest."""
   tgmm = dataclasses.replace(_MOSAIC_TEST_CONFIGS.tgmm, grid_minor_dim=mosaic.N_DIM)
   monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(_MOSAIC_TEST_CONFIGS, tgmm=tgmm))
-  groups, d, f = [0, 150, 40], 300, 300
-  topo = topology_for(groups)
-  rows = topo.num_row_blocks * topo.block_size
-  keys = jax.random.split(jax.random.key(12), 5)
-  x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
-  w_gate, w_in = ((jax.random.normal(k, (3, d, f)) / d**0.5).astype(jnp.bfloat16) for k in keys[1:3])
-  w_out = (jax.random.normal(keys[3], (3, f, d)) / f**0.5).astype(jnp.bfloat16)
-  ct = jax.random.normal(keys[4], (rows, d)).astype(jnp.bfloat16)
-  fused = lambda a, g, b, c: G.expert_mlp(a, b, c, topo, activation=jax.nn.silu, backend="mosaic",
-                                          w_gate=g)
-  ref = lambda a, g, b, c: G.mlp_reference(a, b, c, topo, jax.nn.silu, w_gate=g)
-  y, vjp = jax.vjp(fused, x, w_gate, w_in, w_out)
-  assert y.dtype == jnp.bfloat16
-  assert rel_err(y, ref(x, w_gate, w_in, w_out)) < TOL[jnp.bfloat16]
-  real = np.asarray(G.reference.real_rows(topo))
-  assert np.all(np.asarray(y)[~real] == 0)
-  g = vjp(ct)
-  g_ref = jax.vjp(ref, x, w_gate, w_in, w_out)[1](ct)
-  for a, b in zip(g, g_ref, strict=True):
-    assert a.dtype == jnp.bfloat16 and rel_err(a, b) < TOL[jnp.bfloat16]
-  assert np.all(np.asarray(g[0])[~real] == 0)
-  assert all(np.all(np.asarray(w)[0] == 0) for w in g[1:])  # the empty expert
+  _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=12)
 
 
 @pytest.mark.parametrize("w_gate", [jnp.ones((2, 8, 17), jnp.bfloat16), jnp.ones((2, 8, 16), jnp.float32)])

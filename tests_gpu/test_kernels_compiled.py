@@ -85,34 +85,42 @@ def test_moe_mlp_compiled_matches_reference(impl, dtype):
     assert rel_err(a, b) < tol
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("act", ["gelu", "silu"] + (["gelu_exact", "relu"] if HOPPER else []))
-@pytest.mark.parametrize("shape", SHAPES)
-def test_expert_mlp_compiled_matches_reference(backend, act, shape):
-  """The expert MLP op (on Hopper: the activation and its derivative in the kernels' epilogues)
-  against the float32 reference, values and gradients."""
+def _check_expert_mlp_compiled(backend, act, shape, glu):
+  """expert_mlp (with glu, the gated form) against the float32 reference, values and gradients."""
   T, d, f, E, k, skew = shape
-  keys = jax.random.split(jax.random.key(T + E + 1), 5)
+  n_in = 2 if glu else 1  # (w_gate,) w_in
+  keys = jax.random.split(jax.random.key(T + E + 1 + glu), 4 + n_in)
   topo, _ = routed_topology(keys[0], T, E, k, skew)
   rows = topo.num_row_blocks * 128
   fn = ACTIVATIONS[act]
   x = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
-  w_in = (jax.random.normal(keys[2], (E, d, f)) / d**0.5).astype(jnp.bfloat16)
-  w_out = (jax.random.normal(keys[3], (E, f, d)) / f**0.5).astype(jnp.bfloat16)
-  ct = jax.random.normal(keys[4], (rows, d), jnp.float32)
-  y = jax.jit(lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=fn, backend=backend))(x, w_in, w_out)
+  w_first = [(jax.random.normal(kk, (E, d, f)) / d**0.5).astype(jnp.bfloat16) for kk in keys[2:2 + n_in]]
+  w_out = (jax.random.normal(keys[2 + n_in], (E, f, d)) / f**0.5).astype(jnp.bfloat16)
+  ct = jax.random.normal(keys[3 + n_in], (rows, d), jnp.float32)
+  args = (x, *w_first, w_out)
+  gate = lambda ws: ws[0] if glu else None
+  mlp = lambda a, *ws: G.expert_mlp(a, ws[-2], ws[-1], topo, activation=fn, backend=backend, w_gate=gate(ws))
+  ref = lambda a, *ws: G.mlp_reference(a, ws[-2], ws[-1], topo, fn, w_gate=gate(ws))
+  y = jax.jit(mlp)(*args)
   assert y.dtype == jnp.bfloat16
-  assert rel_err(y, G.mlp_reference(x, w_in, w_out, topo, fn)) < 1e-2
+  assert rel_err(y, ref(*args)) < 1e-2
   real = np.asarray(G.reference.real_rows(topo))
   assert np.all(np.asarray(y)[~real] == 0)
-  loss = lambda mlp: lambda a, b, c: jnp.sum(mlp(a, b, c).astype(jnp.float32) * ct)
-  g = jax.jit(jax.grad(loss(lambda a, b, c: G.expert_mlp(a, b, c, topo, activation=fn, backend=backend)),
-                       argnums=(0, 1, 2)))(x, w_in, w_out)
-  g_ref = jax.jit(jax.grad(loss(lambda a, b, c: G.mlp_reference(a, b, c, topo, fn)),
-                           argnums=(0, 1, 2)))(x, w_in, w_out)
-  for a, b in zip(g, g_ref):
+  loss = lambda m: lambda *a: jnp.sum(m(*a).astype(jnp.float32) * ct)
+  argnums = tuple(range(len(args)))
+  g = jax.jit(jax.grad(loss(mlp), argnums=argnums))(*args)
+  g_ref = jax.jit(jax.grad(loss(ref), argnums=argnums))(*args)
+  for a, b in zip(g, g_ref, strict=True):
     assert rel_err(a, b) < 1e-2
   assert np.all(np.asarray(g[0])[~real] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ["gelu", "silu"] + (["gelu_exact", "relu"] if HOPPER else []))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expert_mlp_compiled_matches_reference(backend, act, shape):
+  """The expert MLP op (on Hopper: the activation and its derivative in the kernels' epilogues)."""
+  _check_expert_mlp_compiled(backend, act, shape, glu=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -120,27 +128,5 @@ def test_expert_mlp_compiled_matches_reference(backend, act, shape):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_glu_expert_mlp_compiled_matches_reference(backend, act, shape):
   """The GLU expert MLP (act(x W_gate) * x W_in) W_out (on Hopper: gmm_glu and gmm_dglu, the
-  product and its derivatives in the epilogues) against the float32 reference, values and the
-  four gradients."""
-  T, d, f, E, k, skew = shape
-  keys = jax.random.split(jax.random.key(T + E + 2), 6)
-  topo, _ = routed_topology(keys[0], T, E, k, skew)
-  rows = topo.num_row_blocks * 128
-  fn = ACTIVATIONS[act]
-  x = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
-  w_gate, w_in = ((jax.random.normal(kk, (E, d, f)) / d**0.5).astype(jnp.bfloat16) for kk in keys[2:4])
-  w_out = (jax.random.normal(keys[4], (E, f, d)) / f**0.5).astype(jnp.bfloat16)
-  ct = jax.random.normal(keys[5], (rows, d), jnp.float32)
-  mlp = lambda a, g, b, c: G.expert_mlp(a, b, c, topo, activation=fn, backend=backend, w_gate=g)
-  ref = lambda a, g, b, c: G.mlp_reference(a, b, c, topo, fn, w_gate=g)
-  y = jax.jit(mlp)(x, w_gate, w_in, w_out)
-  assert y.dtype == jnp.bfloat16
-  assert rel_err(y, ref(x, w_gate, w_in, w_out)) < 1e-2
-  real = np.asarray(G.reference.real_rows(topo))
-  assert np.all(np.asarray(y)[~real] == 0)
-  loss = lambda m: lambda *a: jnp.sum(m(*a).astype(jnp.float32) * ct)
-  g = jax.jit(jax.grad(loss(mlp), argnums=(0, 1, 2, 3)))(x, w_gate, w_in, w_out)
-  g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(x, w_gate, w_in, w_out)
-  for a, b in zip(g, g_ref, strict=True):
-    assert rel_err(a, b) < 1e-2
-  assert np.all(np.asarray(g[0])[~real] == 0)
+  product and its derivatives in the epilogues), all four gradients."""
+  _check_expert_mlp_compiled(backend, act, shape, glu=True)
