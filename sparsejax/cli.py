@@ -31,7 +31,7 @@ HELP = {
     "warmup": "linear warm-up steps",
     "weight_decay": "AdamW weight decay of matrices (norm scales are not decayed)",
     "grad_clip": "clip the global gradient norm to this",
-    "adam_mu_dtype": "dtype of AdamW's first moment: float32 or bfloat16 (2 of the ~28 bytes per "
+    "adam_mu_dtype": "dtype of AdamW's first moment: float32 or bfloat16 (saves 4 of the ~28 bytes per "
                      "parameter an MoE's optimizer moves each step; the second moment stays float32)",
     "seed": "seed of the initialization, the batches and the router jitter",
     "dtype": f"compute dtype: {', '.join(COMPUTE_DTYPES)}",

@@ -219,20 +219,19 @@ def _launch(body, out_shape, *args):
 # ----------------------------------------------------------------------------------------------
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
-def _gmm_padded(lhs, rhs, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
+def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
                 out_dtype, cfg: Config, activation=None):
-  """The gmm kernel and its epilogue variants. rhs: one weight, or (W_gate, W_in) for the GLU
+  """The gmm kernel and its epilogue variants. weights: (W,), or (W_gate, W_in) for the GLU
   form (two accumulators per consumer over the same lhs tile); pre: the forward's products that
   a backward epilogue reads, each consumer's tile arriving by TMA while its K loop runs.
 
-    rhs        pre      writes
+    weights    pre      writes
     W          ()       acc                                     (no activation)
     W          ()       acc, act(acc)                           x W_in
     Wg, Wi     ()       g, u, act(g) * u                        x W_gate, x W_in
     W          (p,)     acc * act'(p)                           dY W_out^T
     W          (g, u)   acc * u * act'(g), acc * act(g)         dY W_out^T
   """
-  weights = rhs if isinstance(rhs, tuple) else (rhs,)
   rows, k = lhs.shape
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   tile_n, tile_k, epi_tile_n = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
@@ -384,8 +383,8 @@ def _gmm_config(lhs, n, topo, kind, out_dtype, configs, num_w=1, pre=()):
               out_bytes=lambda c: 2 * c.epi_slots * (block_m // 2) * c.epi_tile_n * out_size + pre_bytes(c))
 
 
-def _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs, activation=None, pre=()):
-  weights = rhs if isinstance(rhs, tuple) else (rhs,)
+def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=None, pre=()):
+  """Fit the config of the kernel variant these arguments select, pad to its tiles, run, unpad."""
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
@@ -396,8 +395,8 @@ def _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs, activation=None
   else:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n) for w in weights)
   pre = tuple(pad_to(p, 1, cfg.tile_n) for p in pre)
-  out = _gmm_padded(lhs_p, weights if len(weights) > 1 else weights[0], topo.row_block_expert,
-                    topo.row_block_rows, pre, block_m=topo.block_size, transpose_rhs=transpose_rhs,
+  out = _gmm_padded(lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
+                    block_m=topo.block_size, transpose_rhs=transpose_rhs,
                     out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
@@ -415,7 +414,7 @@ def gmm(
   if lhs.dtype == jnp.float32:
     from sparsejax.kernels.gmm import triton
     return triton.gmm(lhs, rhs, topo, transpose_rhs, out_dtype)
-  return _gmm_call(lhs, rhs, topo, transpose_rhs, out_dtype, configs)
+  return _gmm_call(lhs, (rhs,), topo, transpose_rhs, out_dtype, configs)
 
 
 def gmm_act(
@@ -428,7 +427,7 @@ def gmm_act(
   """(pre, act(pre)) with pre[r] = lhs[r] @ rhs[e(r)]: one kernel, the activation applied to the
   float32 accumulator in the epilogue (no separate pass over pre). Both zero past the real rows.
   bf16 operands only (the caller routes float32 to the unfused path)."""
-  return _gmm_call(lhs, rhs, topo, False, lhs.dtype, configs, activation=activation)
+  return _gmm_call(lhs, (rhs,), topo, False, lhs.dtype, configs, activation=activation)
 
 
 def gmm_dact(
@@ -442,7 +441,7 @@ def gmm_dact(
   """(lhs[r] @ rhs[e(r)]^T) * act'(pre[r]): dH = dY W_out^T times the activation's derivative, in
   one kernel (each consumer's pre tile arrives by TMA while its K loop runs). activation: a key
   of sparsejax.activations.DERIVATIVES."""
-  return _gmm_call(lhs, rhs, topo, True, lhs.dtype, configs, activation=activation, pre=(pre,))
+  return _gmm_call(lhs, (rhs,), topo, True, lhs.dtype, configs, activation=activation, pre=(pre,))
 
 
 def gmm_glu(
@@ -471,7 +470,7 @@ def gmm_dglu(
   """(dg, du) = (dh * u * act'(g), dh * act(g)) with dh[r] = lhs[r] @ rhs[e(r)]^T: the GLU's
   backward through dH = dY W_out^T, in one kernel (g and u tiles arrive by TMA during the K
   loop). activation: a key of sparsejax.activations.DERIVATIVES."""
-  return _gmm_call(lhs, rhs, topo, True, lhs.dtype, configs, activation=activation,
+  return _gmm_call(lhs, (rhs,), topo, True, lhs.dtype, configs, activation=activation,
                    pre=(gate, up))
 
 
