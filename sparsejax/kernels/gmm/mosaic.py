@@ -10,8 +10,9 @@ Because every 128-row block of the padded layout belongs to one expert (sparseja
 a CTA tile never spans two experts: gmm reads one expert's weight tile per output tile, and
 tgmm reduces over whole row blocks of one expert. Nothing is computed twice and nothing is
 masked (unlike jax's ragged_dot_mgpu, which recomputes tiles that straddle a group boundary).
-Inactive row blocks, and experts with no rows, run a pipeline of zero steps, so they store the
-zero accumulator: the output is fully written with no separate memset. Rows that hold no token
+Inactive row blocks (no real row) run a pipeline of zero steps and store nothing: their output
+rows are left unwritten (op.py's contract), and an expert with no rows gets tgmm's zero gradient
+from its zero-step reduction. Rows that hold no token
 (an expert's last block is padded up to 128 rows) cost nothing where a whole 64-row wgmma is
 padding: gmm's consumer of that half issues no wgmma, and tgmm stops its reduction at the
 expert's last real row (masking the padding rows of its last step).
@@ -337,7 +338,12 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
             elif activation is not None:
               def epilogue(pieces, j):
                 return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
-            _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
+            # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
+            # kernels run zero steps on them), so they are left unwritten: under expert
+            # parallelism about half the worst-case receive buffer is inactive.
+            @pl.when(num_real > 0)
+            def _():
+              _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
 
         def mma(_, a_smem, *refs):
           *b_smems, accs = refs
@@ -410,7 +416,8 @@ def gmm(
     out_dtype,
     configs: Configs | None = None,
 ) -> Float[Array, "rows n"]:
-  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for real rows r, zero elsewhere."""
+  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for real rows r; zero on the
+  other rows of active blocks, unwritten in inactive blocks (op.py)."""
   if lhs.dtype == jnp.float32:
     from sparsejax.kernels.gmm import triton
     return triton.gmm(lhs, rhs, topo, transpose_rhs, out_dtype)
@@ -425,7 +432,8 @@ def gmm_act(
     configs: Configs | None = None,
 ) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"]]:
   """(pre, act(pre)) with pre[r] = lhs[r] @ rhs[e(r)]: one kernel, the activation applied to the
-  float32 accumulator in the epilogue (no separate pass over pre). Both zero past the real rows.
+  float32 accumulator in the epilogue (no separate pass over pre). Both zero on the other rows of active
+  blocks.
   bf16 operands only (the caller routes float32 to the unfused path)."""
   return _gmm_call(lhs, (rhs,), topo, False, lhs.dtype, configs, activation=activation)
 
@@ -454,7 +462,8 @@ def gmm_glu(
 ) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"], Float[Array, "rows n"]]:
   """(g, u, act(g) * u) with g[r] = lhs[r] @ w_gate[e(r)], u[r] = lhs[r] @ w_in[e(r)]: one kernel,
   two accumulators per consumer over each lhs tile, the GLU product taken in float32 in the
-  epilogue. All zero past the real rows. bf16 operands only."""
+  epilogue. All zero on the other rows of active blocks.
+  bf16 operands only."""
   return _gmm_call(lhs, (w_gate, w_in), topo, False, lhs.dtype, configs, activation=activation)
 
 

@@ -4,7 +4,9 @@
                                               block-diagonal topology of sparsejax/topology.py
   gmm   transpose_rhs: lhs[r] @ rhs[e(r)]^T   D S D^T (dX = dH W_in^T, dH = dY W_out^T)
   tgmm  out[e] = sum_{r in e} lhs[r]^T dout[r]  DS^T D (dW_in = X^T dH, dW_out = H^T dY)
-Rows of inactive blocks are zero. Backends: "triton" (triton.py, any CUDA GPU) and "mosaic"
+Rows that hold no token are zero in active blocks; rows of inactive blocks (row_block_rows 0)
+are unspecified: the Hopper kernels leave them unwritten, because every consumer reads real rows
+only (permute gathers by placement, and the kernels run zero steps on inactive blocks). Backends: "triton" (triton.py, any CUDA GPU) and "mosaic"
 (mosaic.py, Hopper: TMA + wgmma, warp-specialized, persistent); "auto" takes mosaic on sm_90.
 Off the GPU both run in Pallas' interpret mode. The reference is reference.py.
 """
@@ -88,8 +90,8 @@ def gmm(
     backend: str = "auto",
     out_dtype=None,
 ) -> Float[Array, "rows n"]:
-  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for rows of active blocks, zero past
-  them; float32 accumulation, out_dtype (default lhs.dtype) output; differentiable in lhs and rhs."""
+  """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for real rows r, zero for the
+  other rows of active blocks, unspecified in inactive blocks; float32 accumulation, out_dtype (default lhs.dtype) output; differentiable in lhs and rhs."""
   _check(lhs, rhs, topo)
   return _gmm(lhs, rhs, topo, transpose_rhs, resolve_backend(backend),
               jnp.dtype(out_dtype or lhs.dtype))

@@ -4,6 +4,7 @@
   tgmm  out[e] = sum over real rows r of e: lhs[r]^T dout[r]
 A row is real when it holds a token: among the first row_block_rows[b] rows of its block b (none
 in blocks past the topology's active count). Other rows are zero in gmm and add nothing in tgmm.
+A kernel's gmm output is defined on the rows of active blocks only (`written_rows`; op.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ def real_rows(topo: Topology):
   """[rows] bool: the row holds a token."""
   within = jnp.arange(topo.block_size)[None, :] < topo.row_block_rows[:, None]
   return within.reshape(-1)
+
+
+def written_rows(topo: Topology):
+  """[rows] bool: the row lies in an active block (one with a real row), where gmm's output is
+  defined; a kernel may leave the rows of inactive blocks unwritten."""
+  return jnp.repeat(topo.row_block_rows > 0, topo.block_size)
 
 
 def gmm_reference(
