@@ -78,8 +78,7 @@ SMOKE_SHAPES = [Shape("smoke", 256, 128, 256, 4, 2, False), Shape("smoke_skewed"
 # 1.0 by default, --capacity-factors 1.0,1.25,2.0 for the others.
 CAPACITY_FACTORS = (1.0,)
 LAYER_VARIANTS = ("dropless", "capacity_1.0")
-SPARSEJAX = ("sparsejax_pallas", "sparsejax_mosaic", "sparsejax_triton", "sparsejax_mosaic_unfused",
-             "sparsejax_mosaic_unsplit")
+SPARSEJAX = ("sparsejax_pallas", "sparsejax_mosaic", "sparsejax_triton", "sparsejax_mosaic_unfused")
 PEERS = ("torch_grouped_mm", "balanced_bmm", "jax_ragged_dot_mgpu", "ragged_dot")
 
 
@@ -115,12 +114,11 @@ def plan(p: common.Problem, ref: common.Reference, args, timer) -> list[tuple[st
       steps.append((name, "Mosaic GPU interpret mode is too slow for a CPU run (--smoke-mosaic runs it)"))
     else:
       steps.append((name, lambda b=backend: sparsejax_variants.sparsejax_case(p, ref, b)))
-  for ablation in ("mosaic_unfused", "mosaic_unsplit"):
-    if (on_gpu and cc_major() == "9") or (not on_gpu and args.smoke_mosaic):
-      steps.append((f"sparsejax_{ablation}",
-                    lambda a=ablation: sparsejax_variants.sparsejax_case(p, ref, a)))
-    else:
-      steps.append((f"sparsejax_{ablation}", "needs the Mosaic GPU kernels (sm_90, or --smoke-mosaic)"))
+  if (on_gpu and cc_major() == "9") or (not on_gpu and args.smoke_mosaic):
+    steps.append(("sparsejax_mosaic_unfused",
+                  lambda: sparsejax_variants.sparsejax_case(p, ref, "mosaic_unfused")))
+  else:
+    steps.append(("sparsejax_mosaic_unfused", "needs the Mosaic GPU kernels (sm_90, or --smoke-mosaic)"))
   reason = ragged_dot_mgpu.unavailable()
   steps.append(("jax_ragged_dot_mgpu", reason or (
       lambda: ragged_dot_mgpu.ragged_dot_mgpu(p, ref, timer, args.mgpu_configs))))

@@ -6,8 +6,6 @@ sparsejax_pallas: impl="pallas", the kernels moe_mlp's "auto" runs on this GPU (
   so it is not compiled and timed twice: its record is a copy marked same_as.
 sparsejax_mosaic_unfused: the Mosaic kernels with the activation as its own XLA pass (gmm, act,
   gmm: the library before the activation moved into the kernels' epilogues), to measure the fusion.
-sparsejax_mosaic_unsplit: the Mosaic kernels with split_tail off in every config (blocks of at
-  most 64 real rows run on one consumer while the other idles), to measure the N split.
 The rows are placed the way moe_mlp places them (permute.dropless_placement with block_size=128),
 outside the timed call; useful FLOPs count the N real rows, not the padding.
 """
@@ -17,36 +15,18 @@ import functools
 import inspect
 
 import jax
-import contextlib
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 
 import sparsejax as sj
 from sparsejax import permute
 from sparsejax.kernels import gmm as G
-from sparsejax.kernels.gmm import mosaic, resolve_backend
+from sparsejax.kernels.gmm import resolve_backend
 from sparsejax.topology import BLOCK_SIZE, make_topology
 
 from peers.common import Case, Problem, Reference, compare, jax_case
 
-IMPL_BACKEND = {"pallas": "auto", "mosaic": "mosaic", "triton": "triton", "mosaic_unfused": "mosaic",
-                "mosaic_unsplit": "mosaic"}
-
-
-@contextlib.contextmanager
-def _unsplit_configs():
-  """While tracing: every Mosaic config with split_tail off (the kernels read DEFAULT_CONFIGS at
-  trace time)."""
-  saved = mosaic.DEFAULT_CONFIGS
-  mosaic.DEFAULT_CONFIGS = dataclasses.replace(saved, **{
-      f.name: dataclasses.replace(getattr(saved, f.name), split_tail=False)
-      for f in dataclasses.fields(saved)})
-  try:
-    yield
-  finally:
-    mosaic.DEFAULT_CONFIGS = saved
+IMPL_BACKEND = {"pallas": "auto", "mosaic": "mosaic", "triton": "triton", "mosaic_unfused": "mosaic"}
 
 
 def topology(placement: permute.Placement):
@@ -77,7 +57,7 @@ def _place(values, pos, num_rows):
 
 
 def sparsejax_case(p: Problem, ref: Reference, impl: str) -> Case:
-  """impl in ("pallas", "mosaic", "triton", "mosaic_unfused", "mosaic_unsplit")."""
+  """impl in ("pallas", "mosaic", "triton", "mosaic_unfused")."""
   s = p.shape
   placement, topo, pos = padded_layout(p)
   rows = _place(p.rows, pos, placement.num_rows)
@@ -87,9 +67,6 @@ def sparsejax_case(p: Problem, ref: Reference, impl: str) -> Case:
     if impl == "mosaic_unfused":
       h = jax.nn.gelu(G.gmm(rows, w_in, topo, backend="mosaic"))
       return G.gmm(h, w_out, topo, backend="mosaic")
-    if impl == "mosaic_unsplit":
-      with _unsplit_configs():
-        return sj.expert_ffn(rows, None, w_in, w_out, impl="mosaic", topology=topo)
     return sj.expert_ffn(rows, None, w_in, w_out, impl=impl, topology=topo)
 
   def check(y, grads):

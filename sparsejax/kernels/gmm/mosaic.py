@@ -67,7 +67,6 @@ class Config:
   grid_tile_width: int = 4
   delay_release: int = 1
   epi_slots: int = 2  # gmm: smem slots the epilogue's TMA stores rotate through
-  split_tail: bool = True  # gmm: split blocks with at most 64 real rows along N (see _gmm_padded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,10 +259,6 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
                                        transforms=_transforms(epi_tile_n, pre[0].dtype)),
                    pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
   window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
-  # The N split of mostly-padding blocks needs half-tiles that keep whole swizzle tiles (64 bf16
-  # columns) and whole epilogue pieces.
-  split_n = tile_n // 2
-  can_split = cfg.split_tail and split_n >= 64 and split_n % epi_tile_n == 0
 
   def body(rbe_gmem, rbr_gmem, lhs_gmem, *refs):
     w_gmems, pre_gmems, out_gmems = refs[:num_w], refs[num_w:num_w + num_pre], refs[num_w + num_pre:]
@@ -287,133 +282,84 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
             info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
         expert = rbe_gmem[m_idx]
         num_real = rbr_gmem[m_idx]
-        # Inactive blocks run zero K steps.
+        # Inactive blocks run zero K steps and store the zero accumulator.
         steps = jnp.where(num_real > 0, k_iters, 0)
-        # A block whose real rows fit one wgmma (an expert's last block, mostly padding) is split
-        # along N: both consumers take its first 64 rows, each half of the columns, so the tile
-        # takes about half as long (otherwise one consumer would idle while the other ran it all).
-        split = (num_real > 0) & (num_real <= half) if can_split else False
         m_slice = pl.ds(m_idx * block_m, block_m)
         n_slice = pl.ds(n_idx * tile_n, tile_n)
         wg_m = pl.ds(wg_idx * half, half)
         # A consumer whose 64 rows hold no token issues no wgmma: its zero accumulator is right.
         has_rows = num_real > wg_idx * half
-        tile_outs = [o.at[m_slice, n_slice] for o in out_gmems]
+        outs = [o.at[m_slice, n_slice].at[wg_m] for o in out_gmems]
         ready = lambda i: pre_ready.at[wg_idx * num_pre + i]
+        pre_tile = lambda i, j: _load_wgmma(
+            pre_smem.at[wg_idx, i, :, pl.ds(j * epi_tile_n, epi_tile_n)]).astype(jnp.float32)
 
-        def load_pre(rows_):
-          plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
-          for i, p in enumerate(pre_gmems):
-            plgpu.copy_gmem_to_smem(p.at[m_slice, n_slice].at[rows_], pre_smem.at[wg_idx, i], ready(i))
-
-        def finish(accs, real, outs, col0):
-          """Mask accs (this consumer's [64, width] tile) to real rows, apply the epilogue (pre
-          tiles read from column col0 of this consumer's pre_smem) and store to outs."""
-          accs = tuple(jnp.where(real, a, 0.0) for a in accs)
-          pre_tile = lambda i, j: _load_wgmma(
-              pre_smem.at[wg_idx, i, :, pl.ds(col0 + j * epi_tile_n, epi_tile_n)]).astype(jnp.float32)
-          piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
-          fn = PLAIN.get(activation, activation)
-          epilogue = None
-          # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
-          if num_pre == 1:
-            def epilogue(pieces, j):
-              d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
-              return (jnp.where(piece_real(j), d, 0.0),)
-          elif num_pre == 2:
-            def epilogue(pieces, j):
-              g, u = pre_tile(0, j), pre_tile(1, j)
-              dg = pieces[0] * u * DERIVATIVES[activation](g)
-              du = pieces[0] * fn(g)
-              return jnp.where(piece_real(j), dg, 0.0), jnp.where(piece_real(j), du, 0.0)
-          elif num_w == 2:
-            def epilogue(pieces, j):
-              g, u = pieces
-              return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
-          elif activation is not None:
-            def epilogue(pieces, j):
-              return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
-          _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
-
-        def whole_context(eval_pipeline):
+        def compute_context(eval_pipeline):
           if num_pre:
-            pl.when(has_rows)(lambda: load_pre(wg_m))
+            @pl.when(has_rows)
+            def _():
+              plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
+              for i, p in enumerate(pre_gmems):
+                plgpu.copy_gmem_to_smem(p.at[m_slice, n_slice].at[wg_m], pre_smem.at[wg_idx, i],
+                                        ready(i))
 
           @functools.partial(pl.run_scoped, **{f"acc{i}": plgpu.ACC((half, tile_n), jnp.float32)
                                                for i in range(num_w)})
           def _acc(**acc_refs):
-            accs = eval_pipeline(tuple(acc_refs[f"acc{i}"] for i in range(num_w)))
-            vals = tuple(a[...] for a in accs)
-            _consumer_done(steps, tile_done)
+            accs = tuple(acc_refs[f"acc{i}"] for i in range(num_w))
+            eval_pipeline(accs)
             real = _row_iota((half, tile_n)) < num_real - wg_idx * half
+            accs = tuple(jnp.where(real, a[...], 0.0) for a in accs)
+            _consumer_done(steps, tile_done)
+            piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
+            fn = PLAIN.get(activation, activation)
+            epilogue = None
             if num_pre:
               @pl.when(has_rows)
               def _():
                 for i in range(num_pre):
                   plgpu.barrier_wait(ready(i))
 
+              # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
+              if num_pre == 1:
+                def epilogue(pieces, j):
+                  d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
+                  return (jnp.where(piece_real(j), d, 0.0),)
+              else:
+                def epilogue(pieces, j):
+                  g, u = pre_tile(0, j), pre_tile(1, j)
+                  dg = pieces[0] * u * DERIVATIVES[activation](g)
+                  du = pieces[0] * fn(g)
+                  return jnp.where(piece_real(j), dg, 0.0), jnp.where(piece_real(j), du, 0.0)
+            elif num_w == 2:
+              def epilogue(pieces, j):
+                g, u = pieces
+                return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
+            elif activation is not None:
+              def epilogue(pieces, j):
+                return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
             # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
             # kernels run zero steps on them), so they are left unwritten: under expert
             # parallelism about half the worst-case receive buffer is inactive.
             @pl.when(num_real > 0)
             def _():
-              finish(vals, real, [o.at[wg_m] for o in tile_outs], 0)
+              _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
 
-        def split_context(eval_pipeline):
-          if num_pre:  # both consumers need the first 64 rows' pre tiles, all columns
-            load_pre(pl.ds(0, half))
+        def mma(_, a_smem, *refs):
+          *b_smems, accs = refs
 
-          @functools.partial(pl.run_scoped, **{f"acc{i}": plgpu.ACC((half, split_n), jnp.float32)
-                                               for i in range(num_w)})
-          def _acc(**acc_refs):
-            accs = eval_pipeline(tuple(acc_refs[f"acc{i}"] for i in range(num_w)))
-            vals = tuple(a[...] for a in accs)
-            _consumer_done(steps, tile_done)
-            real = _row_iota((half, split_n)) < num_real
-            for i in range(num_pre):
-              plgpu.barrier_wait(ready(i))
-            # Static column offsets (pre_smem reads, output windows): one branch per consumer.
-            for w in range(2):
-              cols = pl.ds(w * split_n, split_n)
-
-              @pl.when(wg_idx == w)
-              def _():
-                finish(vals, real, [o.at[pl.ds(0, half), cols] for o in tile_outs], w * split_n)
-                # The padding half's rows must read as zero (tgmm's last step multiplies them).
-                zeros = jnp.zeros((half, split_n), jnp.float32)
-                _store_tile((zeros,) * num_out, out_smem,
-                            [o.at[pl.ds(half, half), cols] for o in tile_outs], wg_idx, epi_tile_n)
-
-        def mma_for(rows_, cols_):
-          def mma(_, a_smem, *refs):
-            *b_smems, accs = refs
-
-            @pl.when(has_rows | split)
-            def _():
-              for b_smem, acc_ref in zip(b_smems, accs, strict=True):
-                if transpose_rhs:
-                  b = plgpu.transpose_ref(b_smem.at[cols_, :], (1, 0))
-                else:
-                  b = b_smem.at[:, cols_]
-                plgpu.wgmma(acc_ref, a_smem.at[rows_], b)
-
-            plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
-            return accs
-          return mma
-
-        operands = (lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems])
-
-        @pl.when(jnp.logical_not(split))
-        def _():
-          _warp_specialized(mma_for(wg_m, pl.ds(0, tile_n)), (steps,), specs, cfg, whole_context)(
-              *operands, allocations=pipeline_allocs)
-
-        if can_split:
-          @pl.when(split)
+          @pl.when(has_rows)
           def _():
-            _warp_specialized(mma_for(pl.ds(0, half), pl.ds(wg_idx * split_n, split_n)), (steps,),
-                              specs, cfg, split_context)(*operands, allocations=pipeline_allocs)
+            for b_smem, acc_ref in zip(b_smems, accs, strict=True):
+              b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
+              plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
 
+          plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
+          return accs
+
+        _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
+            lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems],
+            allocations=pipeline_allocs)
         _producer_waits_for_tile(wg_idx, steps, tile_done)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
