@@ -171,6 +171,16 @@ def test_mosaic_tgmm_picks_its_order_by_rows_per_expert(monkeypatch, rows_per_ex
   assert (seen[0].grid_minor_dim == mosaic.N_DIM) == long
 
 
+def test_mosaic_tgmm_of_a_single_output_tile():
+  """K = 128 and N = 256 make tgmm's grid one tile per expert (its tile order is then constant,
+  which once crashed XLA:CPU's constant folding in interpret mode)."""
+  topo, lhs, _, _, dout = _operands([130, 0, 40], jnp.bfloat16, 128, 256, 4)
+  dw = G.tgmm(lhs, dout, topo, backend="mosaic")
+  assert dw.shape == (3, 128, 256) and dw.dtype == jnp.bfloat16
+  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
+  assert np.all(np.asarray(dw)[1] == 0)
+
+
 def test_mosaic_float32_is_exact():
   """wgmma would read float32 as TF32: float32 operands take the exact Triton kernels instead."""
   topo, lhs, rhs, _, _ = _operands([130, 0, 5, 200], jnp.float32, 32, 48, 3)

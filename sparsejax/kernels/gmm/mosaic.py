@@ -201,6 +201,16 @@ def _row_iota(shape):
   return iota if _interpret() is not None else plgpu.layout_cast(iota, plgpu.Layout.WGMMA)
 
 
+def _tile_coords(lin, shape, cfg: Config):
+  """(row tile, column tile) of the lin-th output tile in cfg's planar_snake order. A grid of one
+  tile is (0, 0) outright: with every operand constant, XLA:CPU's constant folding of
+  planar_snake's unused remainder branch divides by zero and kills the process (GPU interpret mode,
+  e.g. tgmm with K <= 128 and N <= 2 * tile_n)."""
+  if shape[0] * shape[1] == 1:
+    return jnp.int32(0), jnp.int32(0)
+  return plgpu.planar_snake(lin, shape, cfg.grid_minor_dim, cfg.grid_tile_width)
+
+
 def _warp_specialized(body, grid, in_specs, cfg, compute_context):
   return plgpu.emit_pipeline_warp_specialized(
       body, grid=grid, memory_registers=40, in_specs=in_specs, wg_axis="wg",
@@ -278,8 +288,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
-        m_idx, n_idx = plgpu.planar_snake(
-            info.index[0], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
         expert = rbe_gmem[m_idx]
         num_real = rbr_gmem[m_idx]
         # Inactive blocks run zero K steps and store the zero accumulator.
@@ -520,8 +529,7 @@ def _tgmm_padded(lhs, dout, offsets, row_block_rows, *, block_m, out_dtype, cfg:
       @plgpu.nd_loop((num_experts, m_iters * n_iters), collective_axes="sm")
       def _tile(info):
         e = info.index[0]
-        m_idx, n_idx = plgpu.planar_snake(
-            info.index[1], (m_iters, n_iters), cfg.grid_minor_dim, cfg.grid_tile_width)
+        m_idx, n_idx = _tile_coords(info.index[1], (m_iters, n_iters), cfg)
         first, end = offsets_gmem[e], offsets_gmem[e + 1]
         # Real rows of the expert: full blocks, then its last block's real rows.
         last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
