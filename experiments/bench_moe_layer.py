@@ -380,7 +380,9 @@ def parse_args(argv):
   ap.add_argument("--profile", action="store_true",
                   help="only trace each --layer-variants layer's fwd+bwd on the first shape "
                        "(3 files each, into $OUT or --out-dir)")
-  ap.add_argument("--smoke-mosaic", action="store_true", help="with --smoke on a CPU, run the Mosaic backend too")
+  ap.add_argument("--smoke-mosaic", action="store_true", help="with --smoke on a CPU, run the Mosaic backend too (in interpret mode; jax 0.10.2's "
+                       "interpreter stops on it with a TransposeTransform error: "
+                       "tests/test_gmm_kernels.py interprets the kernels with configs it handles)")
   ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
   args = ap.parse_args(argv)
   shapes = SMOKE_SHAPES if args.smoke else SHAPES
