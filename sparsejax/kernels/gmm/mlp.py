@@ -47,8 +47,9 @@ def expert_mlp(
     w_gate: Float[Array, "experts d_model d_ff"] | None = None,
 ) -> Float[Array, "rows d_model"]:
   """y[r] = act(lhs[r] @ w_in[e(r)]) @ w_out[e(r)] (with w_gate: act(lhs[r] @ w_gate[e(r)]) *
-  (lhs[r] @ w_in[e(r)]) in place of act(...)) for real rows r, zero elsewhere; differentiable in
-  lhs and the weights. activation: an elementwise function of one array."""
+  (lhs[r] @ w_in[e(r)]) in place of act(...)) for real rows r, zero for the other rows of active
+  blocks, unspecified in inactive blocks (op.py); differentiable in lhs and the weights.
+  activation: an elementwise function of one array."""
   if w_out.shape != (w_in.shape[0], w_in.shape[2], w_in.shape[1]):
     raise ValueError(f"w_out must be [E, d_ff, d_model] = {(w_in.shape[0], w_in.shape[2], w_in.shape[1])}; "
                      f"got {w_out.shape}.")

@@ -291,7 +291,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
         m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
         expert = rbe_gmem[m_idx]
         num_real = rbr_gmem[m_idx]
-        # Inactive blocks run zero K steps and store the zero accumulator.
+        # Inactive blocks run zero K steps (and store nothing, below).
         steps = jnp.where(num_real > 0, k_iters, 0)
         m_slice = pl.ds(m_idx * block_m, block_m)
         n_slice = pl.ds(n_idx * tile_n, tile_n)

@@ -6,8 +6,9 @@
   tgmm  out[e] = sum_{r in e} lhs[r]^T dout[r]  DS^T D (dW_in = X^T dH, dW_out = H^T dY)
 Rows that hold no token are zero in active blocks; rows of inactive blocks (row_block_rows 0)
 are unspecified: the Hopper kernels leave them unwritten, because every consumer reads real rows
-only (permute gathers by placement, and the kernels run zero steps on inactive blocks). Backends: "triton" (triton.py, any CUDA GPU) and "mosaic"
-(mosaic.py, Hopper: TMA + wgmma, warp-specialized, persistent); "auto" takes mosaic on sm_90.
+only (permute gathers by placement, and the kernels run zero steps on inactive blocks).
+Backends: "triton" (triton.py, any CUDA GPU) and "mosaic" (mosaic.py, Hopper: TMA + wgmma,
+warp-specialized, persistent); "auto" takes mosaic on sm_90.
 Off the GPU both run in Pallas' interpret mode. The reference is reference.py.
 """
 from __future__ import annotations
