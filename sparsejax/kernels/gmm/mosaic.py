@@ -441,9 +441,8 @@ def gmm_act(
     configs: Configs | None = None,
 ) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"]]:
   """(pre, act(pre)) with pre[r] = lhs[r] @ rhs[e(r)]: one kernel, the activation applied to the
-  float32 accumulator in the epilogue (no separate pass over pre). Both zero on the other rows of active
-  blocks.
-  bf16 operands only (the caller routes float32 to the unfused path)."""
+  float32 accumulator in the epilogue (no separate pass over pre). Both zero on the other rows of
+  active blocks. bf16 operands only (the caller routes float32 to the unfused path)."""
   return _gmm_call(lhs, (rhs,), topo, False, lhs.dtype, configs, activation=activation)
 
 
@@ -471,8 +470,7 @@ def gmm_glu(
 ) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"], Float[Array, "rows n"]]:
   """(g, u, act(g) * u) with g[r] = lhs[r] @ w_gate[e(r)], u[r] = lhs[r] @ w_in[e(r)]: one kernel,
   two accumulators per consumer over each lhs tile, the GLU product taken in float32 in the
-  epilogue. All zero on the other rows of active blocks.
-  bf16 operands only."""
+  epilogue. All zero on the other rows of active blocks. bf16 operands only."""
   return _gmm_call(lhs, (w_gate, w_in), topo, False, lhs.dtype, configs, activation=activation)
 
 

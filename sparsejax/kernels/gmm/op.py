@@ -92,7 +92,8 @@ def gmm(
     out_dtype=None,
 ) -> Float[Array, "rows n"]:
   """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs) for real rows r, zero for the
-  other rows of active blocks, unspecified in inactive blocks; float32 accumulation, out_dtype (default lhs.dtype) output; differentiable in lhs and rhs."""
+  other rows of active blocks, unspecified in inactive blocks; float32 accumulation, out_dtype
+  (default lhs.dtype) output; differentiable in lhs and rhs."""
   _check(lhs, rhs, topo)
   return _gmm(lhs, rhs, topo, transpose_rhs, resolve_backend(backend),
               jnp.dtype(out_dtype or lhs.dtype))
