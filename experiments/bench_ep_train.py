@@ -19,6 +19,7 @@ and a markdown table (and copies under $OUT when set).
 
   python experiments/bench_ep_train.py                 # GPU machine with 2+ GPUs: xs-moe, 32 x 1024 per GPU
   python experiments/bench_ep_train.py --smoke         # CPU, 8 host devices, a tiny model
+  python experiments/bench_ep_train.py --exchanges dense --token-chunks 1,2   # exchange/compute overlap
 """
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ def parse_args(argv=None):
   p.add_argument("--gpus", default="", help="comma list of device counts (default: 1 and all)")
   p.add_argument("--exchanges", default="ragged,dense")
   p.add_argument("--ragged-chunks", type=int, default=ExpertParallelConfig.ragged_chunks)
+  p.add_argument("--token-chunks", default="1",
+                 help="comma list: each multi-GPU exchange is measured with each (ExpertParallelConfig.token_chunks)")
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--repeats", type=int, default=3)
@@ -85,7 +88,7 @@ def collective_kind(event: dict) -> str | None:
   return None
 
 
-def build(args, corpus, n: int, exchange: str | None):
+def build(args, corpus, n: int, exchange: str | None, chunks: int = 1):
   overrides = SMOKE_MODEL if args.smoke else {}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
                     steps=10**6, model_overrides=overrides,
@@ -94,7 +97,8 @@ def build(args, corpus, n: int, exchange: str | None):
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   mesh = mesh_from_config(cfg)
-  parallel = None if exchange is None else ExpertParallelConfig(exchange=exchange, ragged_chunks=args.ragged_chunks)
+  parallel = None if exchange is None else ExpertParallelConfig(
+      exchange=exchange, ragged_chunks=args.ragged_chunks, token_chunks=chunks)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
@@ -110,8 +114,8 @@ def build(args, corpus, n: int, exchange: str | None):
   return cfg, model_cfg, train_step, params, opt_state, batches
 
 
-def measure(args, corpus, n: int, exchange: str | None) -> dict:
-  cfg, model_cfg, train_step, params, opt_state, batches = build(args, corpus, n, exchange)
+def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict:
+  cfg, model_cfg, train_step, params, opt_state, batches = build(args, corpus, n, exchange, chunks)
   t0 = time.perf_counter()
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0)).compile()
   compile_s = time.perf_counter() - t0
@@ -133,7 +137,7 @@ def measure(args, corpus, n: int, exchange: str | None) -> dict:
     run(lo, lo + args.steps)
     windows.append((time.perf_counter() - t) / args.steps)
   step_s = statistics.median(windows)
-  rec = {"gpus": n, "exchange": exchange or "none (one device)", "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+  rec = {"gpus": n, "exchange": exchange or "none (one device)", "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_last": losses[-1],
          "finite": all(map(lambda v: v == v, losses))}
@@ -172,22 +176,22 @@ def measure(args, corpus, n: int, exchange: str | None) -> dict:
 def markdown(report: dict) -> str:
   lines = [f"### MoE training step, weak scaling ({report['preset']}, {report['batch_per_gpu']} x "
            f"{report['seq_len']} tokens per GPU, {report['device_kind']}, jax {report['jax']})", "",
-           "| GPUs | exchange | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | all-reduce ms (share) |",
-           "|---|---|---|---|---|---|---|"]
+           "| GPUs | exchange | token chunks | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | all-reduce ms (share) |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in report["runs"]:
     c, s = r.get("collectives_ms", {}), r.get("collective_share", {})
     cell = lambda k: f"{c[k]:.2f} ({100 * s[k]:.1f}%)" if k in c else ("0" if "collectives_ms" in r else "")
     eff = r["weak_scaling_efficiency"]
-    lines.append(f"| {r['gpus']} | {r['exchange']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.3g} | "
+    lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | {r['step_ms']:.2f} | {r['tokens_per_s']:.3g} | "
                  f"{'' if eff is None else f'{100 * eff:.1f}%'} | {cell('all-to-all')} | {cell('all-reduce')} |")
   names = [c for c in (*CATEGORIES, "collectives") if any(c in r.get("categories_ms", {}) for r in report["runs"])]
   if names:
     lines += ["", "Device time per step and GPU, by category (ms; profile_step.py's categories, the "
               "collectives apart):", "",
-              "| GPUs | exchange | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+              "| GPUs | exchange | token chunks | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
     for r in report["runs"]:
       c = r.get("categories_ms", {})
-      lines.append(f"| {r['gpus']} | {r['exchange']} | " + " | ".join(f"{c.get(n, 0.0):.2f}" for n in names) + " |")
+      lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | " + " | ".join(f"{c.get(n, 0.0):.2f}" for n in names) + " |")
   return "\n".join(lines)
 
 
@@ -205,9 +209,10 @@ def main(argv=None) -> dict:
             "device_kind": kind, "jax": jax.__version__, "runs": []}
   for n in counts:
     for exchange in ([None] if n == 1 else args.exchanges.split(",")):
-      rec = measure(args, corpus, n, exchange)
-      report["runs"].append(rec)
-      print(json.dumps(rec), flush=True)
+      for chunks in ([1] if n == 1 else [int(c) for c in args.token_chunks.split(",")]):
+        rec = measure(args, corpus, n, exchange, chunks)
+        report["runs"].append(rec)
+        print(json.dumps(rec), flush=True)
   base = next((r for r in report["runs"] if r["gpus"] == 1), None)
   for r in report["runs"]:
     r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None

@@ -69,10 +69,11 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
   assert kind("loop_gather_fusion", "gather.12") is None
   one = {"gpus": 1, "exchange": "none", "step_ms": 30.0, "tokens_per_s": 1e6, "weak_scaling_efficiency": 1.0,
          "collectives_ms": {}, "collective_share": {}, "categories_ms": {"optimizer": 7.0}}
-  two = {"gpus": 2, "exchange": "dense", "step_ms": 40.0, "tokens_per_s": 1.5e6, "weak_scaling_efficiency": 0.75,
+  two = {"gpus": 2, "exchange": "dense", "token_chunks": 2, "step_ms": 40.0, "tokens_per_s": 1.5e6, "weak_scaling_efficiency": 0.75,
          "collectives_ms": {"all-to-all": 8.0}, "collective_share": {"all-to-all": 0.2},
          "categories_ms": {"optimizer": 3.5, "collectives": 8.0}}
   table = b.markdown({"preset": "xs-moe", "batch_per_gpu": 32, "seq_len": 1024, "device_kind": "H200", "jax": "x",
                       "runs": [one, two]})
-  assert "| 2 | dense | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 0 |" in table
-  assert "| 2 | dense | 3.50 | 8.00 |" in table
+  assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 0 |" in table
+  assert "| 2 | dense | 2 | 3.50 | 8.00 |" in table
+  assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1

@@ -215,6 +215,34 @@ def test_pallas_kernels_inside_shard_map():
                  config=ExpertParallelConfig(buffer_factor=1.0))
 
 
+def test_token_chunks_match_single_device():
+  # Each device's 8 tokens in chunks with their own placement, exchange and products.
+  chunked = ExpertParallelConfig(token_chunks=2)
+  for kind in KINDS:
+    _check_matches(meshlib.make_expert_mesh(2, 4), _problem(kind), config=chunked)
+  # A small buffer that overflows: the exact fallback runs chunk by chunk too; and the ragged exchange.
+  x, _, cw, w_in, w_out, _, g = _problem()
+  ids = _ids_moe_mlp_accepts()["all_zero"]
+  _, stats = _check_matches(meshlib.make_expert_mesh(1, 8), (x, ids, cw, w_in, w_out, None, g),
+                            config=ExpertParallelConfig(token_chunks=4, buffer_factor=1.0))
+  assert int(stats.exchange_overflow) > 0 and int(stats.num_dropped) == 0
+  _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed"),
+                 config=ExpertParallelConfig(token_chunks=2, exchange="ragged"))
+
+
+def test_bad_token_chunks_are_refused():
+  x, ids, cw, w_in, w_out, _, _ = _problem()
+  mesh = meshlib.make_expert_mesh(1, 8)
+  for bad in (0, 1.5, True):
+    with pytest.raises(ValueError, match="token_chunks must be a positive int"):
+      ExpertParallelConfig(token_chunks=bad)
+  with pytest.raises(ValueError, match="do not split into token_chunks=3"):
+    expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh, parallel=ExpertParallelConfig(token_chunks=3))
+  with pytest.raises(ValueError, match="dropless layer"):
+    expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh, capacity_factor=1.0,
+                            parallel=ExpertParallelConfig(token_chunks=2))
+
+
 # ------------------------------------------------------------------------------------------------
 # The buffer bound: overflow falls back or raises, never drops.
 
