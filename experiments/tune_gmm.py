@@ -4,6 +4,13 @@ against the balanced batched matmul (XLA) and JAX's ragged_dot_mgpu, and sweep M
   python experiments/tune_gmm.py                      # default configs, the issue's shapes
   python experiments/tune_gmm.py --sweep              # also try the config grid, print the best
   python experiments/tune_gmm.py --shapes E64_top1 --ops fwd
+  python experiments/tune_gmm.py --shapes E64_top1 --no-store --dense-clusters   # what bounds gmm
+
+--no-store adds an ablation of each gmm: the same kernel with its epilogue's stores removed (its
+output is garbage and not checked), so the gap to the default is what the epilogue costs the K loop.
+--dense-clusters times jax's own dense Hopper matmul (hopper_matmul_mgpu) with and without 2-CTA
+clusters (TMA multicast of the tile the pair shares) beside cuBLAS on products of E64 top-1's sizes:
+whether multicast pays in Mosaic on this GPU, before the grouped kernels take it on.
 
 Useful TFLOP/s count 2*N*K*N_out per product with N the real (unpadded) rows. Timing: the median
 over repeats of the wall time of `iters` back-to-back asynchronous calls after warm-up (the GPU
@@ -14,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -137,11 +145,53 @@ RAGGED_MGPU_CONFIGS = [(64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64,
                        (128, 128, 128, 3, 8), (64, 256, 64, 4, 8)]
 
 
+DENSE_SHAPES = [(20480, 1024, 4096), (20480, 4096, 1024)]  # E64 top-1's padded rows, x@Win and h@Wout
+
+
+def dense_clusters():
+  """hopper_matmul_mgpu on DENSE_SHAPES: CTA tile 128 x 256 as our gmm's (wg along M) and 128 x 256
+  with wg along N, each without a cluster and with 2-CTA clusters along M (the B tile multicast)
+  and N (the A tile multicast), beside cuBLAS (jnp.dot); every output checked against cuBLAS's."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as H
+
+  D = H.MatmulDimension
+  out = []
+  for m, k, n in DENSE_SHAPES:
+    a = jax.random.normal(jax.random.key(1), (m, k), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (k, n), jnp.bfloat16)
+    dot = jax.jit(jnp.dot)
+    want, flops, op = dot(a, b), 2 * m * k * n, f"dense {m}x{k}x{n}"
+    t = timeit(dot, a, b)
+    out.append(dict(op=op, variant="cublas", ms=t * 1e3, tflops=flops / t / 1e12))
+    log(f"{op} cublas {flops / t / 1e12:6.1f} TF/s")
+    for cluster in (None, D.M, D.N):
+      for wg, tile_m, tile_n in ((D.M, 64, 256), (D.N, 128, 128)):
+        cfg = H.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                             epi_tile_n=64, epi_tile_m=64, grid_minor_dim=D.M, grid_tile_width=8,
+                             wg_dimension=wg, cluster_dimension=cluster)
+        variant = f"mgpu cluster={cluster} wg={wg}"
+        rec = dict(op=op, variant=variant, config=str(cfg))
+        try:
+          fn = jax.jit(functools.partial(H.matmul, config=cfg))
+          rec["rel_err"] = rel_err(fn(a, b, None), want)
+          t = timeit(fn, a, b, None)
+          rec.update(ms=t * 1e3, tflops=flops / t / 1e12)
+          log(f"{op} {variant:28s} {rec['tflops']:6.1f} TF/s err {rec['rel_err']:.1e}")
+        except Exception as e:  # noqa: BLE001 - a failing config is a result
+          rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+          log(f"{op} {variant:28s} FAILED {rec['error'][:200]}")
+        out.append(rec)
+  return out
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default=",".join(SHAPES))
   ap.add_argument("--ops", default="x@Win,h@Wout,dh@Win^T,x^T@dh")
   ap.add_argument("--sweep", action="store_true")
+  ap.add_argument("--no-store", action="store_true", help="also time each gmm without its stores")
+  ap.add_argument("--dense-clusters", action="store_true",
+                  help="also time hopper_matmul_mgpu with cluster None/M/N against cuBLAS")
   ap.add_argument("--no-triton", action="store_true")
   ap.add_argument("--no-ragged-mgpu", action="store_true")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -206,6 +256,14 @@ def main(argv=None):
             rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             log(f"{op:9s} {rec['variant']:34s} FAILED {rec['error'][:200]}")
           records.append(rec)
+      if args.no_store and kind == "gmm":
+        stores = mosaic._store_tile
+        mosaic._store_tile = lambda *a, **k: None  # traced anew by this jit only
+        try:
+          record("mosaic_no_store (ablation)", run_backend(kind, "mosaic", lhs, other, p["topo"], tr),
+                 (lhs, other), check=False)
+        finally:
+          mosaic._store_tile = stores
       if args.sweep:
         field = {"gmm": "gmm_t" if tr else "gmm", "tgmm": "tgmm"}[kind]
         best = None
@@ -220,6 +278,8 @@ def main(argv=None):
             best = rec
         if best:
           log(f"BEST {name} {op}: {best['variant']} {best['tflops']:.1f} TF/s")
+  if args.dense_clusters:
+    records += dense_clusters()
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"gmm_kernels_{gpu}.json")
   with open(path, "w") as fh:
