@@ -88,18 +88,6 @@ def test_triton_kernels_match_reference(groups, dtype, k, n):
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
-# Interpreting a Mosaic kernel costs about a second a pipeline step on two CPU cores: 128-deep K
-# steps keep K = N = 300 (3 K steps, 2 column tiles per product) affordable.
-_MOSAIC_TEST_CONFIGS = mosaic.Configs(
-    gmm=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
-    gmm_t=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
-    gmm_act=mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
-    gmm_dact=mosaic.Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32),
-    gmm_glu=mosaic.Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
-    gmm_dglu=mosaic.Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
-    tgmm=mosaic.Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32))
-
-
 def _check_fused_expert_mlp(groups, activation, glu, seed):
   """expert_mlp on the Mosaic backend (with glu, the gated form) against the float32 reference:
   values and every gradient, bf16 out, zero rows where an active block holds no token, zero
@@ -132,12 +120,11 @@ def _check_fused_expert_mlp(groups, activation, glu, seed):
   assert all(np.all(np.asarray(w)[empty] == 0) for w in g[1:])
 
 
-def test_mosaic_fused_expert_mlp_matches_reference(monkeypatch):
+def test_mosaic_fused_expert_mlp_matches_reference():
   """Every Hopper kernel through expert_mlp's custom_vjp: gmm_act (gelu in the epilogue, writing
   pre and act(pre)), gmm (h W_out), gmm_dact (its derivative in the dH = dY W_out^T epilogue, pre
   arriving by TMA), tgmm (both weight gradients) and the transposed gmm (dX). An empty expert, a
   mostly-padding last block and an inactive spare block."""
-  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", _MOSAIC_TEST_CONFIGS)
   _check_fused_expert_mlp([130, 0, 70], jax.nn.gelu, glu=False, seed=11)
 
 
@@ -147,8 +134,8 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   epilogue, g and u arriving by TMA), three tgmm and two transposed gmm. An empty expert, one
   whose rows fill only the first consumer's half, and an inactive spare block. The weight
   gradients walk their tiles N-fastest here (tgmm_long's order), the gelu test M-fastest."""
-  tgmm = dataclasses.replace(_MOSAIC_TEST_CONFIGS.tgmm, grid_minor_dim=mosaic.N_DIM)
-  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(_MOSAIC_TEST_CONFIGS, tgmm=tgmm))
+  tgmm = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, grid_minor_dim=mosaic.N_DIM)
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=tgmm))
   _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=12)
 
 

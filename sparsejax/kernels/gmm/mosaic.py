@@ -99,6 +99,28 @@ LONG_ROWS = 2048
 # benchmark's tuning can set it.
 DEFAULT_CONFIGS = Configs()
 
+# Interpret mode (the CPU): the tiles the CPU tests exercise. jax 0.10.2's GPU interpreter runs
+# these at the tests' shapes, where it stops on some 64-wide K tiles of a transposed wgmma operand
+# ("'TransposeTransform' object has no attribute 'indices'"). Interpreting costs about a second a
+# pipeline step on two CPU cores, so deep K steps and two-deep rings keep the tests affordable.
+# Read at call time, as DEFAULT_CONFIGS.
+INTERPRET_CONFIGS = Configs(
+    gmm=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
+    gmm_t=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
+    gmm_act=Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
+    gmm_dact=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32),
+    gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
+    gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
+    tgmm=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32),
+    tgmm_long=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32, grid_minor_dim=N_DIM))
+
+
+def _configs(configs: Configs | None) -> Configs:
+  """configs, else the defaults of where the kernels run (compiled on a GPU, or interpreted)."""
+  if configs is not None:
+    return configs
+  return DEFAULT_CONFIGS if _interpret() is None else INTERPRET_CONFIGS
+
 
 def _interpret():
   if jax.default_backend() == "gpu":
@@ -388,7 +410,7 @@ def _load_wgmma(ref):
 def _gmm_config(lhs, n, topo, kind, out_dtype, configs, num_w=1, pre=()):
   """The fitted config of one gmm call; kind names its Configs field; num_w weights share each
   lhs tile (GLU: 2); pre: the backward epilogue's extra tiles."""
-  cfg = getattr(configs or DEFAULT_CONFIGS, kind)
+  cfg = getattr(_configs(configs), kind)
   k = lhs.shape[1]
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
@@ -589,7 +611,7 @@ def tgmm(
   if lhs.dtype == jnp.float32:
     from sparsejax.kernels.gmm import triton
     return triton.tgmm(lhs, dout, topo, out_dtype)
-  configs = configs or DEFAULT_CONFIGS
+  configs = _configs(configs)
   k, n = lhs.shape[1], dout.shape[1]
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
