@@ -52,7 +52,7 @@ SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=4
 # In smoke runs the Small preset stays larger than the XS one, as it is at full size.
 SMOKE_MODEL_SMALL = dict(SMOKE_MODEL, d_model=48, num_layers=3, d_ff=96)
 TARGET_VARIANT = "dense"  # time_to_target_s: when each variant reaches this one's final val loss
-SETTINGS = ("device", "smoke", "budget_s", "batch_size", "seq_len")  # what merged runs must share
+SETTINGS = ("device", "smoke", "budget_s", "batch_size", "seq_len", "data")  # what merged runs must share
 
 
 def time_to_reach(val: list[dict], target: float) -> float | None:
@@ -93,6 +93,8 @@ def run_variant(name: str, preset: str, overrides: dict, args, runs: pathlib.Pat
       "mfu": float(np.median(mfus)) if mfus else None,
       "dropped_fraction": float(np.mean([np.mean(r["dropped_fraction"] or [0.0]) for r in train_rows])),
       "final_val_loss": final["val_loss"],
+      # Passes over the training split: past one, validation loss measures memorizing as well.
+      "epochs": final["step"] * tokens_per_step / final["train_tokens"],
       "val_curve": [{"elapsed_s": r["elapsed_s"], "step": r["step"], "tokens": r["step"] * tokens_per_step,
                      "val_loss": r["val_loss"]} for r in val_rows],
   }
@@ -147,19 +149,25 @@ def plot(results: dict, path: pathlib.Path, title: str, target: float | None = N
   plt.close(fig)
 
 
+def _epochs(r: dict) -> str:
+  return "n/a" if r.get("epochs") is None else f"{r['epochs']:.2f}"  # results from before it was kept
+
+
 def table(report: dict) -> str:
   """Markdown: throughput, MFU, drops, final loss and the time (and tokens) to the target loss."""
   target = report["target_val_loss"]
   lines = [f"# MegaBlocks experiment on {report['device']}: {report['budget_s']:g} s of training per variant",
-           "", f"batch {report['batch_size']} x {report['seq_len']} tokens; target: {report['target']}"
+           "", f"corpus {report['data']}; batch {report['batch_size']} x {report['seq_len']} tokens; "
+           f"target: {report['target']}"
            + ("" if target is None else f" = {target:.4f}") + ".", "",
-           "| variant | preset | tokens/s | MFU | dropped | steps | final val loss | time to target | tokens to target |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| variant | preset | tokens/s | MFU | dropped | steps | epochs | final val loss | time to target "
+           "| tokens to target |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for name, r in report["variants"].items():
     t, n = report["time_to_target_s"][name], report["tokens_to_target"][name]
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     lines.append(f"| {name} | {r['preset']} | {r['tokens_per_s']:,.0f} | {mfu} | {100 * r['dropped_fraction']:.1f}% "
-                 f"| {r['steps']} | {r['final_val_loss']:.4f} | {'not reached' if t is None else f'{t:.1f} s'} "
+                 f"| {r['steps']} | {_epochs(r)} | {r['final_val_loss']:.4f} | {'not reached' if t is None else f'{t:.1f} s'} "
                  f"| {'-' if n is None else f'{n / 1e6:.1f} M'} |")
   return "\n".join(lines) + "\n"
 
@@ -200,7 +208,7 @@ def main(argv=None) -> dict:
   results_path = out / f"{stem}.json"
   device = jax.devices()[0].device_kind
   settings = {"device": device, "smoke": args.smoke, "budget_s": args.budget_s, "batch_size": args.batch_size,
-              "seq_len": args.seq_len}
+              "seq_len": args.seq_len, "data": args.data or "stdlib"}
   results = load_for_merge(results_path, settings) if args.merge else {}
   for name in args.variants:
     preset, overrides = VARIANTS[name]

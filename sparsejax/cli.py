@@ -21,7 +21,7 @@ PRESET_NAMES = ("tiny", "tiny-dense", "tiny-moe", "xs-dense", "xs-moe", "small-d
 
 HELP = {
     "preset": f"model preset: {', '.join(PRESET_NAMES)} (tiny = tiny-moe)",
-    "data": "a text file, a folder of text files, a uint16 .bin of token ids, or 'stdlib'",
+    "data": "a text file, a folder of text files, a uint16 .bin of token ids, 'stdlib' or 'site-packages'",
     "out": "run folder for metrics.jsonl and checkpoints/; a run already there is resumed",
     "steps": "number of training steps",
     "batch_size": "sequences per step",

@@ -3,6 +3,9 @@
 Tokens are bytes (vocabulary 256), so no tokenizer or download is needed. Sources:
   * None / "stdlib": the running Python's standard-library sources (found through sysconfig),
     split into train and validation by file;
+  * "site-packages": the .py files of the running Python's installed packages, split the same way:
+    hundreds of MB where a framework such as torch is installed, for runs long enough to pass
+    many times over the standard library;
   * a folder of text files (split by file) or one text file (split by position);
   * a nanoGPT-layout uint16 ``.bin`` (``train.bin`` uses a sibling ``val.bin`` when there is one).
 """
@@ -85,6 +88,12 @@ def stdlib_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
   return root, files
 
 
+def site_packages_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
+  """The .py files of this interpreter's installed packages (sysconfig's purelib)."""
+  root = pathlib.Path(sysconfig.get_paths()["purelib"])
+  return root, [f for f in root.rglob("*.py") if "__pycache__" not in f.parts]
+
+
 def _load_bin(path: pathlib.Path, val_fraction: float, vocab_size: int | None) -> Corpus:
   if path.stat().st_size % 2:
     raise ValueError(f"{str(path)!r} has an odd number of bytes: a .bin file holds uint16 token ids.")
@@ -110,10 +119,15 @@ def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
     if not files:
       raise FileNotFoundError(f"No standard-library sources found under {root}; pass a data path.")
     return _split_files(files, root, "stdlib", val_fraction)
+  if source == "site-packages":
+    root, files = site_packages_files()
+    if not files:
+      raise FileNotFoundError(f"No installed-package sources found under {root}; pass a data path.")
+    return _split_files(files, root, "site-packages", val_fraction)
   path = pathlib.Path(source).expanduser()
   if not path.exists():
     raise FileNotFoundError(f"Data path {str(path)!r} does not exist: pass a text file, a folder of "
-                            f"text files, a uint16 .bin file, or 'stdlib' for the built-in corpus.")
+                            f"text files, a uint16 .bin file, or 'stdlib' / 'site-packages' for a built-in corpus.")
   if path.is_dir():
     files = [f for f in path.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
              and not any(p.startswith(".") for p in f.relative_to(path).parts)]

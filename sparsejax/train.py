@@ -432,7 +432,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
     window_t += time.perf_counter() - t_save  # nor is checkpoint time
   bar.close()
   save(force=True)
-  final = {**last, **evaluate(), "compile_s": compile_s}
+  final = {**last, **evaluate(), "compile_s": compile_s, "train_tokens": len(corpus.train)}
   if ckpt:
     ckpt.close()
   if main_process:

@@ -12,6 +12,27 @@ def test_stdlib_corpus_split_by_file_is_deterministic():
   assert len(a.train) == len(b.train) and np.array_equal(a.val[:1000], b.val[:1000])
 
 
+def test_site_packages_corpus(tmp_path, monkeypatch):
+  """'site-packages': the installed packages' .py files (compiled caches and other files left out)."""
+  import sysconfig
+  paths = sysconfig.get_paths()
+  monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "purelib": str(tmp_path)})
+  with pytest.raises(FileNotFoundError, match="No installed-package sources"):
+    load_corpus("site-packages")
+  for i in range(40):
+    pkg = tmp_path / f"pkg{i}"
+    (pkg / "__pycache__").mkdir(parents=True)
+    (pkg / "__init__.py").write_text(f"X = {i}\n" * 20)
+    (pkg / "__pycache__" / "cached.py").write_text("left out")
+    (pkg / "data.txt").write_text("left out")
+  c = load_corpus("site-packages")
+  assert c.name == "site-packages" and c.byte_level
+  text = bytes(c.train) + bytes(c.val)
+  assert len(c.train) > len(c.val) > 0 and b"left out" not in text
+  # Each split joins its files with newlines: 40 files, 38 separators.
+  assert len(text) == sum(len(f"X = {i}\n" * 20) for i in range(40)) + 38
+
+
 def test_folder_text_file_and_bin(tmp_path):
   for i in range(30):
     (tmp_path / f"f{i}.txt").write_text(f"file {i} " * 50)

@@ -25,6 +25,7 @@ def test_megablocks_smoke(tmp_path):
   assert v["dropless"]["dropped_fraction"] == 0.0 and v["dense"]["dropped_fraction"] == 0.0
   assert v["capacity 1.0"]["dropped_fraction"] > 0.0  # an untrained router overloads some expert
   assert all(r["tokens_per_s"] > 0 and r["val_curve"] for r in v.values())
+  assert saved["data"] == str(tmp_path / "data.txt") and all(r["epochs"] > 0 for r in v.values())
   assert report["time_to_target_s"]  # every variant reaches the worst variant's best loss
   # The plot script reads the runs the experiment left behind.
   paths = plot.plot_runs([str(tmp_path / "res" / "runs_smoke" / "dropless")], tmp_path / "plots")

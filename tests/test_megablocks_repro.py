@@ -13,7 +13,7 @@ import megablocks_repro as mb  # noqa: E402
 def _variant(preset, curve, final):
   val = [{"elapsed_s": t, "step": s, "tokens": s * 1000, "val_loss": v} for t, s, v in curve]
   return {"preset": preset, "overrides": {}, "steps": curve[-1][1], "compile_s": 1.0, "tokens_per_s": 1e5,
-          "mfu": 0.3, "dropped_fraction": 0.0, "final_val_loss": final, "val_curve": val}
+          "mfu": 0.3, "dropped_fraction": 0.0, "final_val_loss": final, "epochs": 0.5, "val_curve": val}
 
 
 RESULTS = {
@@ -36,7 +36,8 @@ def test_no_target_without_dense_xs():
 
 
 def test_merge_keeps_earlier_variants_and_refuses_other_settings(tmp_path):
-  settings = {"device": "H100", "smoke": False, "budget_s": 300.0, "batch_size": 32, "seq_len": 1024}
+  settings = {"device": "H100", "smoke": False, "budget_s": 300.0, "batch_size": 32, "seq_len": 1024,
+              "data": "site-packages"}
   path = tmp_path / "megablocks.json"
   assert mb.load_for_merge(path, settings) == {}  # nothing yet: a fresh start
   path.write_text(json.dumps({**settings, "variants": {"dense": RESULTS["dense"]}}))
@@ -45,10 +46,15 @@ def test_merge_keeps_earlier_variants_and_refuses_other_settings(tmp_path):
     mb.load_for_merge(path, {**settings, "budget_s": 40.0})
   with pytest.raises(SystemExit, match="device"):
     mb.load_for_merge(path, {**settings, "device": "H200"})
+  with pytest.raises(SystemExit, match="data: 'site-packages' there, 'stdlib' here"):
+    mb.load_for_merge(path, {**settings, "data": "stdlib"})
 
 
 def test_table_lists_every_variant():
-  report = {"device": "H100", "budget_s": 300.0, "batch_size": 32, "seq_len": 1024, "variants": RESULTS,
-            **mb.summarize(RESULTS)}
+  old = {k: v for k, v in RESULTS["dense"].items() if k != "epochs"}  # measured before epochs were kept
+  results = {**RESULTS, "dense": old}
+  report = {"device": "H100", "budget_s": 300.0, "batch_size": 32, "seq_len": 1024, "data": "stdlib",
+            "variants": results, **mb.summarize(results)}
   text = mb.table(report)
   assert "| dropless | xs-moe |" in text and "15.0 s" in text and "not reached" in text
+  assert "corpus stdlib;" in text and "| 200 | 0.50 |" in text and "| 240 | n/a |" in text
