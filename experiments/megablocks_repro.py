@@ -149,10 +149,6 @@ def plot(results: dict, path: pathlib.Path, title: str, target: float | None = N
   plt.close(fig)
 
 
-def _epochs(r: dict) -> str:
-  return "n/a" if r.get("epochs") is None else f"{r['epochs']:.2f}"  # results from before it was kept
-
-
 def table(report: dict) -> str:
   """Markdown: throughput, MFU, drops, final loss and the time (and tokens) to the target loss."""
   target = report["target_val_loss"]
@@ -167,7 +163,7 @@ def table(report: dict) -> str:
     t, n = report["time_to_target_s"][name], report["tokens_to_target"][name]
     mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
     lines.append(f"| {name} | {r['preset']} | {r['tokens_per_s']:,.0f} | {mfu} | {100 * r['dropped_fraction']:.1f}% "
-                 f"| {r['steps']} | {_epochs(r)} | {r['final_val_loss']:.4f} | {'not reached' if t is None else f'{t:.1f} s'} "
+                 f"| {r['steps']} | {r['epochs']:.2f} | {r['final_val_loss']:.4f} | {'not reached' if t is None else f'{t:.1f} s'} "
                  f"| {'-' if n is None else f'{n / 1e6:.1f} M'} |")
   return "\n".join(lines) + "\n"
 

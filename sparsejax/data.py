@@ -94,6 +94,12 @@ def site_packages_files() -> tuple[pathlib.Path, list[pathlib.Path]]:
   return root, [f for f in root.rglob("*.py") if "__pycache__" not in f.parts]
 
 
+BUILT_IN = {  # name: (what it holds, its files)
+    "stdlib": ("standard-library", stdlib_files),
+    "site-packages": ("installed-package", site_packages_files),
+}
+
+
 def _load_bin(path: pathlib.Path, val_fraction: float, vocab_size: int | None) -> Corpus:
   if path.stat().st_size % 2:
     raise ValueError(f"{str(path)!r} has an odd number of bytes: a .bin file holds uint16 token ids.")
@@ -114,16 +120,13 @@ def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
                 vocab_size: int | None = None, allow_binary: bool = False) -> Corpus:
   """Load a corpus (see the module docstring for the sources). Missing, empty and (unless
   allow_binary) binary text data fail with a one-line error naming the path."""
-  if source in (None, "", "stdlib"):
-    root, files = stdlib_files()
+  source = source or "stdlib"
+  if source in BUILT_IN:
+    what, find_files = BUILT_IN[source]
+    root, files = find_files()
     if not files:
-      raise FileNotFoundError(f"No standard-library sources found under {root}; pass a data path.")
-    return _split_files(files, root, "stdlib", val_fraction)
-  if source == "site-packages":
-    root, files = site_packages_files()
-    if not files:
-      raise FileNotFoundError(f"No installed-package sources found under {root}; pass a data path.")
-    return _split_files(files, root, "site-packages", val_fraction)
+      raise FileNotFoundError(f"No {what} sources found under {root}; pass a data path.")
+    return _split_files(files, root, source, val_fraction)
   path = pathlib.Path(source).expanduser()
   if not path.exists():
     raise FileNotFoundError(f"Data path {str(path)!r} does not exist: pass a text file, a folder of "
