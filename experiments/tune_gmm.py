@@ -45,6 +45,8 @@ SHAPES = {  # T, d, f, E, k
     "E64_top1": (16384, 1024, 4096, 64, 1),
     "E8_top2": (16384, 2048, 8192, 8, 2),
     "E64_top8": (8192, 2048, 1024, 64, 8),
+    # An MoE-XS layer at the MegaBlocks run's 128 x 1024 tokens a step (experiments/megablocks_repro.py)
+    "XS_b128": (131072, 512, 2048, 64, 1),
 }
 
 
@@ -95,6 +97,7 @@ def products(p):
       "h@Wout": ("gmm", p["h"], p["w_out"], False, 2 * N * d * f),
       "dh@Win^T": ("gmm", p["h"], p["w_in"], True, 2 * N * d * f),
       "x^T@dh": ("tgmm", p["x"], p["h"], False, 2 * N * d * f),
+      "h^T@dy": ("tgmm", p["h"], p["x"], False, 2 * N * d * f),  # dW_out (x stands in for dY)
   }
 
 
@@ -139,7 +142,7 @@ MOSAIC_SWEEP = {
     "tgmm": [(128, 64, 4, 0, 1, 32, 1), (128, 64, 4, 0, 4, 32, 1), (128, 64, 4, 1, 1, 32, 1),
              (128, 128, 2, 0, 1, 32, 1), (64, 64, 6, 0, 1, 32, 1), (128, 64, 4, 0, 1, 32, 0),
              (128, 64, 4, 0, 2, 32, 1), (128, 64, 4, 0, 8, 32, 1), (128, 64, 4, 1, 4, 32, 1),
-             (128, 64, 3, 0, 1, 64, 1)],
+             (128, 64, 3, 0, 1, 64, 1), (128, 64, 4, 1, 8, 32, 1)],
 }
 RAGGED_MGPU_CONFIGS = [(64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 4),
                        (128, 128, 128, 3, 8), (64, 256, 64, 4, 8)]
@@ -187,7 +190,7 @@ def dense_clusters():
 def main(argv=None):
   ap = argparse.ArgumentParser()
   ap.add_argument("--shapes", default=",".join(SHAPES))
-  ap.add_argument("--ops", default="x@Win,h@Wout,dh@Win^T,x^T@dh")
+  ap.add_argument("--ops", default="x@Win,h@Wout,dh@Win^T,x^T@dh,h^T@dy")
   ap.add_argument("--sweep", action="store_true")
   ap.add_argument("--no-store", action="store_true", help="also time each gmm without its stores")
   ap.add_argument("--dense-clusters", action="store_true",
@@ -269,12 +272,13 @@ def main(argv=None):
         finally:
           mosaic._store_tile = stores
       if args.sweep:
-        field = {"gmm": "gmm_t" if tr else "gmm", "tgmm": "tgmm"}[kind]
+        # tgmm's two fields: which one a shape uses depends on its rows per expert (LONG_ROWS).
+        fields = {"gmm": ("gmm_t",) if tr else ("gmm",), "tgmm": ("tgmm", "tgmm_long")}[kind]
         best = None
         for tn, tk, st, md, w, en, dl in MOSAIC_SWEEP[kind]:
           cfg = mosaic.Config(tile_n=tn, tile_k=tk, max_concurrent_steps=st, grid_minor_dim=md,
                               grid_tile_width=w, epi_tile_n=en, delay_release=dl)
-          configs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **{field: cfg})
+          configs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **{f: cfg for f in fields})
           rec = record(f"mosaic{[tn, tk, st, md, w, en, dl]}",
                        run_backend(kind, "mosaic", lhs, other, p["topo"], tr, configs), (lhs, other),
                        config=dataclasses.asdict(cfg))
