@@ -73,8 +73,10 @@ class Config:
 class Configs:
   gmm: Config = Config(grid_tile_width=8)
   gmm_t: Config = Config()
-  # x W_in writing (pre, act(pre)): twice the stores, so four slots keep three in flight.
-  gmm_act: Config = Config(grid_tile_width=8, epi_slots=4, epi_tile_n=32)
+  # x W_in writing (pre, act(pre)): twice the stores. 128-wide N tiles with a 6-deep ring ran
+  # 0.759 / 0.406 ms against 0.834 / 0.427 for 256-wide tiles with 4 slots (MoE-XS at 128 x 1024
+  # tokens / E64 top-1; experiments/results/act_kernels_sweep_H100.log).
+  gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8)
   # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
   # tile beside a 5-deep ring.
   gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8)

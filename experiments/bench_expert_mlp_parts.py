@@ -1,0 +1,87 @@
+"""The Mosaic expert MLP on one shape, product by product, beside the peers a user would compare it to.
+
+Times each of the six kernels of the fused expert MLP alone (gmm_act, gmm, gmm_dact, two tgmm,
+the transposed gmm), then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's
+activation), the balanced batched-matmul MLP (XLA, E equal groups) and a dense FFN of the same
+FLOPs (cuBLAS and XLA's GELU: what dense-XS runs). The timer is tune_gmm.timeit (median over
+repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows only. The fused and
+unfused dX are compared on real rows. Needs an sm_90 GPU:
+  python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1
+Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from tune_gmm import problem, timeit  # noqa: E402
+
+from sparsejax.kernels.gmm import expert_mlp, mosaic  # noqa: E402
+from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
+
+
+def parts(shape: str) -> dict:
+  p = problem(shape)
+  topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
+  n, d, e = p["N"], p["d"], p["E"]
+  flops = 2 * n * d * p["f"]
+  act = jax.nn.gelu
+  real = real_rows(topo)[:, None]
+  res = {}
+
+  def rec(name, fn, args, f):
+    out = jax.block_until_ready(fn(*args))
+    t = timeit(fn, *args)
+    res[name] = dict(ms=t * 1e3, tflops=f / t / 1e12)
+    print(f"{shape} {name:38s} {t * 1e3:7.3f} ms {f / t / 1e12:6.1f} TF/s", flush=True)
+    return out
+
+  pre, h = rec("gmm_act x W_in -> (pre, h)", jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in), flops)
+  y = rec("gmm h W_out", jax.jit(lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype)), (h, w_out), flops)
+  dy = jnp.where(real, jax.random.normal(jax.random.key(9), y.shape, y.dtype), 0)
+  dpre = rec("gmm_dact dY W_out^T * act'(pre)",
+             jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act)), (dy, w_out, pre), flops)
+  tg = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, a.dtype))
+  rec("tgmm h^T dY (dW_out)", tg, (h, dy), flops)
+  rec("tgmm x^T dpre (dW_in)", tg, (x, dpre), flops)
+  rec("gmm_t dpre W_in^T (dx)", jax.jit(lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype)), (dpre, w_in), flops)
+  res["sum of the six kernels"] = dict(ms=sum(r["ms"] for r in res.values()))
+
+  def mlp_grad(activation):
+    loss = lambda a, wi, wo: jnp.sum(
+        expert_mlp(a, wi, wo, topo, activation=activation, backend="mosaic").astype(jnp.float32) * dy)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+  fused = rec("expert_mlp fused fwd+bwd", mlp_grad(act), (x, w_in, w_out), 6 * flops)
+  # A lambda is not in mlp.FUSED: op.gmm products with XLA's activation between them.
+  unfused = rec("expert_mlp unfused fwd+bwd", mlp_grad(lambda v: jax.nn.gelu(v)), (x, w_in, w_out), 6 * flops)
+  diff = jnp.where(real, fused[0] - unfused[0], 0).astype(jnp.float32)
+  res["fused_vs_unfused_dx_rel_err"] = float(
+      jnp.linalg.norm(diff) / jnp.linalg.norm(jnp.where(real, unfused[0], 0).astype(jnp.float32)))
+
+  xb, dyb = x[:n].reshape(e, n // e, d), dy[:n].reshape(e, n // e, d)
+  bal = lambda a, wi, wo: jnp.sum(
+      jnp.einsum("ecf,efd->ecd", act(jnp.einsum("ecd,edf->ecf", a, wi)), wo).astype(jnp.float32) * dyb)
+  rec("balanced bmm MLP fwd+bwd", jax.jit(jax.grad(bal, argnums=(0, 1, 2))), (xb, w_in, w_out), 6 * flops)
+  dense = lambda a, wi, wo: jnp.sum((act(a @ wi) @ wo).astype(jnp.float32) * dy[:n])
+  rec("dense FFN fwd+bwd (cuBLAS, XLA GELU)", jax.jit(jax.grad(dense, argnums=(0, 1, 2))),
+      (x[:n], w_in[0], w_out[0]), 6 * flops)
+  print(f"{shape} fused vs unfused dx rel err {res['fused_vs_unfused_dx_rel_err']:.1e}", flush=True)
+  return res
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--shapes", default="XS_b128,E64_top1")
+  args = ap.parse_args(argv)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  out = {s: parts(s) for s in args.shapes.split(",")}
+  with open(os.path.join(os.environ.get("OUT", "."), "expert_mlp_parts.json"), "w") as fh:
+    json.dump(out, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
