@@ -99,7 +99,11 @@ def top_k_routing(
   if renormalize is None:
     renormalize = k > 1
   probs = jax.nn.softmax(logits, axis=-1)
-  weights, ids = jax.lax.top_k(probs, k)
+  ids = jax.lax.top_k(jax.lax.stop_gradient(probs), k)[1]
+  # The picked probabilities read through a one-hot mask rather than top_k's values: the same
+  # numbers (one nonzero term a sum), but the backward is an elementwise fusion instead of
+  # top_k's transpose, a scatter into a zeroed [T, E] buffer.
+  weights = jnp.sum(probs[:, None, :] * jax.nn.one_hot(ids, probs.shape[1], dtype=probs.dtype), axis=-1)
   if renormalize:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return TokenChoiceRouting(ids.astype(jnp.int32), weights, probs, logits)

@@ -77,6 +77,20 @@ def test_top_k_routing_gradient(k):
   assert np.any(np.abs(np.asarray(g)) > 1e-3)
 
 
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_top_k_routing_weights_are_top_k_values_without_a_scatter(k):
+  """The one-hot read of the picked probabilities gives lax.top_k's values and gradient exactly,
+  and its backward has no scatter (top_k's transpose is one)."""
+  logits = _logits(64, 8, seed_of("topk_onehot", k))
+  c = jnp.asarray(rand(np.random.default_rng(4), (64, k)))
+  ours = lambda l: jnp.sum(sj.top_k_routing(l, k, renormalize=False).combine_weights * c)
+  plain = lambda l: jnp.sum(jax.lax.top_k(jax.nn.softmax(l, axis=-1), k)[0] * c)
+  np.testing.assert_array_equal(sj.top_k_routing(logits, k, renormalize=False).combine_weights,
+                                jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)[0])
+  np.testing.assert_array_equal(jax.grad(ours)(logits), jax.grad(plain)(logits))
+  assert "scatter" not in jax.jit(jax.grad(ours)).lower(logits).as_text()
+
+
 # ---------------------------------------------------------------------------- expert choice
 @pytest.mark.parametrize("T,E,cf", [(37, 4, 1.0), (16, 8, 2.0), (10, 3, 0.5), (5, 2, 4.0)])
 def test_expert_choice_takes_top_c_tokens(T, E, cf):
