@@ -7,8 +7,13 @@ indexing transforms (AttributeError: 'TransposeTransform' object has no attribut
 jax 0.11 reads them properly. For older jax this replaces the interpreter's wgmma callback with
 one that reads the operand through its indexers and then applies the transpose; the kernels
 under test are unchanged. Nothing here runs on the GPU or outside the tests.
+
+`compile_thread_bodies_once` is for speed only: the interpreter recompiles each kernel thread's
+body on every call, and this compiles it once.
 """
 from __future__ import annotations
+
+import threading
 
 import jax
 import numpy as np
@@ -71,3 +76,38 @@ def install() -> None:
 
   wgmma.sparsejax_compat = True
   cb.wgmma = wgmma
+
+
+def compile_thread_bodies_once() -> None:
+  """Makes the GPU interpreter compile each kernel thread's body once, not once per thread per call.
+
+  The interpreter runs a kernel's warpgroups as threads, and each thread, on every call of the
+  kernel, traces, lowers and compiles the same jaxpr (its body; the thread id is an argument) before
+  running it: most of an interpreted kernel's time on two CPU cores. This keeps the compiled
+  body per (jaxpr, operand shapes) and runs it in every thread. What runs is unchanged (the same
+  jaxpr, compiled the same way, with the same arguments); only the repeated compiles go. Test speed
+  only; without the private function it leaves the interpreter as it is.
+  """
+  try:
+    from jax._src.pallas.mosaic.interpret import thread_map
+  except ImportError:
+    return
+  original = getattr(thread_map, "_run_jaxpr", None)
+  if original is None or not hasattr(thread_map, "jax_core") or getattr(original, "sparsejax_compat", False):
+    return
+  compiled, lock = {}, threading.Lock()
+
+  def body(jaxpr, consts, *args):
+    thread_map.jax_core.eval_jaxpr(jaxpr, consts, *args)  # as the interpreter's own _run_jaxpr
+
+  def run_jaxpr(jaxpr, consts, *args):
+    avals = tuple((np.shape(a), str(getattr(a, "dtype", type(a)))) for a in jax.tree.leaves((consts, args)))
+    with lock:
+      entry = compiled.setdefault((jaxpr, avals), [threading.Lock(), None])
+    with entry[0]:  # the other threads of the call wait for the first one's compile
+      if entry[1] is None:
+        entry[1] = jax.jit(body, static_argnums=(0,)).trace(jaxpr, consts, *args).lower().compile()
+    entry[1](consts, *args)
+
+  run_jaxpr.sparsejax_compat = True
+  thread_map._run_jaxpr = run_jaxpr

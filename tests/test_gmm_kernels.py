@@ -20,6 +20,7 @@ from sparsejax.kernels.gmm import mosaic
 from sparsejax.topology import make_topology
 
 mosaic_interpret_compat.install()
+mosaic_interpret_compat.compile_thread_bodies_once()
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
