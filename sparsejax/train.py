@@ -424,7 +424,8 @@ def run(plan: Plan, *, mesh=None) -> dict:
       v = evaluate()
       next_eval_s = elapsed + (cfg.eval_every_s or math.inf)
       if main_process:
-        bar.write(f"step {step:>6} | train loss {last.get('loss', float('nan')):.3f} | "
+        train_loss = f"train loss {last['loss']:.3f} | " if "loss" in last else ""  # none logged yet
+        bar.write(f"step {step:>6} | {train_loss}"
                   f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
       window_t += time.perf_counter() - t_eval  # eval time is not training time
     t_save = time.perf_counter()
@@ -436,7 +437,8 @@ def run(plan: Plan, *, mesh=None) -> dict:
   if ckpt:
     ckpt.close()
   if main_process:
-    print(f"done: step {step}, train loss {final.get('loss', float('nan')):.3f}, "
+    train_loss = f"train loss {final['loss']:.3f}, " if "loss" in final else ""
+    print(f"done: step {step}, {train_loss}"
           f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
           f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
   return final

@@ -133,6 +133,14 @@ def test_killed_run_resumes_on_the_same_curve(tmp_path, capsys):
   assert v["val_bpb"] == pytest.approx(v["val_loss"] / np.log(2))
 
 
+def test_progress_lines_before_the_first_logged_step_show_no_train_loss(tmp_path, capsys):
+  """An evaluation before the first logged step has no train loss to print: it prints none, not nan."""
+  train(_cfg(tmp_path, steps=3, log_every=5, eval_every=2, ckpt_every=10))
+  out = capsys.readouterr().out
+  line = next(l for l in out.splitlines() if l.startswith("step      2 |"))
+  assert "val loss" in line and "train loss" not in line and "nan" not in out
+
+
 def test_mesh_hook_matches_single_device(tmp_path):
   """Same loss on a 2-device data mesh; MFU divides by the peak of the devices the run uses (1, then 2)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))  # Auto axes: jit places the rest
