@@ -387,10 +387,14 @@ def profile_preset(preset: str, args, corpus) -> dict:
       "unattributed_ms": per_step(unattributed),  # device time of no HLO op (in "other")
       "unmapped_ms": per_step(unmapped),  # ops missing from the compiled HLO's text (in "other")
       "top_ops": [{"op": op, "category": cats.get(op, "other"), "ms": per_step(us)} for op, us in top],
+      # Every op, so a category can be broken down after the run (the router's, say).
+      "ops": [{"op": op, "category": cats.get(op, "other"), "ms": per_step(us)}
+              for op, us in sorted(times.items(), key=lambda kv: -kv[1])],
   }
 
 
 # ------------------------------------------------------------------ report
+PER_CATEGORY = 4
 FLOP_NOTE = ("FLOPs per token = 6 N_active + 12 L d T (PaLM app. B; N_active: non-embedding weights a token "
              "multiplies by, top_k experts + router in MoE layers); MFU = FLOPs/step / step time / peak bf16.")
 
@@ -424,6 +428,11 @@ def preset_markdown(r: dict, device: str) -> str:
     lines += [f"| {k} | {ms:.3f} | {n:.1f} |" for k, ms, n in raw["kernels"]]
   lines += ["", "Heaviest ops:", "", "| op | category | ms / step |", "|---|---|---|"]
   lines += [f"| {o['op']} | {o['category']} | {o['ms']:.3f} |" for o in r["top_ops"]]
+  lines += ["", f"Heaviest {PER_CATEGORY} ops of each category (every op is in the JSON's \"ops\"):", "",
+            "| category | op | ms / step |", "|---|---|---|"]
+  for c in CATEGORIES:
+    ops = [o for o in r.get("ops", []) if o["category"] == c][:PER_CATEGORY]
+    lines += [f"| {c} | {o['op']} | {o['ms']:.3f} |" for o in ops]
   return "\n".join(lines) + "\n"
 
 

@@ -116,4 +116,8 @@ def test_profile_step_smoke(tmp_path, monkeypatch):
   assert cats["other"] < 0.5 * r["device_ms"]  # the scopes name most of the step
   saved = json.loads((tmp_path / "profile_tiny-moe_cpu.json").read_text())
   assert saved["categories_ms"] == cats and "6 N_active" in saved["flop_convention"]
+  # Every op is kept, and the ops of a category add up to it.
+  router = sum(o["ms"] for o in saved["ops"] if o["category"] == "router and top-k")
+  assert router == pytest.approx(cats["router and top-k"], rel=1e-6)
+  assert "| router and top-k |" in (tmp_path / "profile_tiny-moe_cpu.md").read_text()
   assert (tmp_path / "profile_cpu.md").read_text().count("|") > 20
