@@ -4,8 +4,10 @@ Times each of the six kernels of the fused expert MLP alone (gmm_act, gmm, gmm_d
 the transposed gmm), then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's
 activation), the balanced batched-matmul MLP (XLA, E equal groups) and a dense FFN of the same
 FLOPs (cuBLAS and XLA's GELU: what dense-XS runs). The timer is tune_gmm.timeit (median over
-repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows only. The fused and
-unfused dX are compared on real rows. Needs an sm_90 GPU:
+repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows only. The fused MLP's
+output is checked against the float32 reference (real rows) and its three gradients against the
+unfused path's; the balanced and dense peers are the same FLOPs on other data, timed, not checked
+(plain XLA, bf16 in and out, so their backward stays bf16). Needs an sm_90 GPU:
   python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
@@ -17,9 +19,9 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from tune_gmm import problem, timeit  # noqa: E402
+from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
-from sparsejax.kernels.gmm import expert_mlp, mosaic  # noqa: E402
+from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
@@ -58,9 +60,11 @@ def parts(shape: str) -> dict:
   fused = rec("expert_mlp fused fwd+bwd", mlp_grad(act), (x, w_in, w_out), 6 * flops)
   # A lambda is not in mlp.FUSED: op.gmm products with XLA's activation between them.
   unfused = rec("expert_mlp unfused fwd+bwd", mlp_grad(lambda v: jax.nn.gelu(v)), (x, w_in, w_out), 6 * flops)
-  diff = jnp.where(real, fused[0] - unfused[0], 0).astype(jnp.float32)
-  res["fused_vs_unfused_dx_rel_err"] = float(
-      jnp.linalg.norm(diff) / jnp.linalg.norm(jnp.where(real, unfused[0], 0).astype(jnp.float32)))
+  on_real = lambda v: jnp.where(real, v, 0)
+  y_ref = jax.jit(lambda a, wi, wo: mlp_reference(a, wi, wo, topo, act))(x, w_in, w_out)
+  res["fused_y_vs_reference_rel_err"] = rel_err(on_real(y), on_real(y_ref))
+  res["fused_vs_unfused_grad_rel_err"] = [
+      rel_err(on_real(fused[0]), on_real(unfused[0])), rel_err(fused[1], unfused[1]), rel_err(fused[2], unfused[2])]
 
   xb, dyb = x[:n].reshape(e, n // e, d), dy[:n].reshape(e, n // e, d)
   bal = lambda a, wi, wo: jnp.sum(
@@ -69,7 +73,9 @@ def parts(shape: str) -> dict:
   dense = lambda a, wi, wo: jnp.sum((act(a @ wi) @ wo).astype(jnp.float32) * dy[:n])
   rec("dense FFN fwd+bwd (cuBLAS, XLA GELU)", jax.jit(jax.grad(dense, argnums=(0, 1, 2))),
       (x[:n], w_in[0], w_out[0]), 6 * flops)
-  print(f"{shape} fused vs unfused dx rel err {res['fused_vs_unfused_dx_rel_err']:.1e}", flush=True)
+  print(f"{shape} fused y vs reference rel err {res['fused_y_vs_reference_rel_err']:.1e}; fused vs unfused "
+        f"dx, dW_in, dW_out rel err {', '.join(f'{e:.1e}' for e in res['fused_vs_unfused_grad_rel_err'])}",
+        flush=True)
   return res
 
 

@@ -1,5 +1,6 @@
 """Config sweep of the two fused-activation Mosaic kernels, gmm_act (x W_in -> pre, act(pre)) and
-gmm_dact (dY W_out^T * act'(pre)), alone, each config checked against the default's output.
+gmm_dact (dY W_out^T * act'(pre)), alone, every config's output checked against the float32
+reference (reference.gmm_reference with the activation and its derivative applied in float32).
 
 The expert MLP's products that write or read the pre-activation beside their output move twice
 the bytes of a plain gmm, so their best ring depth and N tile differ from gmm's. Timer: tune_gmm.timeit.
@@ -16,9 +17,9 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from tune_gmm import problem, timeit  # noqa: E402
+from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
-from sparsejax.kernels.gmm import mosaic  # noqa: E402
+from sparsejax.kernels.gmm import gmm_reference, mosaic  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 C, M, N = mosaic.Config, mosaic.M_DIM, mosaic.N_DIM
@@ -51,12 +52,12 @@ def sweep(shape: str) -> list[dict]:
   act = jax.nn.gelu
   real = real_rows(topo)[:, None]
   dy = jnp.where(real, jax.random.normal(jax.random.key(9), x.shape, x.dtype), 0)
-  pre, want_h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)
-  want_d = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
-
-  def err(got, want):
-    f32 = lambda v: jnp.where(real, v, 0).astype(jnp.float32)
-    return float(jnp.linalg.norm(f32(got) - f32(want)) / jnp.linalg.norm(f32(want)))
+  pre32 = jax.jit(lambda a, b: gmm_reference(a, b, topo, out_dtype=jnp.float32))(x, w_in)
+  pre = pre32.astype(x.dtype)  # gmm_dact's input, as the MLP's forward stores it
+  want_h = act(pre32)
+  dact = jax.grad(lambda v: jnp.sum(act(v)))(pre.astype(jnp.float32))
+  want_d = jax.jit(lambda a, b: gmm_reference(a, b, topo, True, jnp.float32))(dy, w_out) * dact
+  err = lambda got, want: rel_err(jnp.where(real, got, 0), jnp.where(real, want, 0))
 
   out = []
   for kind, cfgs in SWEEP.items():
