@@ -515,7 +515,9 @@ def main(argv=None) -> dict:
   print(comparison_markdown(results, device))
   if os.environ.get("OUT"):
     for path in written:
-      shutil.copy(path, pathlib.Path(os.environ["OUT"]) / path.name)
+      dest = pathlib.Path(os.environ["OUT"]) / path.name
+      if not (dest.exists() and dest.samefile(path)):  # --out may be $OUT itself
+        shutil.copy(path, dest)
   return {"device": device, "results": results, "written": [str(w) for w in written]}
 
 

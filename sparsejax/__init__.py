@@ -27,6 +27,7 @@ _EXPORTS = {
         "NO_EXPERT", "ExpertChoiceRouting", "TokenChoiceRouting", "dense_to_sparse_routing",
         "dts_temperature_schedule", "expert_choice_routing", "router_logits", "top_k_routing",
     ],
+    "sparsejax.top_k": ["top_k_small"],
     # Language models built on the layers above. Training, checkpoints and upcycling live in
     # sparsejax.train / .checkpoint / .upcycle, imported on use (orbax, tqdm).
     "sparsejax.models": ["PRESETS", "ModelStats", "Transformer", "TransformerConfig", "get_preset"],
@@ -87,3 +88,4 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
   from sparsejax.routing import (
       NO_EXPERT, ExpertChoiceRouting, TokenChoiceRouting, dense_to_sparse_routing,
       dts_temperature_schedule, expert_choice_routing, router_logits, top_k_routing)
+  from sparsejax.top_k import top_k_small

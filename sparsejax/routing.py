@@ -15,6 +15,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax.top_k import top_k_small
 
 # An expert id of -1 marks a (token, slot) pair that goes to no expert. Token-choice routers
 # never emit it; the dense-to-sparse gate does, for experts under its threshold.
@@ -99,7 +100,7 @@ def top_k_routing(
   if renormalize is None:
     renormalize = k > 1
   probs = jax.nn.softmax(logits, axis=-1)
-  ids = jax.lax.top_k(jax.lax.stop_gradient(probs), k)[1]
+  ids = top_k_small(jax.lax.stop_gradient(probs), k)[1]  # lax.top_k's ids, without its GPU sort
   # The picked probabilities read through a one-hot mask rather than top_k's values: the same
   # numbers (one nonzero term a sum), but the backward is an elementwise fusion instead of
   # top_k's transpose, a scatter into a zeroed [T, E] buffer.
@@ -160,7 +161,7 @@ def dense_to_sparse_routing(
   if rng is not None:
     noisy = logits + jax.random.gumbel(rng, logits.shape, jnp.float32)
   gate = jax.nn.softmax(noisy / temperature, axis=-1)
-  weights, ids = jax.lax.top_k(gate, max_k)
+  weights, ids = top_k_small(gate, max_k)
   keep = weights > threshold
   ids = jnp.where(keep, ids, NO_EXPERT).astype(jnp.int32)
   weights = jnp.where(keep, weights, 0.0)
