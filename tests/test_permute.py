@@ -144,3 +144,54 @@ def test_gather_and_scatter_gradients_are_the_autodiff_ones(mode, dtype, tol):
   for a, b, n in zip(g, g_ref, ("x", "cw")):
     assert a.dtype == b.dtype, n
     assert_close(a, b, tol, n)
+
+
+def _skewed_ids(T, E, k, seed, none_frac=0.1):
+  """Distinct experts per token drawn with skewed odds, so capacity placement both drops (popular
+  experts) and leaves rows empty (rare ones)."""
+  rng = np.random.default_rng(seed)
+  odds = np.geomspace(0.05, 1.0, E)  # the last expert most popular: in capacity mode the last row is filled
+  ids = np.stack([rng.choice(E, k, replace=False, p=odds / odds.sum()) for _ in range(T)]).astype(np.int32)
+  ids[rng.random((T, k)) < none_frac] = sj.NO_EXPERT
+  ids[-1, -1] = sj.NO_EXPERT  # at least one unassigned pair
+  return ids
+
+
+@pytest.mark.parametrize("mode", ["capacity", "dropless"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_scatter_rows_vjp_is_the_autodiff_one(mode, k):
+  """scatter_rows' own backward (dc reduced in buffer-row order, then gathered by rows) against
+  autodiff of y[t] = sum_j w[t, j] buffer[rows[t, j]], the buffer an input of its own, float32:
+  dropped and unassigned pairs get dw = 0, empty rows get dbuffer = 0."""
+  T, E, d = 41, 6, 24
+  ids = jnp.asarray(_skewed_ids(T, E, k, seed_of("scatter-vjp", mode, k)))
+  p = (permute.capacity_placement(ids, E, 4 * k) if mode == "capacity"
+       else permute.dropless_placement(ids, E, block_size=8))
+  rows = np.asarray(p.rows)
+  filled = np.zeros(p.num_rows, bool)
+  filled[rows[rows < p.num_rows]] = True
+  assert (rows == p.num_rows).any(), "no pair goes nowhere"
+  assert not filled.all(), "no empty buffer row"
+  if mode == "capacity":  # drops, and the last row is filled, so a clamped "no row" index would read it
+    assert int(p.num_dropped) > 0 and filled[-1]
+  rng = np.random.default_rng(seed_of("scatter-vjp-data", mode, k))
+  buf = jnp.asarray(rand(rng, (p.num_rows, d)))
+  w = jnp.asarray(rng.uniform(0.1, 1, (T, k)).astype(np.float32))
+  dy = jnp.asarray(rand(rng, (T, d)))
+
+  def plain(buf, w):
+    picked = jnp.concatenate([buf, jnp.zeros((1, d), buf.dtype)])[p.rows]  # [T, k, d], row num_rows reads 0
+    return jnp.sum(w[:, :, None] * picked, axis=1)
+
+  y, vjp = jax.vjp(lambda b, w: permute.scatter_rows(b, p, w, jnp.float32), buf, w)
+  y_ref, vjp_ref = jax.vjp(plain, buf, w)
+  assert_close(y, y_ref, 1e-6, "forward")
+  (dbuf, dw), (dbuf_ref, dw_ref) = vjp(dy), vjp_ref(dy)
+  assert dbuf.dtype == buf.dtype and dw.dtype == w.dtype
+  np.testing.assert_array_equal(dbuf, dbuf_ref)  # one product per row either way
+  np.testing.assert_array_equal(np.asarray(dbuf)[~filled], 0)
+  assert_close(dw, dw_ref, 1e-6, "dw")  # the same d-term sum, in row order instead of token order
+  np.testing.assert_array_equal(np.asarray(dw)[rows == p.num_rows], 0)
+  expected = np.einsum("td,tkd->tk", np.asarray(dy, np.float64),
+                       np.concatenate([np.asarray(buf, np.float64), np.zeros((1, d))])[rows])
+  assert_close(dw, expected, 1e-6, "dw vs float64")
