@@ -8,13 +8,10 @@ repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows onl
 output is checked against the float32 reference (real rows) and its three gradients against the
 unfused path's; the balanced and dense peers are the same FLOPs on other data, timed, not checked
 (plain XLA, bf16 in and out, so their backward stays bf16). Needs an sm_90 GPU:
-  python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1 [--schedules cooperative,pingpong,staggered]
---schedules times the Mosaic kernels once per schedule, in one process: "cooperative" is the
-default configs, the others mosaic_pingpong.SCHEDULES' configs for the four one-weight gmm kinds.
+  python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -24,30 +21,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
-from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_pingpong  # noqa: E402
+from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-SCHEDULES = {"cooperative": {}, **mosaic_pingpong.SCHEDULES}
-
-
-def parts(shape: str, schedules=("cooperative",)) -> dict:
-  """The six kernels and the MLP per schedule; a later schedule's fused gradients are also checked
-  against the first's."""
-  out, first = {}, None
-  for i, name in enumerate(schedules):
-    default = mosaic.DEFAULT_CONFIGS
-    mosaic.DEFAULT_CONFIGS = dataclasses.replace(default, **SCHEDULES[name])
-    try:
-      out[name], grads = schedule_parts(shape, peers=i == 0, tag=name, first=first)
-    finally:
-      mosaic.DEFAULT_CONFIGS = default
-    first = first or grads
-    _report(f"{shape} {name}", out[name])
-  return out
-
-
-def schedule_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dict, tuple]:
+def parts(shape: str) -> dict:
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   n, d, e = p["N"], p["d"], p["E"]
@@ -60,7 +38,7 @@ def schedule_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dict,
     out = jax.block_until_ready(fn(*args))
     t = timeit(fn, *args)
     res[name] = dict(ms=t * 1e3, tflops=f / t / 1e12)
-    print(f"{shape} {tag:11s} {name:38s} {t * 1e3:7.3f} ms {f / t / 1e12:6.1f} TF/s", flush=True)
+    print(f"{shape} {name:38s} {t * 1e3:7.3f} ms {f / t / 1e12:6.1f} TF/s", flush=True)
     return out
 
   pre, h = rec("gmm_act x W_in -> (pre, h)", jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in), flops)
@@ -87,12 +65,7 @@ def schedule_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dict,
   res["fused_y_vs_reference_rel_err"] = rel_err(on_real(y), on_real(y_ref))
   res["fused_vs_unfused_grad_rel_err"] = [
       rel_err(on_real(fused[0]), on_real(unfused[0])), rel_err(fused[1], unfused[1]), rel_err(fused[2], unfused[2])]
-  if first is not None:
-    res["fused_grad_vs_first_schedule_rel_err"] = [
-        rel_err(on_real(fused[0]), on_real(first[0])), rel_err(fused[1], first[1]), rel_err(fused[2], first[2])]
 
-  if not peers:
-    return res, fused
   xb, dyb = x[:n].reshape(e, n // e, d), dy[:n].reshape(e, n // e, d)
   bal = lambda a, wi, wo: jnp.sum(
       jnp.einsum("ecf,efd->ecd", act(jnp.einsum("ecd,edf->ecf", a, wi)), wo).astype(jnp.float32) * dyb)
@@ -100,26 +73,18 @@ def schedule_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dict,
   dense = lambda a, wi, wo: jnp.sum((act(a @ wi) @ wo).astype(jnp.float32) * dy[:n])
   rec("dense FFN fwd+bwd (cuBLAS, XLA GELU)", jax.jit(jax.grad(dense, argnums=(0, 1, 2))),
       (x[:n], w_in[0], w_out[0]), 6 * flops)
-  return res, fused
-
-
-def _report(shape, res):
   print(f"{shape} fused y vs reference rel err {res['fused_y_vs_reference_rel_err']:.1e}; fused vs unfused "
-        f"dx, dW_in, dW_out rel err {', '.join(f'{e:.1e}' for e in res['fused_vs_unfused_grad_rel_err'])}"
-        + (f"; against the first schedule {', '.join(f'{e:.1e}' for e in res['fused_grad_vs_first_schedule_rel_err'])}"
-           if "fused_grad_vs_first_schedule_rel_err" in res else ""), flush=True)
+        f"dx, dW_in, dW_out rel err {', '.join(f'{e:.1e}' for e in res['fused_vs_unfused_grad_rel_err'])}",
+        flush=True)
+  return res
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shapes", default="XS_b128,E64_top1")
-  ap.add_argument("--schedules", default="cooperative", help=f"comma-separated, of {', '.join(SCHEDULES)}")
   args = ap.parse_args(argv)
-  schedules = args.schedules.split(",")
-  if any(s not in SCHEDULES for s in schedules):
-    ap.error(f"--schedules: each one of {', '.join(SCHEDULES)}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  out = {s: parts(s, schedules) for s in args.shapes.split(",")}
+  out = {s: parts(s) for s in args.shapes.split(",")}
   with open(os.path.join(os.environ.get("OUT", "."), "expert_mlp_parts.json"), "w") as fh:
     json.dump(out, fh, indent=1)
 

@@ -16,7 +16,7 @@ import pytest
 import mosaic_interpret_compat
 import sparsejax as sj
 from sparsejax.kernels import gmm as G
-from sparsejax.kernels.gmm import mosaic, mosaic_pingpong
+from sparsejax.kernels.gmm import mosaic
 from sparsejax.topology import make_topology
 
 mosaic_interpret_compat.install()
@@ -138,29 +138,6 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   tgmm = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, grid_minor_dim=mosaic.N_DIM)
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=tgmm))
   _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=12)
-
-
-@pytest.mark.parametrize("schedule", list(mosaic_pingpong.SCHEDULES))
-def test_mosaic_schedules_match_reference(monkeypatch, schedule):
-  """mosaic_pingpong.py's schedules (gmm_act, gmm, gmm_dact and the transposed gmm; tgmm is
-  mosaic.py's) through expert_mlp's custom_vjp, with each schedule's tiles but the interpreter's
-  K steps and ring depth: the ring wraps within and across tiles, the consumers alternate (ping-
-  pong: the second one's tiles start while the first stores), an expert whose last block holds
-  rows in the first 64-row half only, an empty expert and an inactive spare block."""
-  small = {kind: dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2, stagger=2)
-           for kind, cfg in mosaic_pingpong.SCHEDULES[schedule].items()}
-  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, **small))
-  _check_fused_expert_mlp([130, 0, 70], jax.nn.gelu, glu=False, seed=13)
-
-
-def test_mosaic_schedule_names_are_checked():
-  topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
-  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(schedule="pingpang"))
-  with pytest.raises(ValueError, match="schedule must be one of"):
-    mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
-  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(schedule="pingpong", tile_m=32))
-  with pytest.raises(ValueError, match="tile_m must be 64 or 128"):
-    mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
 
 
 @pytest.mark.parametrize("w_gate", [jnp.ones((2, 8, 17), jnp.bfloat16), jnp.ones((2, 8, 16), jnp.float32)])

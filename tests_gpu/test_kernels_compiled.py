@@ -7,8 +7,6 @@ Run on a GPU machine after any kernel change, and keep the log:
 JAX_PLATFORMS overrides the CPU default that tests/conftest.py sets.)
 These need a GPU, so the CPU suite (tests/) does not collect them.
 """
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ import sparsejax as sj
 from sparsejax import permute
 from sparsejax.activations import ACTIVATIONS
 from sparsejax.kernels import gmm as G
-from sparsejax.kernels.gmm import mosaic, mosaic_pingpong, op
+from sparsejax.kernels.gmm import op
 from sparsejax.topology import make_topology
 
 if jax.default_backend() != "gpu":
@@ -140,14 +138,3 @@ def test_glu_expert_mlp_compiled_matches_reference(backend, act, shape):
   """The GLU expert MLP (act(x W_gate) * x W_in) W_out (on Hopper: gmm_glu and gmm_dglu, the
   product and its derivatives in the epilogues), all four gradients."""
   _check_expert_mlp_compiled(backend, act, shape, glu=True)
-
-
-@pytest.mark.parametrize("schedule", list(mosaic_pingpong.SCHEDULES) if HOPPER else [])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_mosaic_schedules_compiled_match_reference(monkeypatch, schedule, shape):
-  """mosaic_pingpong.py's schedules at their own tiles and ring depths: gmm and its gradients
-  (the transposed gmm, tgmm), then the expert MLP (gmm_act, gmm_dact)."""
-  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS",
-                      dataclasses.replace(mosaic.DEFAULT_CONFIGS, **mosaic_pingpong.SCHEDULES[schedule]))
-  test_kernels_compiled_match_reference("mosaic", shape)
-  _check_expert_mlp_compiled("mosaic", "gelu", shape, glu=False)

@@ -67,12 +67,6 @@ class Config:
   grid_tile_width: int = 4
   delay_release: int = 1
   epi_slots: int = 2  # gmm: smem slots the epilogue's TMA stores rotate through
-  # gmm, gmm_t, gmm_act, gmm_dact (mosaic_pingpong.py): "pingpong", each consumer owns whole
-  # [tile_m, tile_n] tiles and the two alternate; "staggered", the consumers split each tile's rows
-  # as here but the second runs `stagger` ring steps behind the first, on one ring across tiles.
-  schedule: str = "cooperative"
-  tile_m: int = 128  # pingpong: rows of a consumer's tile, 128 or 64 (half a block)
-  stagger: int = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +94,6 @@ class Configs:
 
 
 LONG_ROWS = 2048
-SCHEDULES = ("cooperative", "pingpong", "staggered")
 
 
 # The defaults won or tied experiments/tune_gmm.py --sweep on an H100 (jax 0.11.2, bf16) for the
@@ -300,7 +293,6 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
                                        transforms=_transforms(epi_tile_n, pre[0].dtype)),
                    pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
   window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
-  math = _epilogue_math(activation, num_pre)
 
   def body(rbe_gmem, rbr_gmem, lhs_gmem, *refs):
     w_gmems, pre_gmems, out_gmems = refs[:num_w], refs[num_w:num_w + num_pre], refs[num_w + num_pre:]
@@ -353,6 +345,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
             accs = tuple(jnp.where(real, a[...], 0.0) for a in accs)
             _consumer_done(steps, tile_done)
             piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
+            fn = PLAIN.get(activation, activation)
             epilogue = None
             if num_pre:
               @pl.when(has_rows)
@@ -361,19 +354,23 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
                   plgpu.barrier_wait(ready(i))
 
               # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
-              def epilogue(pieces, j):
-                outs = math(pieces, [pre_tile(i, j) for i in range(num_pre)])
-                return tuple(jnp.where(piece_real(j), o, 0.0) for o in outs)
+              if num_pre == 1:
+                def epilogue(pieces, j):
+                  d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
+                  return (jnp.where(piece_real(j), d, 0.0),)
+              else:
+                def epilogue(pieces, j):
+                  g, u = pre_tile(0, j), pre_tile(1, j)
+                  dg = pieces[0] * u * DERIVATIVES[activation](g)
+                  du = pieces[0] * fn(g)
+                  return jnp.where(piece_real(j), dg, 0.0), jnp.where(piece_real(j), du, 0.0)
             elif num_w == 2:
-              fn = PLAIN.get(activation, activation)
-
               def epilogue(pieces, j):
                 g, u = pieces
                 return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
             elif activation is not None:
               def epilogue(pieces, j):
-                pre_, act = math(pieces, ())
-                return pre_, jnp.where(piece_real(j), act, 0.0)
+                return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
             # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
             # kernels run zero steps on them), so they are left unwritten: under expert
             # parallelism about half the worst-case receive buffer is inactive.
@@ -405,25 +402,6 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
   return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
 
 
-def _epilogue_math(activation, num_pre):
-  """The float32 math of a one-weight gmm epilogue, f(acc pieces, pre pieces) -> output pieces:
-
-    num_pre 0, no activation    acc
-    num_pre 0                   acc, act(acc)
-    num_pre 1 (p)               acc * act'(p)
-    num_pre 2 (g, u)            acc * u * act'(g), acc * act(g)
-  """
-  fn = PLAIN.get(activation, activation)
-  if num_pre == 2:
-    return lambda pieces, pre: (pieces[0] * pre[1] * DERIVATIVES[activation](pre[0]),
-                                pieces[0] * fn(pre[0]))
-  if num_pre == 1:
-    return lambda pieces, pre: (pieces[0] * DERIVATIVES[activation](pre[0]),)
-  if activation is not None:
-    return lambda pieces, pre: (pieces[0], fn(pieces[0]))
-  return lambda pieces, pre: (pieces[0],)
-
-
 def _load_wgmma(ref):
   """A shared-memory tile read into registers in the accumulator's (wgmma) layout."""
   if _interpret() is not None:
@@ -449,28 +427,16 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
-  cfg = getattr(_configs(configs), kind)
-  if cfg.schedule not in SCHEDULES:
-    raise ValueError(f"Config.schedule must be one of {', '.join(SCHEDULES)}; got {cfg.schedule!r}")
-  if cfg.schedule != "cooperative" and kind in ("gmm_glu", "gmm_dglu"):
-    raise ValueError(f"{kind} runs the cooperative schedule only; got {cfg.schedule!r}")
-  if cfg.schedule != "cooperative":
-    from sparsejax.kernels.gmm import mosaic_pingpong
-    cfg = mosaic_pingpong.fit(cfg, lhs, n, topo.block_size, out_dtype, len(pre),
-                              pre[0].dtype if pre else None)
-    padded = mosaic_pingpong.gmm_padded
-  else:
-    cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
-    padded = _gmm_padded
+  cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k) for w in weights)
   else:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n) for w in weights)
   pre = tuple(pad_to(p, 1, cfg.tile_n) for p in pre)
-  out = padded(lhs_p, weights if padded is _gmm_padded else weights[0], topo.row_block_expert,
-               topo.row_block_rows, pre, block_m=topo.block_size, transpose_rhs=transpose_rhs,
-               out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
+  out = _gmm_padded(lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
+                    block_m=topo.block_size, transpose_rhs=transpose_rhs,
+                    out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
 
