@@ -5,6 +5,13 @@ derivative cannot come from autodiff (Mosaic GPU lowers no `add_any`, which the 
 produces). So each activation here carries its derivative as plain elementwise math; the tests
 check it against jax.grad. Which of them a kernel can fuse depends on what its backend lowers
 (sparsejax.kernels.gmm.mlp); any other activation still works everywhere, unfused.
+
+The sigmoid-shaped ones (tanh-GELU, SiLU) and their derivatives are written with exp and rsqrt
+only: 0.5 (1 + tanh(u)) = sigmoid(2u), and sigmoid(z) = rsqrt(1 + e^-z)^2. In a kernel compiled
+with approximate math those are one special-function instruction each, where libdevice's tanhf
+and an IEEE float32 division take a dozen or more; the epilogues of the Hopper kernels were
+bound by issuing such instructions (experiments/notes_hopper_kernels.md). Both are accurate to
+float32 rounding (no cancellation in 1 + tanh(u) for negative u either).
 """
 from __future__ import annotations
 
@@ -21,11 +28,26 @@ def gelu_exact(x):
   return jax.nn.gelu(x, approximate=False)
 
 
+def _sigmoid(z):
+  """1 / (1 + e^-z) as rsqrt(1 + e^-z)^2: no division, and 0 (not NaN) where e^-z overflows."""
+  r = jax.lax.rsqrt(1.0 + jnp.exp(-z))
+  return r * r
+
+
+def _gelu_tanh_u(x):
+  return _SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)
+
+
+def _gelu_tanh(x):
+  """0.5 x (1 + tanh(u)) = x sigmoid(2u), u = c (x + 0.044715 x^3): jax.nn.gelu's tanh form."""
+  return x * _sigmoid(2.0 * _gelu_tanh_u(x))
+
+
 def _gelu_tanh_derivative(x):
-  """d/dx 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3): 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx."""
-  t = jnp.tanh(_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x))
+  """d/dx x s(2u) = s + 2 x s (1 - s) du/dx, s = sigmoid(2u), du/dx = c (1 + 3 * 0.044715 x^2)."""
+  s = _sigmoid(2.0 * _gelu_tanh_u(x))
   du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
-  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du
+  return s + 2.0 * x * s * (1.0 - s) * du
 
 
 def _gelu_exact_derivative(x):
@@ -34,9 +56,14 @@ def _gelu_exact_derivative(x):
       1.0 / math.sqrt(2.0 * math.pi))
 
 
+def _silu(x):
+  """x sigmoid(x)."""
+  return x * _sigmoid(x)
+
+
 def _silu_derivative(x):
   """s (1 + x (1 - s)), s = sigmoid(x)."""
-  s = jax.nn.sigmoid(x)
+  s = _sigmoid(x)
   return s * (1.0 + x * (1.0 - s))
 
 
@@ -52,8 +79,10 @@ ACTIVATIONS = {
     "silu": jax.nn.silu,
 }
 
-# Kernel bodies lower primitives, not custom_jvp wrappers: the plain form of such an activation.
-PLAIN = {jax.nn.relu: lambda x: jnp.maximum(x, 0.0)}
+# What a kernel body computes for an activation: primitives, not custom_jvp wrappers, and for the
+# sigmoid-shaped ones the exp/rsqrt forms above. Each maps 0 to 0 (the kernels rely on it to leave
+# padding rows zero).
+PLAIN = {jax.nn.relu: lambda x: jnp.maximum(x, 0.0), jax.nn.gelu: _gelu_tanh, jax.nn.silu: _silu}
 
 DERIVATIVES = {
     jax.nn.gelu: _gelu_tanh_derivative,

@@ -78,3 +78,15 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
   assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 0 |" in table
   assert "| 2 | dense | 2 | 3.50 | 8.00 |" in table
   assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1
+
+
+def test_ncu_script_checks_its_kernels_on_the_cpu():
+  """experiments/ncu_gmm_kernels.py --smoke: the four Hopper kernels it profiles, interpreted, and
+  its check of each output against the float32 reference (run on the CPU, after the kernels)."""
+  import mosaic_interpret_compat
+  import ncu_gmm_kernels
+
+  mosaic_interpret_compat.install()
+  mosaic_interpret_compat.compile_thread_bodies_once()
+  errs = ncu_gmm_kernels.main(["--smoke"])
+  assert len(errs) == 4 and all(0 <= e < 1e-2 for e in errs)

@@ -26,6 +26,8 @@ float32 accumulator, and gmm_dact, whose consumers TMA-load their pre tile while
 stores acc * act'(pre). For the GLU form, gmm_glu keeps two accumulators per consumer (x W_gate
 and x W_in over the same lhs tile) and stores g, u and act(g) * u; gmm_dglu loads g and u and
 stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows, d_ff] activations.
+The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tanh or division),
+compiled with approximate math: float32-accurate, a special-function instruction each.
 
 Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
@@ -246,7 +248,10 @@ def _launch(body, out_shape, *args):
   return plgpu.kernel(
       body, out_type=out_shape, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      # approx_math: the exp and rsqrt of the activation epilogues (sparsejax.activations' kernel
+      # forms) become one special-function instruction each; the epilogues were issue-bound.
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                           approx_math=True),
       interpret=_interpret(),
   )(*args)
 
@@ -368,6 +373,9 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
               def epilogue(pieces, j):
                 g, u = pieces
                 return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
+            elif activation in PLAIN:  # each maps the zeroed padding rows to zero: no second select
+              def epilogue(pieces, j):
+                return pieces[0], fn(pieces[0])
             elif activation is not None:
               def epilogue(pieces, j):
                 return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
