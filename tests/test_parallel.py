@@ -228,6 +228,9 @@ def test_token_chunks_match_single_device():
   assert int(stats.exchange_overflow) > 0 and int(stats.num_dropped) == 0
   _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed"),
                  config=ExpertParallelConfig(token_chunks=2, exchange="ragged"))
+  # The GPU path (block-padded rows and the Pallas kernels, interpreted) chunk by chunk.
+  _check_matches(meshlib.make_expert_mesh(2, 4), _problem("skewed"), impl="pallas",
+                 config=ExpertParallelConfig(token_chunks=2, buffer_factor=1.0))
 
 
 def test_bad_token_chunks_are_refused():
