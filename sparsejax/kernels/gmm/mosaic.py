@@ -27,7 +27,7 @@ stores acc * act'(pre). For the GLU form, gmm_glu keeps two accumulators per con
 and x W_in over the same lhs tile) and stores g, u and act(g) * u; gmm_dglu loads g and u and
 stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows, d_ff] activations.
 The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tanh or division),
-compiled with approximate math: float32-accurate, a special-function instruction each.
+compiled with approximate math: a special-function instruction each, within a few float32 ulps.
 
 Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
