@@ -8,10 +8,15 @@ repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows onl
 output is checked against the float32 reference (real rows) and its three gradients against the
 unfused path's; the balanced and dense peers are the same FLOPs on other data, timed, not checked
 (plain XLA, bf16 in and out, so their backward stays bf16). Needs an sm_90 GPU:
-  python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1
+  python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1 [--configs default,epilogue_wg]
+--configs times the Mosaic kernels once per config set, in one process: "default" is
+mosaic.DEFAULT_CONFIGS, "epilogue_wg" the same with mosaic_epilogue.CONFIGS (gmm_act and gmm_dact
+with the epilogue in a fourth warpgroup); a later set's fused gradients are also checked against
+the first's.
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,11 +26,30 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
-from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic  # noqa: E402
+from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epilogue  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-def parts(shape: str) -> dict:
+CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS}
+
+
+def parts(shape: str, config_sets=("default",)) -> dict:
+  """The six kernels and the MLP per config set; a later set's fused gradients are also checked
+  against the first's."""
+  out, first = {}, None
+  for i, name in enumerate(config_sets):
+    default = mosaic.DEFAULT_CONFIGS
+    mosaic.DEFAULT_CONFIGS = dataclasses.replace(default, **CONFIG_SETS[name])
+    try:
+      out[name], grads = config_set_parts(shape, peers=i == 0, tag=name, first=first)
+    finally:
+      mosaic.DEFAULT_CONFIGS = default
+    first = first or grads
+    _report(f"{shape} {name}", out[name])
+  return out
+
+
+def config_set_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dict, tuple]:
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   n, d, e = p["N"], p["d"], p["E"]
@@ -38,7 +62,7 @@ def parts(shape: str) -> dict:
     out = jax.block_until_ready(fn(*args))
     t = timeit(fn, *args)
     res[name] = dict(ms=t * 1e3, tflops=f / t / 1e12)
-    print(f"{shape} {name:38s} {t * 1e3:7.3f} ms {f / t / 1e12:6.1f} TF/s", flush=True)
+    print(f"{shape} {tag:11s} {name:38s} {t * 1e3:7.3f} ms {f / t / 1e12:6.1f} TF/s", flush=True)
     return out
 
   pre, h = rec("gmm_act x W_in -> (pre, h)", jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in), flops)
@@ -65,7 +89,12 @@ def parts(shape: str) -> dict:
   res["fused_y_vs_reference_rel_err"] = rel_err(on_real(y), on_real(y_ref))
   res["fused_vs_unfused_grad_rel_err"] = [
       rel_err(on_real(fused[0]), on_real(unfused[0])), rel_err(fused[1], unfused[1]), rel_err(fused[2], unfused[2])]
+  if first is not None:
+    res["fused_grad_vs_first_set_rel_err"] = [
+        rel_err(on_real(fused[0]), on_real(first[0])), rel_err(fused[1], first[1]), rel_err(fused[2], first[2])]
 
+  if not peers:
+    return res, fused
   xb, dyb = x[:n].reshape(e, n // e, d), dy[:n].reshape(e, n // e, d)
   bal = lambda a, wi, wo: jnp.sum(
       jnp.einsum("ecf,efd->ecd", act(jnp.einsum("ecd,edf->ecf", a, wi)), wo).astype(jnp.float32) * dyb)
@@ -73,18 +102,26 @@ def parts(shape: str) -> dict:
   dense = lambda a, wi, wo: jnp.sum((act(a @ wi) @ wo).astype(jnp.float32) * dy[:n])
   rec("dense FFN fwd+bwd (cuBLAS, XLA GELU)", jax.jit(jax.grad(dense, argnums=(0, 1, 2))),
       (x[:n], w_in[0], w_out[0]), 6 * flops)
+  return res, fused
+
+
+def _report(shape, res):
   print(f"{shape} fused y vs reference rel err {res['fused_y_vs_reference_rel_err']:.1e}; fused vs unfused "
-        f"dx, dW_in, dW_out rel err {', '.join(f'{e:.1e}' for e in res['fused_vs_unfused_grad_rel_err'])}",
-        flush=True)
-  return res
+        f"dx, dW_in, dW_out rel err {', '.join(f'{e:.1e}' for e in res['fused_vs_unfused_grad_rel_err'])}"
+        + (f"; against the first config set {', '.join(f'{e:.1e}' for e in res['fused_grad_vs_first_set_rel_err'])}"
+           if "fused_grad_vs_first_set_rel_err" in res else ""), flush=True)
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shapes", default="XS_b128,E64_top1")
+  ap.add_argument("--configs", default="default", help=f"comma-separated, of {', '.join(CONFIG_SETS)}")
   args = ap.parse_args(argv)
+  config_sets = args.configs.split(",")
+  if any(s not in CONFIG_SETS for s in config_sets):
+    ap.error(f"--configs: each one of {', '.join(CONFIG_SETS)}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  out = {s: parts(s) for s in args.shapes.split(",")}
+  out = {s: parts(s, config_sets) for s in args.shapes.split(",")}
   with open(os.path.join(os.environ.get("OUT", "."), "expert_mlp_parts.json"), "w") as fh:
     json.dump(out, fh, indent=1)
 

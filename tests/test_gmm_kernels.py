@@ -16,7 +16,7 @@ import pytest
 import mosaic_interpret_compat
 import sparsejax as sj
 from sparsejax.kernels import gmm as G
-from sparsejax.kernels.gmm import mosaic
+from sparsejax.kernels.gmm import mosaic, mosaic_epilogue
 from sparsejax.topology import make_topology
 
 mosaic_interpret_compat.install()
@@ -138,6 +138,40 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   tgmm = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, grid_minor_dim=mosaic.N_DIM)
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=tgmm))
   _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=12)
+
+
+@pytest.mark.parametrize("activation", [jax.nn.gelu, jax.nn.silu])
+def test_mosaic_epilogue_warpgroup_matches_reference(monkeypatch, activation):
+  """gmm_act and gmm_dact with the epilogue in a fourth warpgroup (mosaic_epilogue.py) through
+  expert_mlp's custom_vjp: its tiles and the interpreter's K steps and ring, so the ring and the
+  two staging buffers wrap across tiles; an empty expert, a block with rows in its first 64-row
+  half only, and an inactive spare block."""
+  small = {kind: dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2)
+           for kind, cfg in mosaic_epilogue.CONFIGS.items()}
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, **small))
+  _check_fused_expert_mlp([130, 0, 70], activation, glu=False, seed=14)
+
+
+def test_mosaic_epilogue_warpgroup_dact_zeroes_padding_rows_whatever_pre_holds():
+  """gmm_dact alone, with pre NaN on the rows that hold no token (expert_mlp's pre is zero there;
+  any caller's may be anything): those rows of active blocks are still exactly zero."""
+  from sparsejax.activations import DERIVATIVES
+  topo, lhs, _, rhs_t, pre = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 2)
+  real = G.reference.real_rows(topo)[:, None]
+  pre = jnp.where(real, pre, jnp.nan)
+  cfgs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_dact=dataclasses.replace(
+      mosaic_epilogue.CONFIGS["gmm_dact"], tile_k=128, max_concurrent_steps=2))
+  out = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, cfgs)
+  want = (G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
+          * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
+  check_rows(out, jnp.where(real, want, 0.0), topo, TOL[jnp.bfloat16])
+
+
+def test_mosaic_epilogue_warpgroup_serves_the_activation_kernels_only():
+  topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
+  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(epilogue_wg=True))
+  with pytest.raises(ValueError, match="epilogue_wg serves gmm_act and gmm_dact"):
+    mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
 
 
 @pytest.mark.parametrize("w_gate", [jnp.ones((2, 8, 17), jnp.bfloat16), jnp.ones((2, 8, 16), jnp.float32)])

@@ -7,6 +7,8 @@ Run on a GPU machine after any kernel change, and keep the log:
 JAX_PLATFORMS overrides the CPU default that tests/conftest.py sets.)
 These need a GPU, so the CPU suite (tests/) does not collect them.
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,7 @@ import sparsejax as sj
 from sparsejax import permute
 from sparsejax.activations import ACTIVATIONS
 from sparsejax.kernels import gmm as G
-from sparsejax.kernels.gmm import op
+from sparsejax.kernels.gmm import mosaic, mosaic_epilogue, op
 from sparsejax.topology import make_topology
 
 if jax.default_backend() != "gpu":
@@ -138,3 +140,13 @@ def test_glu_expert_mlp_compiled_matches_reference(backend, act, shape):
   """The GLU expert MLP (act(x W_gate) * x W_in) W_out (on Hopper: gmm_glu and gmm_dglu, the
   product and its derivatives in the epilogues), all four gradients."""
   _check_expert_mlp_compiled(backend, act, shape, glu=True)
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"] if HOPPER else [])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mosaic_epilogue_warpgroup_compiled_matches_reference(monkeypatch, act, shape):
+  """gmm_act and gmm_dact with the epilogue in a fourth warpgroup (mosaic_epilogue.CONFIGS, the
+  ring and staging buffers at their compiled depths) through the expert MLP."""
+  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS",
+                      dataclasses.replace(mosaic.DEFAULT_CONFIGS, **mosaic_epilogue.CONFIGS))
+  _check_expert_mlp_compiled("mosaic", act, shape, glu=False)

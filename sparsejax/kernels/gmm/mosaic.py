@@ -28,6 +28,9 @@ and x W_in over the same lhs tile) and stores g, u and act(g) * u; gmm_dglu load
 stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows, d_ff] activations.
 The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tanh or division),
 compiled with approximate math: a special-function instruction each, within a few float32 ulps.
+Config(epilogue_wg=True) runs gmm_act / gmm_dact from mosaic_epilogue.py instead, where a fourth
+warpgroup does the epilogue while the consumers go on to the next tile (not the default: it has
+not been measured on a GPU yet).
 
 Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
@@ -69,6 +72,9 @@ class Config:
   grid_tile_width: int = 4
   delay_release: int = 1
   epi_slots: int = 2  # gmm: smem slots the epilogue's TMA stores rotate through
+  # gmm_act / gmm_dact: a fourth warpgroup runs the epilogue while the consumers go on to the next
+  # tile (mosaic_epilogue.py; 128 x tile_n tiles, the activation of the bf16-rounded product).
+  epilogue_wg: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,9 +250,9 @@ def _warp_specialized(body, grid, in_specs, cfg, compute_context):
       compute_context=compute_context)
 
 
-def _launch(body, out_shape, *args):
+def _launch(body, out_shape, *args, num_threads=3):
   return plgpu.kernel(
-      body, out_type=out_shape, grid=(_num_sms(),), grid_names=("sm",), num_threads=3,
+      body, out_type=out_shape, grid=(_num_sms(),), grid_names=("sm",), num_threads=num_threads,
       thread_name="wg",
       # approx_math: the exp and rsqrt of the activation epilogues (sparsejax.activations' kernel
       # forms) become one special-function instruction each; the epilogues were issue-bound.
@@ -435,6 +441,8 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
+  if getattr(_configs(configs), kind).epilogue_wg:
+    return _epilogue_wg_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, kind, activation, pre)
   cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
@@ -445,6 +453,29 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   out = _gmm_padded(lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
                     block_m=topo.block_size, transpose_rhs=transpose_rhs,
                     out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
+  unpad = lambda o: o if o.shape[1] == n else o[:, :n]
+  return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
+
+
+def _epilogue_wg_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, kind, activation, pre):
+  """_gmm_call's path to mosaic_epilogue.py (Config.epilogue_wg): pad, run, unpad."""
+  from sparsejax.kernels.gmm import mosaic_epilogue
+
+  if kind not in ("gmm_act", "gmm_dact") or jnp.dtype(out_dtype) != lhs.dtype:
+    raise ValueError(f"Config.epilogue_wg serves gmm_act and gmm_dact (output in the operands' "
+                     f"dtype); got {kind} with {jnp.dtype(out_dtype).name} out")
+  (w,) = weights
+  n = w.shape[1] if transpose_rhs else w.shape[2]
+  cfg, n_buf = mosaic_epilogue.fit(getattr(_configs(configs), kind), lhs.shape[1], n,
+                                   topo.block_size, len(pre))
+  lhs_p = pad_to(lhs, 1, cfg.tile_k)
+  if transpose_rhs:
+    w = pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k)
+  else:
+    w = pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n)
+  out = mosaic_epilogue.gmm_padded(
+      lhs_p, w, topo.row_block_expert, topo.row_block_rows, tuple(pad_to(p, 1, cfg.tile_n) for p in pre),
+      block_m=topo.block_size, transpose_rhs=transpose_rhs, cfg=cfg, n_buf=n_buf, activation=activation)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
 
