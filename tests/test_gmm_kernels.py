@@ -152,13 +152,14 @@ def test_mosaic_epilogue_warpgroup_matches_reference(monkeypatch, activation):
   _check_fused_expert_mlp([130, 0, 70], activation, glu=False, seed=14)
 
 
-def test_mosaic_epilogue_warpgroup_act_outputs_follow_the_contract():
-  """gmm_act alone, lhs random on every row: pre and act(pre) match the reference on the real rows
-  and are exactly zero on the rows of active blocks that hold no token (expert_mlp never reads
-  those, so only a direct call sees them)."""
+@pytest.mark.parametrize("epilogue_wg", [False, True])
+def test_mosaic_gmm_act_outputs_follow_the_contract(epilogue_wg):
+  """gmm_act alone (mosaic.py's, and with the epilogue warpgroup), lhs random on every row: pre and
+  act(pre) match the reference on the real rows and are exactly zero on the rows of active blocks
+  that hold no token (expert_mlp never reads those, so only a direct call sees them)."""
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 5)
   cfgs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_act=dataclasses.replace(
-      mosaic_epilogue.CONFIGS["gmm_act"], tile_k=128, max_concurrent_steps=2))
+      mosaic_epilogue.CONFIGS["gmm_act"], tile_k=128, max_concurrent_steps=2)) if epilogue_wg else None
   pre, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
   want = G.gmm_reference(lhs, rhs, topo)
   check_rows(pre, want, topo, TOL[jnp.bfloat16])
