@@ -140,15 +140,21 @@ def test_mosaic_fused_glu_expert_mlp_matches_reference(monkeypatch):
   _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=12)
 
 
+def _interpret_epilogue_configs():
+  """INTERPRET_CONFIGS with gmm_act and gmm_dact on mosaic_epilogue.CONFIGS' tiles, but the
+  interpreter's K steps and ring depth."""
+  return dataclasses.replace(mosaic.INTERPRET_CONFIGS, **{
+      kind: dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2)
+      for kind, cfg in mosaic_epilogue.CONFIGS.items()})
+
+
 @pytest.mark.parametrize("activation", [jax.nn.gelu, jax.nn.silu])
 def test_mosaic_epilogue_warpgroup_matches_reference(monkeypatch, activation):
   """gmm_act and gmm_dact with the epilogue in a fourth warpgroup (mosaic_epilogue.py) through
   expert_mlp's custom_vjp: its tiles and the interpreter's K steps and ring, so the ring and the
   two staging buffers wrap across tiles; an empty expert, a block with rows in its first 64-row
   half only, and an inactive spare block."""
-  small = {kind: dataclasses.replace(cfg, tile_k=128, max_concurrent_steps=2)
-           for kind, cfg in mosaic_epilogue.CONFIGS.items()}
-  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, **small))
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", _interpret_epilogue_configs())
   _check_fused_expert_mlp([130, 0, 70], activation, glu=False, seed=14)
 
 
@@ -158,8 +164,7 @@ def test_mosaic_gmm_act_outputs_follow_the_contract(epilogue_wg):
   act(pre) match the reference on the real rows and are exactly zero on the rows of active blocks
   that hold no token (expert_mlp never reads those, so only a direct call sees them)."""
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 5)
-  cfgs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_act=dataclasses.replace(
-      mosaic_epilogue.CONFIGS["gmm_act"], tile_k=128, max_concurrent_steps=2)) if epilogue_wg else None
+  cfgs = _interpret_epilogue_configs() if epilogue_wg else None
   pre, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
   want = G.gmm_reference(lhs, rhs, topo)
   check_rows(pre, want, topo, TOL[jnp.bfloat16])
@@ -173,9 +178,7 @@ def test_mosaic_epilogue_warpgroup_dact_zeroes_padding_rows_whatever_pre_holds()
   topo, lhs, _, rhs_t, pre = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 2)
   real = G.reference.real_rows(topo)[:, None]
   pre = jnp.where(real, pre, jnp.nan)
-  cfgs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_dact=dataclasses.replace(
-      mosaic_epilogue.CONFIGS["gmm_dact"], tile_k=128, max_concurrent_steps=2))
-  out = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, cfgs)
+  out = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, _interpret_epilogue_configs())
   want = (G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
           * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
   check_rows(out, jnp.where(real, want, 0.0), topo, TOL[jnp.bfloat16])
@@ -184,7 +187,7 @@ def test_mosaic_epilogue_warpgroup_dact_zeroes_padding_rows_whatever_pre_holds()
 def test_mosaic_epilogue_warpgroup_serves_the_activation_kernels_only():
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
   bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(epilogue_wg=True))
-  with pytest.raises(ValueError, match="epilogue_wg serves gmm_act and gmm_dact"):
+  with pytest.raises(ValueError, match="epilogue_wg serves gmm_act and gmm_dact; got it for gmm"):
     mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
 
 

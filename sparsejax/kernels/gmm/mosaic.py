@@ -442,40 +442,25 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
   if getattr(_configs(configs), kind).epilogue_wg:
-    return _epilogue_wg_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, kind, activation, pre)
-  cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
+    from sparsejax.kernels.gmm import mosaic_epilogue
+
+    if kind not in ("gmm_act", "gmm_dact"):
+      raise ValueError(f"Config.epilogue_wg serves gmm_act and gmm_dact; got it for {kind}")
+    cfg, n_buf = mosaic_epilogue.fit(getattr(_configs(configs), kind), lhs.shape[1], n,
+                                     topo.block_size, len(pre))
+    padded = functools.partial(mosaic_epilogue.gmm_padded, n_buf=n_buf)
+  else:
+    cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
+    padded = _gmm_padded
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k) for w in weights)
   else:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n) for w in weights)
   pre = tuple(pad_to(p, 1, cfg.tile_n) for p in pre)
-  out = _gmm_padded(lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
-                    block_m=topo.block_size, transpose_rhs=transpose_rhs,
-                    out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
-  unpad = lambda o: o if o.shape[1] == n else o[:, :n]
-  return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
-
-
-def _epilogue_wg_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, kind, activation, pre):
-  """_gmm_call's path to mosaic_epilogue.py (Config.epilogue_wg): pad, run, unpad."""
-  from sparsejax.kernels.gmm import mosaic_epilogue
-
-  if kind not in ("gmm_act", "gmm_dact") or jnp.dtype(out_dtype) != lhs.dtype:
-    raise ValueError(f"Config.epilogue_wg serves gmm_act and gmm_dact (output in the operands' "
-                     f"dtype); got {kind} with {jnp.dtype(out_dtype).name} out")
-  (w,) = weights
-  n = w.shape[1] if transpose_rhs else w.shape[2]
-  cfg, n_buf = mosaic_epilogue.fit(getattr(_configs(configs), kind), lhs.shape[1], n,
-                                   topo.block_size, len(pre))
-  lhs_p = pad_to(lhs, 1, cfg.tile_k)
-  if transpose_rhs:
-    w = pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k)
-  else:
-    w = pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n)
-  out = mosaic_epilogue.gmm_padded(
-      lhs_p, w, topo.row_block_expert, topo.row_block_rows, tuple(pad_to(p, 1, cfg.tile_n) for p in pre),
-      block_m=topo.block_size, transpose_rhs=transpose_rhs, cfg=cfg, n_buf=n_buf, activation=activation)
+  out = padded(lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
+               block_m=topo.block_size, transpose_rhs=transpose_rhs,
+               out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
 

@@ -77,9 +77,11 @@ def fit(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int) -> tuple
   raise ValueError(f"no tiles of {cfg} fit the {mosaic._SMEM_BYTES} bytes of shared memory")
 
 
-def gmm_padded(lhs, w, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
-               cfg: mosaic.Config, n_buf: int, activation):
-  """gmm_act (pre=()) or gmm_dact (pre=(p,)) on padded operands: see the module docstring."""
+def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
+               out_dtype, cfg: mosaic.Config, n_buf: int, activation):
+  """gmm_act (pre=()) or gmm_dact (pre=(p,)) on padded operands, with mosaic._gmm_padded's
+  signature (weights: one weight); see the module docstring."""
+  (w,) = weights
   rows, k = lhs.shape
   n = w.shape[1] if transpose_rhs else w.shape[2]
   tile_n, tile_k, epi_n, epi_slots = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n, cfg.epi_slots
@@ -88,9 +90,9 @@ def gmm_padded(lhs, w, row_block_expert, row_block_rows, pre=(), *, block_m, tra
   m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
   num_pre = len(pre)
   dtype = lhs.dtype
-  if jnp.dtype(dtype).itemsize != 2 or num_pre > 1:
-    raise ValueError(f"the epilogue-warpgroup kernels take bf16 operands and at most one pre; got "
-                     f"{dtype} and {num_pre}")
+  if jnp.dtype(dtype).itemsize != 2 or jnp.dtype(out_dtype) != dtype or num_pre > 1:
+    raise ValueError(f"the epilogue-warpgroup kernels take bf16 operands, write their dtype and read "
+                     f"at most one pre; got {dtype} in, {jnp.dtype(out_dtype).name} out, {num_pre} pre")
   b_shape = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
   fn = PLAIN.get(activation, activation)
   # PLAIN's activations map the staged zero rows to zero; any other one is masked.
