@@ -6,8 +6,9 @@ activation), the balanced batched-matmul MLP (XLA, E equal groups) and a dense F
 FLOPs (cuBLAS and XLA's GELU: what dense-XS runs). The timer is tune_gmm.timeit (median over
 repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows only. The fused MLP's
 output is checked against the float32 reference (real rows) and its three gradients against the
-unfused path's; the balanced and dense peers are the same FLOPs on other data, timed, not checked
-(plain XLA, bf16 in and out, so their backward stays bf16). Needs an sm_90 GPU:
+unfused path's; the balanced and dense peers are the same FLOPs on other data (plain XLA, bf16 in
+and out, so their backward stays bf16), and their gradients are checked against the same
+functions on float32 operands. Needs an sm_90 GPU:
   python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1 [--configs default,epilogue_wg]
 --configs times the Mosaic kernels once per config set, in one process: "default" is
 mosaic.DEFAULT_CONFIGS, "epilogue_wg" the same with mosaic_epilogue.CONFIGS (gmm_act and gmm_dact
@@ -98,10 +99,16 @@ def config_set_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dic
   xb, dyb = x[:n].reshape(e, n // e, d), dy[:n].reshape(e, n // e, d)
   bal = lambda a, wi, wo: jnp.sum(
       jnp.einsum("ecf,efd->ecd", act(jnp.einsum("ecd,edf->ecf", a, wi)), wo).astype(jnp.float32) * dyb)
-  rec("balanced bmm MLP fwd+bwd", jax.jit(jax.grad(bal, argnums=(0, 1, 2))), (xb, w_in, w_out), 6 * flops)
   dense = lambda a, wi, wo: jnp.sum((act(a @ wi) @ wo).astype(jnp.float32) * dy[:n])
-  rec("dense FFN fwd+bwd (cuBLAS, XLA GELU)", jax.jit(jax.grad(dense, argnums=(0, 1, 2))),
-      (x[:n], w_in[0], w_out[0]), 6 * flops)
+  f32 = lambda args: tuple(a.astype(jnp.float32) for a in args)
+  for name, fn, args in (("balanced bmm MLP fwd+bwd", bal, (xb, w_in, w_out)),
+                         ("dense FFN fwd+bwd (cuBLAS, XLA GELU)", dense, (x[:n], w_in[0], w_out[0]))):
+    grad = jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
+    got = rec(name, grad, args, 6 * flops)
+    # Each peer's three gradients against the same function on float32 operands.
+    res[name]["grad_vs_float32_rel_err"] = [rel_err(g, w) for g, w in zip(got, grad(*f32(args)), strict=True)]
+    print(f"{shape} {name} dx, dW_in, dW_out vs float32 rel err "
+          f"{', '.join(f'{v:.1e}' for v in res[name]['grad_vs_float32_rel_err'])}", flush=True)
   return res, fused
 
 
