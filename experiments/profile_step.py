@@ -65,8 +65,8 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
-from sparsejax.train import (TrainConfig, functional, init_model, make_optimizer, make_steps, mfu,  # noqa: E402
-                             peak_flops)
+from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, functional, init_model,  # noqa: E402
+                             make_optimizer, make_steps, mfu, peak_flops)
 
 CATEGORIES = ("attention", "expert/ffn matmuls", "activation", "router and top-k", "placement", "topology",
               "gather/scatter", "aux losses", "norms", "embed, head, loss", "optimizer", "other")
@@ -319,23 +319,28 @@ def profile_preset(preset: str, args, corpus) -> dict:
   params = jax.jit(lambda: functional(init_model(cfg, model_cfg))[1])()
   tx = _scoped(make_optimizer(cfg))
   opt_state = jax.jit(tx.init)(params)
-  train_step, _ = make_steps(apply, tx, cfg.seed)
+  # As sparsejax.train runs it: AdamW writes the bf16 copy of the weights the forward casts.
+  train_step, _ = make_steps(apply, tx, cfg.seed, with_copy=True)
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   n = args.warmup + 2 * args.steps
   batches = [jax.device_put(next(stream)) for _ in range(n)]
   step_ids = [jax.device_put(jnp.int32(i)) for i in range(n)]
+  dtypes = cast_dtypes(apply, params, batches[0][0], rng=jax.random.key(cfg.seed))
+  if args.no_compute_copy:  # the forward casts every weight itself, as before the copy
+    dtypes = jax.tree.map(lambda d: None, dtypes)
+  copy = compute_copy(params, dtypes)
   t0 = time.perf_counter()
-  compiled = train_step.lower(params, opt_state, *batches[0], step_ids[0]).compile()
+  compiled = train_step.lower(params, opt_state, *batches[0], step_ids[0], copy).compile()
   compile_s = time.perf_counter() - t0
   hlo = compiled.as_text()
   module = re.match(r"HloModule\s+([\w.\-]+)", hlo).group(1)
 
   def run(lo, hi):
-    nonlocal params, opt_state
+    nonlocal params, opt_state, copy
     m = None
     for i in range(lo, hi):
-      params, opt_state, m = compiled(params, opt_state, *batches[i], step_ids[i])
-    jax.block_until_ready((params, opt_state, m))
+      params, opt_state, m, copy = compiled(params, opt_state, *batches[i], step_ids[i], copy)
+    jax.block_until_ready((params, opt_state, m, copy))
 
   run(0, args.warmup)
   t = time.perf_counter()
@@ -378,6 +383,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
   return {
       "preset": preset, "overrides": overrides, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
       "dtype": model_cfg.dtype, "moe_impl": model_cfg.moe_impl if model_cfg.moe_every else None,
+      "compute_copy": bool(jax.tree.leaves(copy)),  # the forward read AdamW's compute-dtype weights
       "hlo_module": module, "compile_s": compile_s, "steps_traced": args.steps,
       "command_buffers": args.keep_command_buffers or jax.default_backend() != "gpu",
       "step_ms": step_ms, "single_step_ms": single_ms, "device_ms": device_ms, "gaps": gaps, "raw_kernels": raw, "tokens_per_s": tokens / (step_ms / 1e3),
@@ -406,7 +412,8 @@ def _mfu(r: dict) -> str:
 def preset_markdown(r: dict, device: str) -> str:
   lines = [f"# Training step of {r['preset']} on {device}", "",
            f"batch {r['batch_size']} x {r['seq_len']} tokens, {r['dtype']}, moe_impl {r['moe_impl']}; "
-           f"{r['steps_traced']} steps traced"
+           + ("weights read from AdamW's compute-dtype copy; " if r.get("compute_copy") else "")
+           + f"{r['steps_traced']} steps traced"
            + ("." if r["command_buffers"] else ", CUDA graphs off (as while timing the step)."), "",
            f"step {r['step_ms']:.2f} ms (wall, {r['steps_traced']} steps back to back; one step alone "
            f"{r['single_step_ms']:.2f} ms), device busy {r['device_ms']:.2f} ms, "
@@ -466,6 +473,8 @@ def main(argv=None) -> dict:
   p.add_argument("--data", default=None, help="corpus (default: the Python standard library)")
   p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"),
                  help="AdamW's first-moment dtype (TrainConfig.adam_mu_dtype)")
+  p.add_argument("--no-compute-copy", action="store_true",
+                 help="the forward casts the float32 weights, instead of reading the bf16 copy AdamW writes")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, smoke 1)")
   p.add_argument("--steps", type=int, default=None, help="timed steps, then as many traced (default 10, smoke 2)")
   p.add_argument("--top-ops", type=int, default=15, help="heaviest ops listed per preset")

@@ -3,7 +3,9 @@
 The loop: data -> jitted step (AdamW, warm-up + cosine, clipping, aux losses) -> log -> checkpoint.
 Runs resume exactly from the latest finished checkpoint in `out/checkpoints` (params, optimizer,
 data position and step; the step's rng is fold_in(seed, step)), so a killed run restarted with
-the same command continues the same loss curve.
+the same command continues the same loss curve. With a compute dtype unlike the params' (bf16
+over float32), the step also carries the bf16 copy of the weights the forward casts, written by
+the optimizer (make_steps(with_copy=True)); checkpoints hold only the params it derives from.
 
 train(cfg) = run(prepare(cfg)): prepare checks everything a user can get wrong (preset, data,
 sequence length, an existing run of another model in `out`) without compiling or writing
@@ -71,10 +73,60 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                                  mu_dtype=jnp.dtype(cfg.adam_mu_dtype)))
 
 
-def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, shardings=None):
+def cast_dtypes(apply: Callable, params: dict, *args, **kwargs) -> dict:
+  """The params the forward casts before anything else: d for a leaf p whose one use in
+  apply(params, *args, **kwargs) is p.astype(d) with d != p.dtype, None for every other leaf.
+
+  Read from the forward's jaxpr, so it is what the model does, not a list of names: for the
+  Transformer the attention, FFN, expert and head weights are cast to the compute dtype first
+  thing; the router's weight (a float32 matmul), the embedding (gathered, then cast) and the
+  norm scales (float32) come back None, and so does everything when the compute dtype is the
+  params'. A leaf used twice stays None: a copy would sum the two uses' gradients in the compute
+  dtype, where the two casts' transposes sum them in float32.
+  """
+  spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "dtype") else a
+  jaxpr = jax.make_jaxpr(lambda p, a, kw: apply(p, *a, **kw))(*jax.tree.map(spec, (params, args, kwargs))).jaxpr
+  uses = {id(v): [] for v in jaxpr.invars}  # keyed by id: literals among the operands need not hash
+  for eqn in jaxpr.eqns:
+    for v in eqn.invars:
+      uses.get(id(v), []).append(eqn)
+  for v in jaxpr.outvars:
+    uses.get(id(v), []).append(None)  # returned as it is: a use that is no cast
+
+  def cast_to(v):
+    (eqn,) = uses[id(v)] if len(uses[id(v)]) == 1 else (None,)
+    if eqn is None or eqn.primitive.name != "convert_element_type":
+      return None
+    dtype = jnp.dtype(eqn.params["new_dtype"])
+    return None if dtype == v.aval.dtype else dtype
+
+  leaves = [cast_to(v) for v in jaxpr.invars[:len(jax.tree.leaves(params))]]
+  return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+def compute_copy(params: dict, dtypes: dict) -> dict:
+  """copy[leaf] = params[leaf].astype(dtypes[leaf]) where dtypes (cast_dtypes') names one, None elsewhere."""
+  return jax.tree.map(lambda d, p: None if d is None else p.astype(d), dtypes, params, is_leaf=_is_none)
+
+
+def _is_none(v) -> bool:
+  return v is None
+
+
+def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, shardings=None,
+               with_copy: bool = False):
   """train_step(params, opt, x, y, step) -> (params, opt, metrics); eval_step(params, x, y) -> loss.
 
-  shardings=(params', opt_state's): the step returns its state laid out as it came (a mesh run).
+  with_copy=True: train_step(params, opt, x, y, step, copy) -> (params, opt, metrics, copy), copy =
+  compute_copy(params, cast_dtypes(...)) the compute-dtype weights, made from the params once and
+  then by each step. The forward reads w_c = copy[leaf] where params[leaf].astype(d) stood, the
+  gradient dL/dw_c is upcast to the param's dtype (what the cast's transpose did), AdamW updates the
+  params as before, and the step returns the copy of the updated params, a cast that XLA can fuse
+  into the update (XLA:CPU keeps it apart). The same numbers bit for bit, without the forward's
+  cast of every weight: reading 4 and writing 2 bytes per parameter becomes writing 2. The copy is
+  derived state: checkpoints leave it out, and a restored run rebuilds it from the params.
+  shardings=(params', opt_state's): the step returns its state laid out as it came (a mesh run),
+  each copied leaf as its param.
   """
 
   def loss_fn(params, x, y, rng):
@@ -82,9 +134,18 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     ce = cross_entropy(logits, y)
     return ce + stats.aux_loss, (ce, stats)
 
-  def train_step(params, opt_state, x, y, step):
-    rng = jax.random.fold_in(jax.random.key(seed), step)
-    (loss, (ce, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, rng)
+  def loss_and_grads(params, x, y, rng):
+    return jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, rng)
+
+  def loss_and_grads_via_copy(params, copy, x, y, rng):
+    """loss_and_grads, the forward reading the copy: dL/dp = upcast(dL/dw_c) where a copy stands in."""
+    rest = jax.tree.map(lambda c, p: p if c is None else None, copy, params, is_leaf=_is_none)
+    merge = lambda w: jax.tree.map(lambda c, p: p if c is None else c, *w, is_leaf=_is_none)
+    value, (g_copy, g_rest) = jax.value_and_grad(lambda w: loss_fn(merge(w), x, y, rng), has_aux=True)((copy, rest))
+    return value, jax.tree.map(lambda g, r, p: r if g is None else g.astype(p.dtype), g_copy, g_rest, params,
+                               is_leaf=_is_none)
+
+  def update(params, opt_state, loss, ce, stats, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     metrics = dict(loss=loss, ce=ce, aux_loss=stats.aux_loss, lb_loss=stats.load_balancing_loss,
@@ -92,11 +153,26 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
                    tokens_per_expert=stats.tokens_per_expert, dropped_fraction=stats.dropped_fraction)
     return params, opt_state, metrics
 
+  if with_copy:
+    def train_step(params, opt_state, x, y, step, copy):
+      rng = jax.random.fold_in(jax.random.key(seed), step)
+      (loss, (ce, stats)), grads = loss_and_grads_via_copy(params, copy, x, y, rng)
+      params, opt_state, metrics = update(params, opt_state, loss, ce, stats, grads)
+      return params, opt_state, metrics, compute_copy(params, jax.tree.map(lambda c: c.dtype, copy))
+  else:
+    def train_step(params, opt_state, x, y, step):
+      rng = jax.random.fold_in(jax.random.key(seed), step)
+      (loss, (ce, stats)), grads = loss_and_grads(params, x, y, rng)
+      return update(params, opt_state, loss, ce, stats, grads)
+
   def eval_step(params, x, y):
     return cross_entropy(apply(params, x)[0], y)
 
-  out = None if shardings is None else (*shardings, None)
-  return jax.jit(train_step, donate_argnums=(0, 1), out_shardings=out), jax.jit(eval_step)
+  out = None
+  if shardings is not None:  # a copy's leaves lie as their params': shardings[0] is a prefix of the copy
+    out = (*shardings, None, shardings[0]) if with_copy else (*shardings, None)
+  donate = (0, 1, 5) if with_copy else (0, 1)
+  return jax.jit(train_step, donate_argnums=donate, out_shardings=out), jax.jit(eval_step)
 
 
 def peak_flops(device_kind: str, num_devices: int, per_device: float | None = None) -> float | None:
@@ -367,7 +443,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
     if main_process:
       print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
   batch = lambda b: global_batch(mesh, b) if mesh is not None else b
-  train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings)
+  train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True)
   val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, **procs)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step
@@ -380,7 +456,10 @@ def run(plan: Plan, *, mesh=None) -> dict:
   # Compile ahead of time so that every timed window (tokens/s, MFU, elapsed) is pure training.
   t0 = time.perf_counter()
   example = batch(stream.batch(stream.position))
-  train_step = train_step.lower(params, opt_state, *example, jnp.int32(step)).compile()
+  # The compute-dtype copy of the weights the forward casts (none for a float32 model): derived
+  # from the params, so made here, after any restore, and never checkpointed.
+  copy = compute_copy(params, cast_dtypes(apply, params, example[0], rng=jax.random.key(cfg.seed)))
+  train_step = train_step.lower(params, opt_state, *example, jnp.int32(step), copy).compile()
   compile_s = time.perf_counter() - t0
   if ckpt is None and cfg.ckpt_every > 0:
     ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep)
@@ -400,7 +479,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
   while step < cfg.steps and (cfg.max_time_s is None or elapsed < cfg.max_time_s):
     x, y = batch(next(stream))
-    params, opt_state, m = train_step(params, opt_state, x, y, jnp.int32(step))
+    params, opt_state, m, copy = train_step(params, opt_state, x, y, jnp.int32(step), copy)
     step, window_steps = step + 1, window_steps + 1
     if step % cfg.log_every == 0 or step == cfg.steps:
       m = jax.device_get(m)  # blocks: the window's time is then real compute time

@@ -57,9 +57,9 @@ def test_expert_parallel_training_follows_one_device(tmp_path, one_device, monke
     seen["hierarchical"].add(kw["parallel"].hierarchical)
     return real_ep(*args, **kw)
 
-  def spy(apply, tx, seed, *, shardings=None):
+  def spy(apply, tx, seed, *, shardings=None, **kw):
     seen["shardings"] = shardings
-    return real(apply, tx, seed, shardings=shardings)
+    return real(apply, tx, seed, shardings=shardings, **kw)
 
   monkeypatch.setattr(loop, "make_steps", spy)
   monkeypatch.setattr(parallel, "expert_parallel_moe_mlp", ep_spy)
