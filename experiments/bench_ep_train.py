@@ -88,6 +88,52 @@ def collective_kind(event: dict) -> str | None:
   return None
 
 
+def overlapped_us(kernels: list[dict]) -> dict[str, float]:
+  """Per collective kind, the device time during which another, non-collective kernel ran on the
+  same device (another stream): sum over collective events c of |c ∩ union(compute on c's device)|.
+  Zero means the exchange ran exposed, whatever the scheduler promised."""
+  busy = collections.defaultdict(list)  # device -> merged [lo, hi) of compute kernels
+  for e in kernels:
+    if not collective_kind(e):
+      iv, lo, hi = busy[e["pid"]], e["ts"], e["ts"] + e["dur"]
+      if iv and lo <= iv[-1][1]:
+        iv[-1][1] = max(iv[-1][1], hi)
+      else:
+        iv.append([lo, hi])
+  out = collections.Counter()
+  for e in kernels:
+    kind = collective_kind(e)
+    if kind:
+      lo, hi = e["ts"], e["ts"] + e["dur"]
+      out[kind] += sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in busy[e["pid"]] if a < hi and b > lo)
+  return dict(out)
+
+
+def arrival_skew_us(kernels: list[dict]) -> float:
+  """Sum over the all-to-alls of (last device's start - first device's start): the time the devices
+  that came first spent in the exchange waiting for the last (the i-th launch of an HLO op on each
+  device is taken as the same collective)."""
+  starts = collections.defaultdict(lambda: collections.defaultdict(list))  # op -> device -> starts
+  for e in kernels:
+    if collective_kind(e) == "all-to-all":
+      starts[e.get("args", {}).get("hlo_op") or e["name"]][e["pid"]].append(e["ts"])
+  total = 0.0
+  for per_device in starts.values():
+    if len(per_device) > 1:
+      for ts in zip(*per_device.values()):
+        total += max(ts) - min(ts)
+  return total
+
+
+def device_load(tokens_per_expert, n: int) -> dict:
+  """Expert-parallel load balance from a step's tokens_per_expert [layers, E] (experts laid out in n
+  contiguous shards): per layer max over devices of the shard's tokens / the mean; mean and worst."""
+  t = jnp.asarray(tokens_per_expert, jnp.float32)
+  per_device = t.reshape(t.shape[0], n, -1).sum(-1)
+  ratio = per_device.max(-1) / jnp.maximum(per_device.mean(-1), 1)
+  return {"mean": float(ratio.mean()), "max": float(ratio.max())}
+
+
 def build(args, corpus, n: int, exchange: str | None, chunks: int = 1):
   overrides = SMOKE_MODEL if args.smoke else {}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
@@ -120,7 +166,7 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0)).compile()
   compile_s = time.perf_counter() - t0
   state = [params, opt_state]
-  losses = []
+  losses, last = [], {}
 
   def run(lo, hi):
     m = None
@@ -128,8 +174,11 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
       state[0], state[1], m = compiled(state[0], state[1], *batches[i], jnp.int32(i))
     jax.block_until_ready(state)
     losses.append(float(m["loss"]))
+    last.update(m)
 
-  run(0, args.warmup)
+  run(0, 1)  # step 0's loss: the same initial params and batch in every config (flags, exchanges, chunks)
+  if args.warmup > 1:
+    run(1, args.warmup)
   windows = []
   for r in range(args.repeats):
     lo = args.warmup + r * args.steps
@@ -139,8 +188,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
   step_s = statistics.median(windows)
   rec = {"gpus": n, "exchange": exchange or "none (one device)", "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
-         "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_last": losses[-1],
-         "finite": all(map(lambda v: v == v, losses))}
+         "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
+         "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n)}
   if not args.no_trace:
     lo = args.warmup + args.repeats * args.steps
     log_dir = tempfile.mkdtemp(prefix="ep_train_")
@@ -169,6 +218,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
     per_gpu_step_ms = lambda us: us / 1e3 / args.steps / n
     rec["collectives_ms"] = {k: per_gpu_step_ms(v) for k, v in by_kind.items()}
     rec["collective_share"] = {k: per_gpu_step_ms(v) / rec["step_ms"] for k, v in by_kind.items()}
+    rec["collectives_overlapped_ms"] = {k: per_gpu_step_ms(v) for k, v in overlapped_us(kernels).items()}
+    rec["all_to_all_arrival_skew_ms"] = arrival_skew_us(kernels) / 1e3 / args.steps
     rec["top_collectives"] = [(k, name, per_gpu_step_ms(us)) for (k, name), us in names.most_common(8)]
   return rec
 
@@ -176,14 +227,25 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
 def markdown(report: dict) -> str:
   lines = [f"### MoE training step, weak scaling ({report['preset']}, {report['batch_per_gpu']} x "
            f"{report['seq_len']} tokens per GPU, {report['device_kind']}, jax {report['jax']})", "",
-           "| GPUs | exchange | token chunks | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | all-reduce ms (share) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| GPUs | exchange | token chunks | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | "
+           "all-to-all ms under compute | all-reduce ms (share) |",
+           "|---|---|---|---|---|---|---|---|---|"]
   for r in report["runs"]:
     c, s = r.get("collectives_ms", {}), r.get("collective_share", {})
     cell = lambda k: f"{c[k]:.2f} ({100 * s[k]:.1f}%)" if k in c else ("0" if "collectives_ms" in r else "")
+    hidden = f"{r['collectives_overlapped_ms'].get('all-to-all', 0.0):.2f}" if "collectives_overlapped_ms" in r else ""
     eff = r["weak_scaling_efficiency"]
     lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | {r['step_ms']:.2f} | {r['tokens_per_s']:.3g} | "
-                 f"{'' if eff is None else f'{100 * eff:.1f}%'} | {cell('all-to-all')} | {cell('all-reduce')} |")
+                 f"{'' if eff is None else f'{100 * eff:.1f}%'} | {cell('all-to-all')} | {hidden} | {cell('all-reduce')} |")
+  if any("device_load" in r for r in report["runs"]):
+    lines += ["", "Balance: tokens on the busiest GPU over the mean (last step, mean / worst over MoE layers), and the "
+              "all-to-alls' arrival skew (last GPU's start minus first's, summed per step):", "",
+              "| GPUs | exchange | token chunks | busiest / mean | arrival skew ms |", "|---|---|---|---|---|"]
+    for r in report["runs"]:
+      load, skew = r.get("device_load"), r.get("all_to_all_arrival_skew_ms")
+      load_cell = "" if load is None else f"{load['mean']:.3f} / {load['max']:.3f}"
+      skew_cell = "" if skew is None else f"{skew:.2f}"
+      lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | {load_cell} | {skew_cell} |")
   names = [c for c in (*CATEGORIES, "collectives") if any(c in r.get("categories_ms", {}) for r in report["runs"])]
   if names:
     lines += ["", "Device time per step and GPU, by category (ms; profile_step.py's categories, the "

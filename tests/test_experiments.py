@@ -72,12 +72,22 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
          "collectives_ms": {}, "collective_share": {}, "categories_ms": {"optimizer": 7.0}}
   two = {"gpus": 2, "exchange": "dense", "token_chunks": 2, "step_ms": 40.0, "tokens_per_s": 1.5e6, "weak_scaling_efficiency": 0.75,
          "collectives_ms": {"all-to-all": 8.0}, "collective_share": {"all-to-all": 0.2},
-         "categories_ms": {"optimizer": 3.5, "collectives": 8.0}}
+         "collectives_overlapped_ms": {"all-to-all": 1.5}, "categories_ms": {"optimizer": 3.5, "collectives": 8.0}}
   table = b.markdown({"preset": "xs-moe", "batch_per_gpu": 32, "seq_len": 1024, "device_kind": "H200", "jax": "x",
                       "runs": [one, two]})
-  assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 0 |" in table
+  assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 1.50 | 0 |" in table
   assert "| 2 | dense | 2 | 3.50 | 8.00 |" in table
   assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1
+
+
+def test_ep_train_bench_counts_only_exchange_time_under_other_kernels_of_its_device():
+  import bench_ep_train as b
+  ev = lambda pid, ts, dur, op: {"pid": pid, "ts": ts, "dur": dur, "name": op, "args": {"hlo_op": op}}
+  kernels = [ev(1, 0, 10, "all-to-all.1"), ev(1, 4, 2, "fusion.1"), ev(1, 5, 3, "fusion.2"),  # 4 us hidden
+             ev(2, 0, 10, "fusion.3"),                                # another GPU hides nothing of GPU 1
+             ev(1, 20, 5, "all-to-all.2"), ev(1, 30, 5, "fusion.4"),  # exposed
+             ev(2, 20, 4, "all-reduce.1"), ev(2, 21, 10, "gemm.1")]   # 3 us hidden
+  assert b.overlapped_us(kernels) == {"all-to-all": 4.0, "all-reduce": 3.0}
 
 
 def test_ncu_script_checks_its_kernels_on_the_cpu():
@@ -90,3 +100,13 @@ def test_ncu_script_checks_its_kernels_on_the_cpu():
   mosaic_interpret_compat.compile_thread_bodies_once()
   errs = ncu_gmm_kernels.main(["--smoke"])
   assert len(errs) == 4 and all(0 <= e < 1e-2 for e in errs)
+
+
+def test_ep_train_bench_measures_arrival_skew_and_device_load():
+  import bench_ep_train as b
+  ev = lambda pid, ts, op: {"pid": pid, "ts": ts, "dur": 1, "name": op, "args": {"hlo_op": op}}
+  kernels = [ev(1, 0, "all-to-all.1"), ev(2, 3, "all-to-all.1"), ev(1, 10, "all-to-all.1"), ev(2, 11, "all-to-all.1"),
+             ev(1, 5, "all-to-all.2"), ev(2, 5, "all-to-all.2"), ev(1, 7, "fusion.1"), ev(2, 20, "fusion.1")]
+  assert b.arrival_skew_us(kernels) == 4.0
+  load = b.device_load([[1, 1, 1, 1], [3, 3, 1, 1]], 2)  # layer 2: 6 of 8 tokens on the first device
+  assert load == {"mean": 1.25, "max": 1.5}
