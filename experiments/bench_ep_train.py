@@ -47,8 +47,8 @@ import jax.numpy as jnp  # noqa: E402
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
-from sparsejax.train import (TrainConfig, expert_parallel_state, functional, global_batch, init_model,  # noqa: E402
-                             make_optimizer, make_steps, mesh_from_config)
+from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_parallel_state, functional,  # noqa: E402
+                             global_batch, init_model, make_optimizer, make_steps, mesh_from_config)
 
 SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=32)
 
@@ -152,26 +152,28 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1):
     params, opt_state, shardings = expert_parallel_state(model, params, tx, mesh, model_cfg.num_experts)
   else:
     opt_state, shardings = tx.init(params), None
-  train_step, _ = make_steps(apply, tx, cfg.seed, shardings=shardings)
+  train_step, _ = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True)
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   total = args.warmup + args.steps * (args.repeats + 1)
   put = (lambda b: global_batch(mesh, b)) if mesh is not None else jax.device_put
   batches = [put(next(stream)) for _ in range(total)]
-  return cfg, model_cfg, train_step, params, opt_state, batches
+  # As run() trains: the forward reads the compute-dtype copy of the weights that AdamW's update writes.
+  copy = compute_copy(params, cast_dtypes(apply, params, batches[0][0], rng=jax.random.key(cfg.seed)))
+  return cfg, model_cfg, train_step, (params, opt_state, copy), batches
 
 
 def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict:
-  cfg, model_cfg, train_step, params, opt_state, batches = build(args, corpus, n, exchange, chunks)
+  cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks)
   t0 = time.perf_counter()
-  compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0)).compile()
+  compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0), copy).compile()
   compile_s = time.perf_counter() - t0
-  state = [params, opt_state]
+  state = [params, opt_state, copy]
   losses, last = [], {}
 
   def run(lo, hi):
     m = None
     for i in range(lo, hi):
-      state[0], state[1], m = compiled(state[0], state[1], *batches[i], jnp.int32(i))
+      state[0], state[1], m, state[2] = compiled(state[0], state[1], *batches[i], jnp.int32(i), state[2])
     jax.block_until_ready(state)
     losses.append(float(m["loss"]))
     last.update(m)
