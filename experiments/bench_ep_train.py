@@ -12,7 +12,11 @@ jax.profiler, and the device time of the collectives is read from the trace: the
 the MoE layers (and their count exchange) apart from the all-reduces of the data-parallel
 gradients, and every op's device time by profile_step.py's categories (collectives apart). Shares
 are of the step time, per GPU (the mean over the n GPUs). CUDA graphs are off (as in
-profile_step.py) unless --no-trace.
+profile_step.py) unless --no-trace. Whether the exchange hides or waits: the all-to-all time during
+which another kernel ran on the same GPU (overlapped_us), the GPUs' arrival skew at each all-to-all
+(arrival_skew_us), and the busiest GPU's share of the last step's tokens (device_load); step 0's
+loss is recorded too (the same initial params and batch in every config, so flags that change how
+rows move can be checked against each other).
 
 Efficiency(n) = tokens/s(n) / (n * tokens/s(1)). Writes experiments/results/ep_train_<gpu>_x<n>.json
 and a markdown table (and copies under $OUT when set).
