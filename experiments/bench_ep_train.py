@@ -129,10 +129,13 @@ def arrival_skew_us(kernels: list[dict]) -> float:
   return total
 
 
-def device_load(tokens_per_expert, n: int) -> dict:
+def device_load(tokens_per_expert, n: int) -> dict | None:
   """Expert-parallel load balance from a step's tokens_per_expert [layers, E] (experts laid out in n
-  contiguous shards): per layer max over devices of the shard's tokens / the mean; mean and worst."""
+  contiguous shards): per layer max over devices of the shard's tokens / the mean; mean and worst.
+  None when E is not a multiple of n (sliced experts: every device holds a part of each)."""
   t = jnp.asarray(tokens_per_expert, jnp.float32)
+  if t.shape[-1] % n:
+    return None
   per_device = t.reshape(t.shape[0], n, -1).sum(-1)
   ratio = per_device.max(-1) / jnp.maximum(per_device.mean(-1), 1)
   return {"mean": float(ratio.mean()), "max": float(ratio.max())}

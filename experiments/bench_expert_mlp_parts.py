@@ -20,6 +20,7 @@ between sets timed one after the other.
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -38,17 +39,24 @@ from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS}
 
 
+@contextlib.contextmanager
+def config_set(name: str):
+  """mosaic.DEFAULT_CONFIGS with CONFIG_SETS[name] while the kernels are traced, then as it was."""
+  default = mosaic.DEFAULT_CONFIGS
+  mosaic.DEFAULT_CONFIGS = dataclasses.replace(default, **CONFIG_SETS[name])
+  try:
+    yield
+  finally:
+    mosaic.DEFAULT_CONFIGS = default
+
+
 def parts(shape: str, config_sets=("default",)) -> dict:
   """The six kernels and the MLP per config set; a later set's fused gradients are also checked
   against the first's."""
   out, first = {}, None
   for i, name in enumerate(config_sets):
-    default = mosaic.DEFAULT_CONFIGS
-    mosaic.DEFAULT_CONFIGS = dataclasses.replace(default, **CONFIG_SETS[name])
-    try:
+    with config_set(name):
       out[name], grads = config_set_parts(shape, peers=i == 0, tag=name, first=first)
-    finally:
-      mosaic.DEFAULT_CONFIGS = default
     first = first or grads
     _report(f"{shape} {name}", out[name])
   return out
@@ -133,14 +141,10 @@ def ab(shape: str, config_sets, rounds: int) -> dict:
              "expert_mlp fwd+bwd": (jax.grad(loss, argnums=(0, 1, 2)), (x, w_in, w_out))}
   compiled, outs = {}, {}
   for name in config_sets:
-    default = mosaic.DEFAULT_CONFIGS
-    mosaic.DEFAULT_CONFIGS = dataclasses.replace(default, **CONFIG_SETS[name])
-    try:
+    with config_set(name):
       for k, (fn, args) in kernels.items():
         compiled[k, name] = jax.jit(fn).lower(*args).compile()
         outs[k, name] = jax.block_until_ready(compiled[k, name](*args))
-    finally:
-      mosaic.DEFAULT_CONFIGS = default
   res = {"rel_err_vs_first": {}, "ms": {k: {c: [] for c in config_sets} for k in kernels}}
   on_real = lambda v: jnp.where(real, v, 0) if v.shape[0] == x.shape[0] else v
   for k in kernels:

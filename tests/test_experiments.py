@@ -110,3 +110,4 @@ def test_ep_train_bench_measures_arrival_skew_and_device_load():
   assert b.arrival_skew_us(kernels) == 4.0
   load = b.device_load([[1, 1, 1, 1], [3, 3, 1, 1]], 2)  # layer 2: 6 of 8 tokens on the first device
   assert load == {"mean": 1.25, "max": 1.5}
+  assert b.device_load([[1, 1, 1, 1]], 8) is None  # fewer experts than devices: sliced, no shard to count
