@@ -222,6 +222,40 @@ def test_mosaic_tgmm_of_a_single_output_tile():
   assert np.all(np.asarray(dw)[1] == 0)
 
 
+def test_heaviest_first_orders_experts_by_row_blocks():
+  """The tgmm tile order's expert permutation: most row blocks first, ties by index (a stable sort)."""
+  rng = np.random.default_rng(0)
+  for e in (1, 5, 64):
+    blocks = rng.integers(0, 4, e)  # many ties
+    offsets = jnp.asarray(np.concatenate([[0], np.cumsum(blocks)]), jnp.int32)
+    order = np.asarray(jax.jit(mosaic.heaviest_first)(offsets))
+    np.testing.assert_array_equal(order, np.argsort(-blocks, kind="stable"))
+
+
+@pytest.mark.parametrize("total,width", [(1, 2), (4, 2), (5, 2), (2048, 132), (2100, 132), (7, 8)])
+def test_tgmm_item_is_a_permutation_with_every_second_full_wave_reversed(total, width):
+  steps = np.arange(total)
+  items = np.asarray(mosaic._tgmm_item(jnp.asarray(steps, jnp.int32), total, width))
+  np.testing.assert_array_equal(np.sort(items), steps)
+  for wave in range(total // width):  # full waves: forwards, then backwards
+    got = items[wave * width:(wave + 1) * width]
+    want = steps[wave * width:(wave + 1) * width]
+    np.testing.assert_array_equal(got, want[::-1] if wave % 2 else want)
+
+
+@pytest.mark.parametrize("balance", [True, False])
+def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance):
+  """Heaviest-first with reversed waves (the default) and plain expert order give the same
+  gradient; the skewed sizes make the two orders differ, and two interpreted "SMs" over four
+  one-tile experts make a second, reversed wave."""
+  cfg = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, balance_experts=balance)
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=cfg))
+  topo, lhs, _, _, dout = _operands([40, 0, 300, 130], jnp.bfloat16, 128, 256, 5)
+  dw = G.tgmm(lhs, dout, topo, backend="mosaic")
+  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
+  assert np.all(np.asarray(dw)[1] == 0)
+
+
 def test_mosaic_float32_is_exact():
   """wgmma would read float32 as TF32: float32 operands take the exact Triton kernels instead."""
   topo, lhs, rhs, _, _ = _operands([130, 0, 5, 200], jnp.float32, 32, 48, 3)
