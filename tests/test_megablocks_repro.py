@@ -37,7 +37,7 @@ def test_no_target_without_dense_xs():
 
 def test_merge_keeps_earlier_variants_and_refuses_other_settings(tmp_path):
   settings = {"device": "H100", "smoke": False, "budget_s": 300.0, "batch_size": 32, "seq_len": 1024,
-              "data": "site-packages"}
+              "data": "site-packages", "adam_mu_dtype": "float32"}
   path = tmp_path / "megablocks.json"
   assert mb.load_for_merge(path, settings) == {}  # nothing yet: a fresh start
   path.write_text(json.dumps({**settings, "variants": {"dense": RESULTS["dense"]}}))
@@ -48,6 +48,12 @@ def test_merge_keeps_earlier_variants_and_refuses_other_settings(tmp_path):
     mb.load_for_merge(path, {**settings, "device": "H200"})
   with pytest.raises(SystemExit, match="data: 'site-packages' there, 'stdlib' here"):
     mb.load_for_merge(path, {**settings, "data": "stdlib"})
+  # A file from before the optimizer setting was recorded ran float32 moments.
+  older = {k: v for k, v in settings.items() if k != "adam_mu_dtype"}
+  path.write_text(json.dumps({**older, "variants": {"dense": RESULTS["dense"]}}))
+  assert set(mb.load_for_merge(path, settings)) == {"dense"}
+  with pytest.raises(SystemExit, match="adam_mu_dtype: 'float32' there, 'bfloat16' here"):
+    mb.load_for_merge(path, {**settings, "adam_mu_dtype": "bfloat16"})
 
 
 def test_table_lists_every_variant():
