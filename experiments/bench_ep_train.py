@@ -24,6 +24,7 @@ and a markdown table (and copies under $OUT when set).
   python experiments/bench_ep_train.py                 # GPU machine with 2+ GPUs: xs-moe, 32 x 1024 per GPU
   python experiments/bench_ep_train.py --smoke         # CPU, 8 host devices, a tiny model
   python experiments/bench_ep_train.py --exchanges dense --token-chunks 1,2   # exchange/compute overlap
+  python experiments/bench_ep_train.py --pretrain-steps 300 --tag _trained      # past the router's first steps
 """
 from __future__ import annotations
 
@@ -70,12 +71,19 @@ def parse_args(argv=None):
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--pretrain-steps", type=int, default=0,
+                 help="train this many steps on one device first; every config then starts from that state "
+                      "(the router past its first steps' imbalance)")
+  p.add_argument("--tag", default="", help="suffix of the result files' names")
   p.add_argument("--no-trace", action="store_true", help="skip the profile of the collectives")
   p.add_argument("--smoke", action="store_true", help="CPU, 8 host devices, a tiny model, few steps")
   p.add_argument("--out", default=str(HERE / "results"))
   a = p.parse_args(argv)
   if a.smoke:
     a.batch_per_gpu, a.seq_len, a.warmup, a.steps, a.repeats = 2, 32, 1, 2, 1
+    a.pretrain_steps = min(a.pretrain_steps, 2)
+  if a.pretrain_steps < 0:
+    p.error(f"--pretrain-steps must be >= 0, got {a.pretrain_steps}")
   return a
 
 
@@ -141,7 +149,7 @@ def device_load(tokens_per_expert, n: int) -> dict | None:
   return {"mean": float(ratio.mean()), "max": float(ratio.max())}
 
 
-def build(args, corpus, n: int, exchange: str | None, chunks: int = 1):
+def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None):
   overrides = SMOKE_MODEL if args.smoke else {}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
                     steps=10**6, model_overrides=overrides,
@@ -159,7 +167,10 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1):
     params, opt_state, shardings = expert_parallel_state(model, params, tx, mesh, model_cfg.num_experts)
   else:
     opt_state, shardings = tx.init(params), None
+  if start is not None:  # the pretrained (params, opt_state), laid out as this config's own
+    params, opt_state = jax.device_put(start, shardings) if shardings else jax.device_put(start)
   train_step, _ = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True)
+  # Batches the pretraining did not see (its stream has another seed).
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   total = args.warmup + args.steps * (args.repeats + 1)
   put = (lambda b: global_batch(mesh, b)) if mesh is not None else jax.device_put
@@ -169,10 +180,24 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1):
   return cfg, model_cfg, train_step, (params, opt_state, copy), batches
 
 
-def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict:
-  cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks)
+def pretrain(args, corpus) -> tuple:
+  """(params, opt_state) on the host after --pretrain-steps steps on one device, from the configs'
+  common initial state, on batches of another seed than the measured ones."""
+  cfg, _, train_step, (params, opt_state, copy), _ = build(
+      argparse.Namespace(**{**vars(args), "warmup": 1, "steps": 0, "repeats": 0}), corpus, 1, None)
+  stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed + 1)
+  m = None
+  for i in range(args.pretrain_steps):
+    params, opt_state, m, copy = train_step(params, opt_state, *map(jax.device_put, next(stream)), jnp.int32(i), copy)
+  print(f"pretrained {args.pretrain_steps} steps on one device: loss {float(m['loss']):.3f}", flush=True)
+  return jax.device_get((params, opt_state))
+
+
+def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None) -> dict:
+  cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start)
+  first = args.pretrain_steps if start is not None else 0  # the step index the schedule sees
   t0 = time.perf_counter()
-  compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0), copy).compile()
+  compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(first), copy).compile()
   compile_s = time.perf_counter() - t0
   state = [params, opt_state, copy]
   losses, last = [], {}
@@ -180,12 +205,12 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
   def run(lo, hi):
     m = None
     for i in range(lo, hi):
-      state[0], state[1], m, state[2] = compiled(state[0], state[1], *batches[i], jnp.int32(i), state[2])
+      state[0], state[1], m, state[2] = compiled(state[0], state[1], *batches[i], jnp.int32(first + i), state[2])
     jax.block_until_ready(state)
     losses.append(float(m["loss"]))
     last.update(m)
 
-  run(0, 1)  # step 0's loss: the same initial params and batch in every config (flags, exchanges, chunks)
+  run(0, 1)  # the first step's loss: the same params and batch in every config (flags, exchanges, chunks)
   if args.warmup > 1:
     run(1, args.warmup)
   windows = []
@@ -196,6 +221,7 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
     windows.append((time.perf_counter() - t) / args.steps)
   step_s = statistics.median(windows)
   rec = {"gpus": n, "exchange": exchange or "none (one device)", "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+         "pretrain_steps": first,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
          "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n)}
@@ -235,7 +261,9 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1) -> dict
 
 def markdown(report: dict) -> str:
   lines = [f"### MoE training step, weak scaling ({report['preset']}, {report['batch_per_gpu']} x "
-           f"{report['seq_len']} tokens per GPU, {report['device_kind']}, jax {report['jax']})", "",
+           f"{report['seq_len']} tokens per GPU, {report['device_kind']}, jax {report['jax']}"
+           + (f", from the state after {report['pretrain_steps']} steps on one device" if report.get("pretrain_steps") else "")
+           + (f", XLA_FLAGS={report['xla_flags']}" if report.get("xla_flags") else "") + ")", "",
            "| GPUs | exchange | token chunks | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | "
            "all-to-all ms under compute | all-reduce ms (share) |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -277,11 +305,13 @@ def main(argv=None) -> dict:
   corpus = load_corpus(None)
   kind = jax.devices()[0].device_kind
   report = {"preset": args.preset, "batch_per_gpu": args.batch_per_gpu, "seq_len": args.seq_len,
-            "device_kind": kind, "jax": jax.__version__, "runs": []}
+            "device_kind": kind, "jax": jax.__version__, "pretrain_steps": args.pretrain_steps,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "runs": []}
+  start = pretrain(args, corpus) if args.pretrain_steps else None
   for n in counts:
     for exchange in ([None] if n == 1 else args.exchanges.split(",")):
       for chunks in ([1] if n == 1 else [int(c) for c in args.token_chunks.split(",")]):
-        rec = measure(args, corpus, n, exchange, chunks)
+        rec = measure(args, corpus, n, exchange, chunks, start)
         report["runs"].append(rec)
         print(json.dumps(rec), flush=True)
   base = next((r for r in report["runs"] if r["gpus"] == 1), None)
@@ -289,7 +319,7 @@ def main(argv=None) -> dict:
     r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
   table = markdown(report)
   print("\n" + table)
-  name = ("cpu_smoke" if args.smoke else kind.lower().replace("nvidia ", "").replace(" ", "_")) + f"_x{max(counts)}"
+  name = ("cpu_smoke" if args.smoke else kind.lower().replace("nvidia ", "").replace(" ", "_")) + f"_x{max(counts)}" + args.tag
   dirs = [pathlib.Path(args.out)] + ([pathlib.Path(os.environ["OUT"])] if os.environ.get("OUT") else [])
   for d in dirs:
     d.mkdir(parents=True, exist_ok=True)
