@@ -49,6 +49,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from ep_balance import shard_load  # noqa: E402
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
@@ -141,12 +142,8 @@ def device_load(tokens_per_expert, n: int) -> dict | None:
   """Expert-parallel load balance from a step's tokens_per_expert [layers, E] (experts laid out in n
   contiguous shards): per layer max over devices of the shard's tokens / the mean; mean and worst.
   None when E is not a multiple of n (sliced experts: every device holds a part of each)."""
-  t = jnp.asarray(tokens_per_expert, jnp.float32)
-  if t.shape[-1] % n:
-    return None
-  per_device = t.reshape(t.shape[0], n, -1).sum(-1)
-  ratio = per_device.max(-1) / jnp.maximum(per_device.mean(-1), 1)
-  return {"mean": float(ratio.mean()), "max": float(ratio.max())}
+  load = shard_load(jax.device_get(tokens_per_expert), n)
+  return None if load is None else {"mean": load[0], "max": load[1]}
 
 
 def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None):

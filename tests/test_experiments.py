@@ -111,3 +111,23 @@ def test_ep_train_bench_measures_arrival_skew_and_device_load():
   load = b.device_load([[1, 1, 1, 1], [3, 3, 1, 1]], 2)  # layer 2: 6 of 8 tokens on the first device
   assert load == {"mean": 1.25, "max": 1.5}
   assert b.device_load([[1, 1, 1, 1]], 8) is None  # fewer experts than devices: sliced, no shard to count
+
+
+def test_ep_balance_tables_the_busiest_shard_per_logged_step(tmp_path):
+  import ep_balance
+  run = tmp_path / "run"
+  run.mkdir()
+  records = [{"kind": "train", "step": 5, "loss": 4.0, "tokens_per_expert": [[4, 0, 0, 0], [1, 1, 1, 1]]},
+             {"kind": "val", "step": 5, "val_loss": 4.1},
+             {"kind": "train", "step": 10, "loss": 3.0, "tokens_per_expert": [[2, 2, 2, 2], [3, 1, 2, 2]]}]
+  (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+  report = ep_balance.main([str(run), "--shards", "2,4,3", "--name", "t", "--out", str(tmp_path / "out")])
+  first, last = report["rows"]
+  assert (first["P2_mean"], first["P2_max"]) == (1.5, 2.0)  # layer 1: all 4 tokens on shard 0 of 2
+  assert (first["P4_mean"], first["P4_max"]) == (2.5, 4.0)
+  assert (last["P2_mean"], last["P4_max"]) == (1.0, 1.5)
+  assert "P3_mean" not in first  # 4 experts do not split into 3 shards
+  assert (tmp_path / "out" / "ep_balance_t.md").read_text().count("\n| ") == 3
+  with pytest.raises(SystemExit, match="no train records"):
+    (run / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
+    ep_balance.main([str(run), "--out", str(tmp_path / "out")])
