@@ -65,9 +65,11 @@ def main(argv=None) -> dict:
       if load is not None:
         row[f"P{n}_mean"], row[f"P{n}_max"] = load
     rows.append(row)
-  shown = [r for r in rows if r["step"] in {rows[0]["step"], rows[-1]["step"]} or
-           any(r["step"] <= s < r["step"] + (rows[1]["step"] - rows[0]["step"] if len(rows) > 1 else 1)
-               for s in (10, 25, 50, 100, 200, 300, 500, 1000, 2000))]
+  # The table: the first and last logged steps and the first at or past each milestone.
+  last = rows[-1]["step"]
+  picked = {rows[0]["step"], last} | {next(r["step"] for r in rows if r["step"] >= s)
+                                      for s in (10, 25, 50, 100, 200, 300, 500, 1000, 2000) if s <= last}
+  shown = [r for r in rows if r["step"] in picked]
   cols = [n for n in shards if f"P{n}_mean" in rows[0]]
   lines = [f"### Busiest expert-parallel shard's tokens / the mean ({a.name}; mean / worst over MoE layers)", "",
            "| step | loss | " + " | ".join(f"P = {n}" for n in cols) + " |", "|---|---|" + "---|" * len(cols)]
