@@ -52,8 +52,8 @@ SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=4
 # In smoke runs the Small preset stays larger than the XS one, as it is at full size.
 SMOKE_MODEL_SMALL = dict(SMOKE_MODEL, d_model=48, num_layers=3, d_ff=96)
 TARGET_VARIANT = "dense"  # time_to_target_s: when each variant reaches this one's final val loss
-SETTINGS = ("device", "smoke", "budget_s", "batch_size", "seq_len", "data", "adam_mu_dtype")  # what merged runs must share
-SETTING_DEFAULTS = {"adam_mu_dtype": "float32"}  # for results files written before the setting existed
+SETTINGS = ("device", "smoke", "budget_s", "batch_size", "seq_len", "data", "adam_mu_dtype", "grad_accum")  # what merged runs must share
+SETTING_DEFAULTS = {"adam_mu_dtype": "float32", "grad_accum": 1}  # for results files written before the setting existed
 
 
 def time_to_reach(val: list[dict], target: float) -> float | None:
@@ -79,7 +79,7 @@ def run_variant(name: str, preset: str, overrides: dict, args, runs: pathlib.Pat
   cfg = TrainConfig(
       preset=preset, data=args.data, out=str(out), steps=10**7, batch_size=args.batch_size,
       seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, dtype=args.dtype, adam_mu_dtype=args.adam_mu_dtype,
-      eval_every=0,
+      grad_accum=args.grad_accum, eval_every=0,
       eval_every_s=args.budget_s / args.evals, eval_batches=args.eval_batches, ckpt_every=0,
       log_every=args.log_every, max_time_s=args.budget_s, seed=args.seed, progress=not args.no_progress,
       model_overrides=model)
@@ -157,6 +157,8 @@ def table(report: dict) -> str:
   target = report["target_val_loss"]
   lines = [f"# MegaBlocks experiment on {report['device']}: {report['budget_s']:g} s of training per variant",
            "", f"corpus {report['data']}; batch {report['batch_size']} x {report['seq_len']} tokens; "
+           + ("" if report.get("grad_accum", 1) == 1
+              else f"{report['grad_accum']} microbatches of {report['batch_size'] // report['grad_accum']} a step; ")
            + ("" if report.get("adam_mu_dtype", "float32") == "float32"
               else f"AdamW first moment in {report['adam_mu_dtype']}; ") +
            f"target: {report['target']}"
@@ -187,6 +189,10 @@ def main(argv=None) -> dict:
   p.add_argument("--dtype", default=None, help="compute dtype (default bfloat16 on GPU)")
   p.add_argument("--adam-mu-dtype", default="float32", choices=["float32", "bfloat16"],
                  help="AdamW's first moment, for every variant (bfloat16: 4 fewer bytes a parameter a step)")
+  p.add_argument("--grad-accum", type=int, default=1,
+                 help="microbatches per step: --batch-size sequences per AdamW update in the memory of fewer "
+                      "(MegaBlocks trained with 512 x 1024 tokens a step)")
+  p.add_argument("--tag", default="", help="appended to the results files' names (megablocks<tag>.json, ...)")
   p.add_argument("--moe-impl", default=None, help="grouped-matmul backend for MoE layers (default auto)")
   p.add_argument("--evals", type=int, default=30, help="validation points per run")
   p.add_argument("--eval-batches", type=int, default=4)
@@ -207,11 +213,12 @@ def main(argv=None) -> dict:
 
   out = pathlib.Path(args.out)
   runs = out / ("runs_smoke" if args.smoke else "runs")
-  stem = "megablocks_smoke" if args.smoke else "megablocks"
+  stem = ("megablocks_smoke" if args.smoke else "megablocks") + args.tag
   results_path = out / f"{stem}.json"
   device = jax.devices()[0].device_kind
   settings = {"device": device, "smoke": args.smoke, "budget_s": args.budget_s, "batch_size": args.batch_size,
-              "seq_len": args.seq_len, "data": args.data or "stdlib", "adam_mu_dtype": args.adam_mu_dtype}
+              "seq_len": args.seq_len, "data": args.data or "stdlib", "adam_mu_dtype": args.adam_mu_dtype,
+              "grad_accum": args.grad_accum}
   results = load_for_merge(results_path, settings) if args.merge else {}
   for name in args.variants:
     preset, overrides = VARIANTS[name]

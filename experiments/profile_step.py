@@ -310,7 +310,8 @@ def _scoped(tx: optax.GradientTransformation) -> optax.GradientTransformation:
 def profile_preset(preset: str, args, corpus) -> dict:
   overrides = {**(SMOKE_MODEL if args.smoke else {}), **args.overrides}
   cfg = TrainConfig(preset=preset, batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
-                    steps=10**6, adam_mu_dtype=args.adam_mu_dtype, model_overrides=overrides)
+                    steps=10**6, adam_mu_dtype=args.adam_mu_dtype, grad_accum=args.grad_accum,
+                    model_overrides=overrides)
   model_cfg = cfg.model_config()
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
@@ -320,7 +321,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
   tx = _scoped(make_optimizer(cfg))
   opt_state = jax.jit(tx.init)(params)
   # As sparsejax.train runs it: AdamW writes the bf16 copy of the weights the forward casts.
-  train_step, _ = make_steps(apply, tx, cfg.seed, with_copy=True)
+  train_step, _ = make_steps(apply, tx, cfg.seed, with_copy=True, grad_accum=cfg.grad_accum)
   stream = BatchStream(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
   n = args.warmup + 2 * args.steps
   batches = [jax.device_put(next(stream)) for _ in range(n)]
@@ -382,6 +383,7 @@ def profile_preset(preset: str, args, corpus) -> dict:
   top = sorted(times.items(), key=lambda kv: -kv[1])[:args.top_ops]
   return {
       "preset": preset, "overrides": overrides, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len,
+      "grad_accum": cfg.grad_accum,
       "dtype": model_cfg.dtype, "moe_impl": model_cfg.moe_impl if model_cfg.moe_every else None,
       "compute_copy": bool(jax.tree.leaves(copy)),  # the forward read AdamW's compute-dtype weights
       "hlo_module": module, "compile_s": compile_s, "steps_traced": args.steps,
@@ -410,8 +412,11 @@ def _mfu(r: dict) -> str:
 
 
 def preset_markdown(r: dict, device: str) -> str:
+  accum = r.get("grad_accum", 1)
   lines = [f"# Training step of {r['preset']} on {device}", "",
-           f"batch {r['batch_size']} x {r['seq_len']} tokens, {r['dtype']}, moe_impl {r['moe_impl']}; "
+           f"batch {r['batch_size']} x {r['seq_len']} tokens"
+           + ("" if accum == 1 else f" ({accum} microbatches of {r['batch_size'] // accum}, one AdamW update)")
+           + f", {r['dtype']}, moe_impl {r['moe_impl']}; "
            + ("weights read from AdamW's compute-dtype copy; " if r.get("compute_copy") else "")
            + f"{r['steps_traced']} steps traced"
            + ("." if r["command_buffers"] else ", CUDA graphs off (as while timing the step)."), "",
@@ -473,6 +478,9 @@ def main(argv=None) -> dict:
   p.add_argument("--data", default=None, help="corpus (default: the Python standard library)")
   p.add_argument("--adam-mu-dtype", default="float32", choices=("float32", "bfloat16"),
                  help="AdamW's first-moment dtype (TrainConfig.adam_mu_dtype)")
+  p.add_argument("--grad-accum", type=int, default=1,
+                 help="microbatches per step (the step's batch is --batch-size sequences; one AdamW update)")
+  p.add_argument("--tag", default="", help="after 'profile' in the result files' names (e.g. _b128)")
   p.add_argument("--no-compute-copy", action="store_true",
                  help="the forward casts the float32 weights, instead of reading the bf16 copy AdamW writes")
   p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 5, smoke 1)")
@@ -515,12 +523,12 @@ def main(argv=None) -> dict:
   out.mkdir(parents=True, exist_ok=True)
   written = []
   for r in results:
-    stem = f"profile_{r['preset']}_{slug}"
+    stem = f"profile{args.tag}_{r['preset']}_{slug}"
     (out / f"{stem}.json").write_text(json.dumps({"device": device, "flop_convention": FLOP_NOTE, **r}, indent=1))
     (out / f"{stem}.md").write_text(preset_markdown(r, device))
     written += [out / f"{stem}.json", out / f"{stem}.md"]
-  (out / f"profile_{slug}.md").write_text(comparison_markdown(results, device))
-  written.append(out / f"profile_{slug}.md")
+  (out / f"profile{args.tag}_{slug}.md").write_text(comparison_markdown(results, device))
+  written.append(out / f"profile{args.tag}_{slug}.md")
   print(comparison_markdown(results, device))
   if os.environ.get("OUT"):
     for path in written:

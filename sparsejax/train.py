@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
@@ -114,7 +115,7 @@ def _is_none(v) -> bool:
 
 
 def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, shardings=None,
-               with_copy: bool = False):
+               with_copy: bool = False, grad_accum: int = 1):
   """train_step(params, opt, x, y, step) -> (params, opt, metrics); eval_step(params, x, y) -> loss.
 
   with_copy=True: train_step(params, opt, x, y, step, copy) -> (params, opt, metrics, copy), copy =
@@ -127,6 +128,11 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
   derived state: checkpoints leave it out, and a restored run rebuilds it from the params.
   shardings=(params', opt_state's): the step returns its state laid out as it came (a mesh run),
   each copied leaf as its param.
+  grad_accum=A: the batch's rows are A microbatches (rows i, i + A, i + 2A, ...: each device keeps
+  its share of every one), run one after another in a scan; AdamW then takes the mean of their
+  gradients, one update per batch. The loss and the float stats are the microbatches' means, the
+  counts (tokens per expert) their sums. Each microbatch's auxiliary losses are its own, as in
+  Megatron; A=1 is the plain step, bit for bit.
   """
 
   def loss_fn(params, x, y, rng):
@@ -145,6 +151,25 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     return value, jax.tree.map(lambda g, r, p: r if g is None else g.astype(p.dtype), g_copy, g_rest, params,
                                is_leaf=_is_none)
 
+  def accumulated(grad_fn, x, y, rng):
+    """grad_fn(x, y, rng) -> ((loss, (ce, stats)), grads), over grad_accum microbatches of x, y."""
+    if grad_accum == 1:
+      return grad_fn(x, y, rng)
+    # Strided microbatches: with the batch split over devices in contiguous blocks, microbatch i
+    # takes rows i mod A of every block, so each stays spread over all the devices.
+    split = lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1)
+    xs = (jnp.arange(grad_accum), split(x), split(y))
+    shapes = jax.eval_shape(lambda xy: grad_fn(xy[1], xy[2], rng), jax.tree.map(lambda a: a[0], xs))
+
+    def body(total, item):
+      i, xb, yb = item
+      out = grad_fn(xb, yb, jax.random.fold_in(rng, i))
+      return jax.tree.map(jnp.add, total, out), None
+
+    total, _ = lax.scan(body, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), xs)
+    mean = lambda a: a / grad_accum if jnp.issubdtype(a.dtype, jnp.floating) else a
+    return jax.tree.map(mean, total)
+
   def update(params, opt_state, loss, ce, stats, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
@@ -156,13 +181,14 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
   if with_copy:
     def train_step(params, opt_state, x, y, step, copy):
       rng = jax.random.fold_in(jax.random.key(seed), step)
-      (loss, (ce, stats)), grads = loss_and_grads_via_copy(params, copy, x, y, rng)
+      (loss, (ce, stats)), grads = accumulated(
+          lambda xb, yb, r: loss_and_grads_via_copy(params, copy, xb, yb, r), x, y, rng)
       params, opt_state, metrics = update(params, opt_state, loss, ce, stats, grads)
       return params, opt_state, metrics, compute_copy(params, jax.tree.map(lambda c: c.dtype, copy))
   else:
     def train_step(params, opt_state, x, y, step):
       rng = jax.random.fold_in(jax.random.key(seed), step)
-      (loss, (ce, stats)), grads = loss_and_grads(params, x, y, rng)
+      (loss, (ce, stats)), grads = accumulated(lambda xb, yb, r: loss_and_grads(params, xb, yb, r), x, y, rng)
       return update(params, opt_state, loss, ce, stats, grads)
 
   def eval_step(params, x, y):
@@ -341,9 +367,11 @@ def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
   if jax.process_count() > 1 and n != visible:
     raise ValueError(f"--mesh {cfg.mesh} covers {n} devices; with {jax.process_count()} processes it must "
                      f"cover all {visible} of them.")
-  if cfg.batch_size % n:
-    raise ValueError(f"--batch-size {cfg.batch_size} does not split over the {n} devices of --mesh {cfg.mesh}: "
-                     f"pass a multiple of {n}.")
+  if cfg.batch_size % (n * cfg.grad_accum):
+    what = (f"--batch-size {cfg.batch_size}" if cfg.grad_accum == 1 else
+            f"A microbatch of --batch-size {cfg.batch_size} / --grad-accum {cfg.grad_accum}")
+    raise ValueError(f"{what} does not split over the {n} devices of --mesh {cfg.mesh}: "
+                     f"pass a --batch-size that is a multiple of {n * cfg.grad_accum}.")
   e, f = model_cfg.num_experts, model_cfg.d_ff
   if model_cfg.moe_every and groups is not None and e % (groups * expert):
     raise ValueError(f"--mesh {cfg.mesh}: expert_group x expert = {groups * expert} devices must divide "
@@ -443,7 +471,8 @@ def run(plan: Plan, *, mesh=None) -> dict:
     if main_process:
       print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
   batch = lambda b: global_batch(mesh, b) if mesh is not None else b
-  train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True)
+  train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True,
+                                     grad_accum=cfg.grad_accum)
   val = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, **procs)
   tokens_per_step = cfg.batch_size * cfg.seq_len
   flops = model_cfg.flops_per_token(cfg.seq_len) * tokens_per_step

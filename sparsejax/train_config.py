@@ -44,6 +44,7 @@ class TrainConfig:
   weight_decay: float = 0.1
   grad_clip: float = 1.0
   adam_mu_dtype: str = "float32"   # AdamW's first moment; "bfloat16" halves its bytes
+  grad_accum: int = 1              # microbatches per step: batch_size rows, one AdamW update
   seed: int = 0
   dtype: str | None = None         # compute dtype; None: bfloat16 on GPU/TPU, float32 on CPU
   eval_every: int = 100
@@ -68,8 +69,11 @@ class TrainConfig:
 
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
     is_num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep", "log_every"):
+    for name in ("steps", "batch_size", "seq_len", "eval_batches", "keep", "log_every", "grad_accum"):
       need(is_int(getattr(self, name)) and getattr(self, name) >= 1, name, "an integer >= 1")
+    if self.batch_size % self.grad_accum:
+      raise ValueError(f"--batch-size {self.batch_size} does not split into --grad-accum {self.grad_accum} "
+                       f"microbatches: pass a multiple of {self.grad_accum}.")
     for name in ("warmup", "eval_every", "ckpt_every", "seed"):
       need(is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "an integer >= 0")
     for name in ("lr", "grad_clip"):

@@ -58,6 +58,8 @@ BAD = [
     (["--eval-batches", "0"], "--eval-batches must be an integer >= 1"),
     (["--dtype", "float64"], "--dtype must be one of float32, bfloat16, float16"),
     (["--adam-mu-dtype", "float16"], "--adam-mu-dtype must be one of float32, bfloat16"),
+    (["--grad-accum", "0"], "--grad-accum must be an integer >= 1; got 0"),
+    (["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 does not split into --grad-accum 4 microbatches"),
     (["--max-time-s", "0"], "--max-time-s must be a finite number > 0"),
     (["--set", "capacity_factor"], "expected FIELD=VALUE"),
     (["--bogus"], "unrecognized arguments: --bogus"),

@@ -37,7 +37,7 @@ def test_no_target_without_dense_xs():
 
 def test_merge_keeps_earlier_variants_and_refuses_other_settings(tmp_path):
   settings = {"device": "H100", "smoke": False, "budget_s": 300.0, "batch_size": 32, "seq_len": 1024,
-              "data": "site-packages", "adam_mu_dtype": "float32"}
+              "data": "site-packages", "adam_mu_dtype": "float32", "grad_accum": 1}
   path = tmp_path / "megablocks.json"
   assert mb.load_for_merge(path, settings) == {}  # nothing yet: a fresh start
   path.write_text(json.dumps({**settings, "variants": {"dense": RESULTS["dense"]}}))
@@ -48,12 +48,14 @@ def test_merge_keeps_earlier_variants_and_refuses_other_settings(tmp_path):
     mb.load_for_merge(path, {**settings, "device": "H200"})
   with pytest.raises(SystemExit, match="data: 'site-packages' there, 'stdlib' here"):
     mb.load_for_merge(path, {**settings, "data": "stdlib"})
-  # A file from before the optimizer setting was recorded ran float32 moments.
-  older = {k: v for k, v in settings.items() if k != "adam_mu_dtype"}
+  # A file from before the optimizer settings were recorded ran float32 moments, one batch a step.
+  older = {k: v for k, v in settings.items() if k not in ("adam_mu_dtype", "grad_accum")}
   path.write_text(json.dumps({**older, "variants": {"dense": RESULTS["dense"]}}))
   assert set(mb.load_for_merge(path, settings)) == {"dense"}
   with pytest.raises(SystemExit, match="adam_mu_dtype: 'float32' there, 'bfloat16' here"):
     mb.load_for_merge(path, {**settings, "adam_mu_dtype": "bfloat16"})
+  with pytest.raises(SystemExit, match="grad_accum: 1 there, 4 here"):
+    mb.load_for_merge(path, {**settings, "grad_accum": 4})
 
 
 def test_table_lists_every_variant():
@@ -62,3 +64,5 @@ def test_table_lists_every_variant():
   text = mb.table(report)
   assert "| dropless | xs-moe |" in text and "15.0 s" in text and "not reached" in text
   assert "corpus stdlib;" in text and "| 200 | 0.50 |" in text and "| 240 | 0.50 |" in text
+  assert "microbatches" not in text
+  assert "4 microbatches of 8 a step;" in mb.table({**report, "grad_accum": 4})
