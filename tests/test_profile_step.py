@@ -101,13 +101,14 @@ def test_op_times_keeps_the_time_of_overlapping_neighbours():
 
 def test_profile_step_smoke(tmp_path, monkeypatch):
   """A real trace of the tiny MoE's train step on the CPU: every category named, and they add up.
+  The step accumulates two microbatches (--grad-accum), and --tag names the files.
 
   $OUT is --out itself, as on the device machine: the copy into $OUT is skipped, not a SameFileError."""
   monkeypatch.setenv("OUT", str(tmp_path))
   monkeypatch.setenv("XLA_FLAGS", __import__("os").environ.get("XLA_FLAGS", ""))  # restored afterwards
   (tmp_path / "data.txt").write_text("def f(x):\n  return x + 1\n" * 300)
   report = profile_step.main(["--smoke", "--presets", "tiny-moe", "--data", str(tmp_path / "data.txt"),
-                              "--out", str(tmp_path)])
+                              "--out", str(tmp_path), "--grad-accum", "2", "--tag", "_b2x2"])
   r = report["results"][0]
   cats = r["categories_ms"]
   assert set(cats) == set(profile_step.CATEGORIES)
@@ -116,10 +117,12 @@ def test_profile_step_smoke(tmp_path, monkeypatch):
   for c in profile_step.MOE_CATEGORIES + ("expert/ffn matmuls", "attention", "optimizer"):
     assert cats[c] > 0, c
   assert cats["other"] < 0.5 * r["device_ms"]  # the scopes name most of the step
-  saved = json.loads((tmp_path / "profile_tiny-moe_cpu.json").read_text())
+  saved = json.loads((tmp_path / "profile_b2x2_tiny-moe_cpu.json").read_text())
+  assert saved["grad_accum"] == 2
   assert saved["categories_ms"] == cats and "6 N_active" in saved["flop_convention"]
   # Every op is kept, and the ops of a category add up to it.
   router = sum(o["ms"] for o in saved["ops"] if o["category"] == "router and top-k")
   assert router == pytest.approx(cats["router and top-k"], rel=1e-6)
-  assert "| router and top-k |" in (tmp_path / "profile_tiny-moe_cpu.md").read_text()
-  assert (tmp_path / "profile_cpu.md").read_text().count("|") > 20
+  text = (tmp_path / "profile_b2x2_tiny-moe_cpu.md").read_text()
+  assert "| router and top-k |" in text and "(2 microbatches of 1, one AdamW update)" in text
+  assert (tmp_path / "profile_b2x2_cpu.md").read_text().count("|") > 20
