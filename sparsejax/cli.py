@@ -25,8 +25,9 @@ HELP = {
     "out": "run folder for metrics.jsonl and checkpoints/; a run already there is resumed",
     "steps": "number of training steps",
     "batch_size": "sequences per step (per optimizer update; with --grad-accum, split into microbatches)",
-    "grad_accum": "gradient accumulation: run each step's batch as this many microbatches, one after another, "
-                  "and update once with their mean gradient (the batch of a larger run in the memory of a smaller one)",
+    "grad_accum": "gradient accumulation: run each step's batch (and each validation batch) as this many "
+                  "microbatches, one after another, and update once with their mean gradient (the batch of a "
+                  "larger run in the memory of a smaller one)",
     "seq_len": "tokens per sequence",
     "lr": "peak learning rate (AdamW)",
     "min_lr_ratio": "the cosine decay ends at this fraction of --lr",

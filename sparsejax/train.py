@@ -130,7 +130,7 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
   each copied leaf as its param.
   grad_accum=A: the batch's rows are A microbatches (rows i, i + A, i + 2A, ...: each device keeps
   its share of every one), run one after another in a scan; AdamW then takes the mean of their
-  gradients, one update per batch. The loss and the float stats are the microbatches' means, the
+  gradients, one update per batch (eval_step also runs a microbatch at a time). The loss and the float stats are the microbatches' means, the
   counts (tokens per expert) their sums. Each microbatch's auxiliary losses are its own, as in
   Megatron; A=1 is the plain step, bit for bit.
   """
@@ -151,13 +151,15 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     return value, jax.tree.map(lambda g, r, p: r if g is None else g.astype(p.dtype), g_copy, g_rest, params,
                                is_leaf=_is_none)
 
+  def split(a):
+    """[B, ...] -> [A, B / A, ...], microbatch i = rows i, i + A, ...: with the batch split over devices
+    in contiguous blocks, each microbatch takes rows of every block and stays spread over all of them."""
+    return a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1)
+
   def accumulated(grad_fn, x, y, rng):
     """grad_fn(x, y, rng) -> ((loss, (ce, stats)), grads), over grad_accum microbatches of x, y."""
     if grad_accum == 1:
       return grad_fn(x, y, rng)
-    # Strided microbatches: with the batch split over devices in contiguous blocks, microbatch i
-    # takes rows i mod A of every block, so each stays spread over all the devices.
-    split = lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1)
     xs = (jnp.arange(grad_accum), split(x), split(y))
     shapes = jax.eval_shape(lambda xy: grad_fn(xy[1], xy[2], rng), jax.tree.map(lambda a: a[0], xs))
 
@@ -192,7 +194,11 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
       return update(params, opt_state, loss, ce, stats, grads)
 
   def eval_step(params, x, y):
-    return cross_entropy(apply(params, x)[0], y)
+    """The batch's mean cross-entropy; with grad_accum, a microbatch at a time (the same memory as
+    training), the mean of their means (equal sizes)."""
+    if grad_accum == 1:
+      return cross_entropy(apply(params, x)[0], y)
+    return jnp.mean(lax.map(lambda xy: cross_entropy(apply(params, xy[0])[0], xy[1]), (split(x), split(y))))
 
   out = None
   if shardings is not None:  # a copy's leaves lie as their params': shardings[0] is a prefix of the copy

@@ -57,6 +57,14 @@ def test_a_dense_model_gets_the_full_batch_gradient():
   assert float(m4["grad_norm"]) == pytest.approx(float(m1["grad_norm"]), rel=1e-5)
 
 
+def test_evaluation_runs_microbatches_and_gives_the_batch_loss():
+  apply, params = _model("tiny-moe")
+  x, y = _batch(8, seed=3)
+  _, whole = make_steps(apply, KEEP_GRADS, seed=0)
+  _, parts = make_steps(apply, KEEP_GRADS, seed=0, grad_accum=4)
+  assert float(parts(params, x, y)) == pytest.approx(float(whole(params, x, y)), rel=1e-6)
+
+
 def test_an_moe_step_averages_its_microbatches():
   """MoE: the aux losses are each microbatch's own, so the step's gradient is the mean of A
   independent jax.grads over rows i::A (fold_in(rng, i) for each); the loss and the float stats are
