@@ -17,6 +17,8 @@ One variant at the 300 s default budget takes about 6 minutes; run them one at a
   python experiments/megablocks_repro.py --variants dropless --merge     # adds to it
   ...                                     (capacity 1.0 / 1.5 / 2.0, dense-small, each with --merge)
   python experiments/megablocks_repro.py --smoke         # CPU: tiny sizes, seconds each
+  python experiments/megablocks_repro.py --batch-size 512 --grad-accum 4 --tag _b512x4
+                                         # MegaBlocks' 512 x 1024 tokens a step, as 4 microbatches
 A merge refuses results of another device, budget, batch or sequence length. With $OUT set, the
 json, md and png are also copied there.
 """
