@@ -24,9 +24,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 import optax
 from flax import nnx
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
@@ -130,9 +130,9 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
   each copied leaf as its param.
   grad_accum=A: the batch's rows are A microbatches (rows i, i + A, i + 2A, ...: each device keeps
   its share of every one), run one after another in a scan; AdamW then takes the mean of their
-  gradients, one update per batch (eval_step also runs a microbatch at a time). The loss and the float stats are the microbatches' means, the
-  counts (tokens per expert) their sums. Each microbatch's auxiliary losses are its own, as in
-  Megatron; A=1 is the plain step, bit for bit.
+  gradients, one update per batch (eval_step also runs a microbatch at a time). The loss and the
+  float stats are the microbatches' means, the counts (tokens per expert) their sums. Each
+  microbatch's auxiliary losses are its own, as in Megatron; A=1 is the plain step, bit for bit.
   """
 
   def loss_fn(params, x, y, rng):
