@@ -131,3 +131,10 @@ def test_ep_balance_tables_the_busiest_shard_per_logged_step(tmp_path):
   with pytest.raises(SystemExit, match="no train records"):
     (run / "metrics.jsonl").write_text(json.dumps(records[1]) + "\n")
     ep_balance.main([str(run), "--out", str(tmp_path / "out")])
+
+
+def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
+  import tune_skinny_matmul
+  rows = tune_skinny_matmul.main(["--smoke"])
+  assert {r["variant"] for r in rows} >= {"xla_dot", "pallas_mulsum_n64_rows128_w4"}
+  assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)

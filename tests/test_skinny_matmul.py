@@ -1,0 +1,129 @@
+"""skinny_matmul: the Pallas Triton kernel (interpret mode off the GPU) against a float64 numpy oracle."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsejax.inference import quantize_weight
+from sparsejax.kernels.skinny_matmul import MAX_ROWS, skinny_matmul, skinny_matmul_reference
+from sparsejax.kernels.skinny_matmul.triton import default_config
+from tests.moe_testing import seed_of
+
+TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def _oracle(x, w, experts, scale=None):
+  """float64: y[s] = x_s @ (w[e_s] * scale[e_s]), with the weight rounded to x's dtype first."""
+  x64 = np.asarray(x, np.float64)
+  ws = np.asarray(jnp.asarray(w).astype(x.dtype), np.float64)[np.asarray(experts)]
+  xs = x64 if x64.ndim == 3 else np.broadcast_to(x64, (len(experts),) + x64.shape)
+  y = np.einsum("smk,skn->smn", xs, ws)
+  if scale is not None:
+    y = y * np.asarray(scale, np.float64)[np.asarray(experts)][:, None, :]
+  return y
+
+
+def _draw(seed, shape, dtype):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1),
+                     dtype)
+
+
+# (m, k, n, experts, slot ids): k, n >= 300 cross several column blocks and K slabs; m = 1 takes the
+# multiply-reduce path, m > 1 the dot path (rows padded to 16 / 64); ids repeat an expert and skip some.
+CASES = {
+    "one_row": (1, 384, 320, 5, [3, 0, 3]),
+    "few_rows": (5, 384, 320, 4, [1, 2]),
+    "rows_past_one_tile": (33, 320, 448, 3, [2, 2, 0]),
+    "long_k_slabs_of_512": (2, 2048, 64, 2, [1]),
+    "one_expert": (1, 320, 320, 1, [0]),
+    "all_slots_one_expert": (3, 384, 320, 6, [4, 4, 4, 4]),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_equals_oracle(name, dtype):
+  m, k, n, e, ids = CASES[name]
+  seed = seed_of(name, str(dtype))
+  x, w = _draw(seed, (m, k), dtype), _draw(seed + 1, (e, k, n), dtype)
+  experts = jnp.asarray(ids, jnp.int32)
+  got = jax.jit(lambda x, w: skinny_matmul(x, w, experts=experts, impl="triton"))(x, w)
+  assert got.dtype == jnp.float32 and got.shape == (len(ids), m, n)
+  np.testing.assert_allclose(np.asarray(got), _oracle(x, w, experts), **TOL[dtype])
+  # one x per slot (the down projection of decode_moe_mlp)
+  xs = _draw(seed + 2, (len(ids), m, k), dtype)
+  got = skinny_matmul(xs, w, experts=experts, impl="triton")
+  np.testing.assert_allclose(np.asarray(got), _oracle(xs, w, experts), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_int8_weights_with_scales(m, dtype):
+  seed = seed_of("int8", m, str(dtype))
+  x = _draw(seed, (m, 320), dtype)
+  q, s = quantize_weight(_draw(seed + 1, (3, 320, 384), jnp.float32))
+  experts = jnp.asarray([2, 0], jnp.int32)
+  got = skinny_matmul(x, q, experts=experts, scale=s, impl="triton")
+  np.testing.assert_allclose(np.asarray(got), _oracle(x, q, experts, s), **TOL[dtype])
+  want = skinny_matmul(x, q, experts=experts, scale=s, impl="xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL[dtype])
+
+
+def test_dense_weight_and_mixed_dtypes():
+  """w [k, n] with no experts; float32 weights under bf16 rows are cast where loaded, as w.astype(bf16)."""
+  x = _draw(7, (1, 384), jnp.bfloat16)
+  w = _draw(8, (384, 320), jnp.float32)
+  got = skinny_matmul(x, w, impl="triton")
+  assert got.shape == (1, 320)
+  np.testing.assert_allclose(np.asarray(got), _oracle(x, w[None], jnp.zeros(1, jnp.int32))[0], **TOL[jnp.bfloat16])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(skinny_matmul(x, w, impl="xla")), **TOL[jnp.bfloat16])
+
+
+def test_auto_off_the_gpu_and_odd_shapes_use_the_reference():
+  x = _draw(9, (2, 40), jnp.float32)  # 40: not a multiple of 16, no kernel tiling
+  w = _draw(10, (3, 40, 24), jnp.float32)
+  experts = jnp.asarray([1, 2], jnp.int32)
+  assert default_config(2, 40, 24) is None
+  np.testing.assert_allclose(np.asarray(skinny_matmul(x, w, experts=experts)), _oracle(x, w, experts), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_gradients_equal_the_reference():
+  x = _draw(11, (3, 384), jnp.float32)
+  w = _draw(12, (4, 384, 320), jnp.float32)
+  experts = jnp.asarray([1, 3, 1], jnp.int32)
+  g = _draw(13, (3, 3, 320), jnp.float32)
+  loss = lambda f: lambda x, w: jnp.sum(f(x, w) * g)
+  got = jax.grad(loss(lambda x, w: skinny_matmul(x, w, experts=experts, impl="triton")), argnums=(0, 1))(x, w)
+  want = jax.grad(loss(lambda x, w: skinny_matmul_reference(jnp.broadcast_to(x, (3,) + x.shape), w, experts)),
+                  argnums=(0, 1))(x, w)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_fail_with_clear_errors():
+  x = jnp.ones((2, 64), jnp.float32)
+  w = jnp.ones((3, 64, 32), jnp.float32)
+  ids = jnp.asarray([0, 1], jnp.int32)
+  with pytest.raises(ValueError, match="impl must be one of"):
+    skinny_matmul(x, w, experts=ids, impl="cuda")
+  with pytest.raises(ValueError, match="give experts"):
+    skinny_matmul(x, w)
+  with pytest.raises(ValueError, match="experts selects from w"):
+    skinny_matmul(x, w[0], experts=ids)
+  with pytest.raises(ValueError, match="x has k=63"):
+    skinny_matmul(x[:, :63], w, experts=ids)
+  with pytest.raises(ValueError, match="but experts has 2 slots"):
+    skinny_matmul(jnp.ones((3, 2, 64)), w, experts=ids)
+  with pytest.raises(TypeError, match="experts must be an integer"):
+    skinny_matmul(x, w, experts=ids.astype(jnp.float32))
+  with pytest.raises(ValueError, match="int8 w needs scale"):
+    skinny_matmul(x, w.astype(jnp.int8), experts=ids)
+  with pytest.raises(ValueError, match=r"scale must have shape \(3, 32\)"):
+    skinny_matmul(x, w.astype(jnp.int8), experts=ids, scale=jnp.ones((32,)))
+  with pytest.raises(TypeError, match="w must be a floating"):
+    skinny_matmul(x, w.astype(jnp.int32), experts=ids)
+  with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
+    skinny_matmul(jnp.ones((MAX_ROWS + 1, 64)), w, experts=ids, impl="triton")
+  with pytest.raises(ValueError, match="multiples of 16"):
+    skinny_matmul(jnp.ones((2, 40)), jnp.ones((3, 40, 32)), experts=ids, impl="triton")
