@@ -1,0 +1,91 @@
+"""decode_attention: one new query per row against the KV cache of a decode step.
+
+  o[b, h] = softmax_j(q[b, h] . k[b, j, h] / sqrt(dh)) v[b, j, h], over the slots j the query sees:
+            start[b] <= j <= index, or j == index (see reference.visible and inference.kv_cache)
+The query sits in slot `index` (already written into the cache). Backends: "triton" (triton.py; off the
+GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a GPU when dh is a power of two
+>= 16 and the cache has >= 16 slots. Differentiable: the cotangents are the reference's.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from sparsejax import _checks
+from sparsejax.kernels.decode_attention import triton
+from sparsejax.kernels.decode_attention.reference import decode_attention_reference
+
+IMPLS = ("auto", "triton", "xla")
+
+
+def _kernel_fits(dh: int, slots: int) -> bool:
+  return dh >= 16 and dh & (dh - 1) == 0 and slots >= triton.MIN_SLOTS
+
+
+def _check(q, k_cache, v_cache, start, index, impl):
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  _checks.check_rank("q", q, 3, "[batch, heads, head_dim]")
+  _checks.check_rank("k_cache", k_cache, 4, "[batch, slots, heads, head_dim]")
+  _checks.check_floating("q", q)
+  if k_cache.shape != v_cache.shape:
+    raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must have one shape.")
+  b, _, h, dh = k_cache.shape
+  if q.shape != (b, h, dh):
+    raise ValueError(f"q must be [batch, heads, head_dim] = {(b, h, dh)} for this cache; got {q.shape}.")
+  _checks.check_rank("start", start, 1, "[batch]")
+  _checks.check_integer("start", start)
+  if start.shape[0] != b:
+    raise ValueError(f"start must have one entry per row ({b}); got {start.shape[0]}.")
+  _checks.check_rank("index", index, 0, "[] (the query's slot)")
+  _checks.check_integer("index", index)
+  if impl == "triton" and not _kernel_fits(dh, k_cache.shape[1]):
+    raise ValueError(f"impl='triton' needs head_dim a power of two >= 16 and >= {triton.MIN_SLOTS} cache slots; "
+                     f"got head_dim {dh}, {k_cache.shape[1]} slots (use impl='auto').")
+
+
+def _merge(part, stats, dtype):
+  """o = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c."""
+  m, l = stats[..., 0], stats[..., 1]
+  w = jnp.exp(m - jnp.max(m, axis=-1, keepdims=True))
+  return (jnp.einsum("bhc,bhcd->bhd", w, part) / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
+
+
+@jax.custom_vjp
+def _kernel(q, k_cache, v_cache, start, index):
+  part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index,
+                                       interpret=jax.default_backend() != "gpu")
+  return _merge(part, stats, q.dtype)
+
+
+def _kernel_fwd(q, k_cache, v_cache, start, index):
+  return _kernel(q, k_cache, v_cache, start, index), (q, k_cache, v_cache, start, index)
+
+
+def _kernel_bwd(res, g):
+  _, vjp = jax.vjp(decode_attention_reference, *res)
+  return vjp(g)
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def decode_attention(
+    q: Float[Array, "b h dh"],
+    k_cache: Float[Array, "b s h dh"],
+    v_cache: Float[Array, "b s h dh"],
+    start: Int[Array, "b"],
+    index: Int[Array, ""],
+    *,
+    impl: str = "auto",
+) -> Float[Array, "b h dh"]:
+  """Softmax attention of the query in slot `index` over the slots it sees (module doc); q's dtype."""
+  index = jnp.asarray(index)
+  _check(q, k_cache, v_cache, start, index, impl)
+  fits = _kernel_fits(q.shape[-1], k_cache.shape[1])
+  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
+    return _kernel(q, k_cache, v_cache, start, index)
+  return decode_attention_reference(q, k_cache, v_cache, start, index)
