@@ -15,6 +15,7 @@ from jaxtyping import Array, Float
 
 from sparsejax import losses, parallel, routing
 from sparsejax.config import MoEConfig
+from sparsejax.kernels import skinny_matmul
 from sparsejax.moe import expert_choice_mlp, moe_mlp
 
 
@@ -152,16 +153,24 @@ class MLP(nnx.Module):
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), ("mlp", "embed"))
 
   @jax.named_scope("dense_mlp")
-  def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None, **unused):
+  def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None, decode: bool = False,
+               **unused):
+    """decode=True (generation) runs the products of a few rows through skinny_matmul."""
     del rng, unused
     c = self.config
     x = x.astype(c.dtype)
-    h = x @ self.w_in[...].astype(c.dtype)
+    matmul = lambda a, w: a @ w[...].astype(c.dtype)
+    rows = x.size // c.d_model
+    if decode and rows <= skinny_matmul.MAX_ROWS:
+      flat = lambda a: a.reshape(rows, a.shape[-1])
+      matmul = lambda a, w: skinny_matmul.skinny_matmul(flat(a), w[...]).reshape(
+          *a.shape[:-1], w.shape[-1]).astype(c.dtype)
+    h = matmul(x, self.w_in)
     if self.w_gate is not None:
-      h = c.activation_fn(x @ self.w_gate[...].astype(c.dtype)) * h
+      h = c.activation_fn(matmul(x, self.w_gate)) * h
     else:
       h = c.activation_fn(h)
-    y = h @ self.w_out[...].astype(c.dtype)
+    y = matmul(h, self.w_out)
     zero = jnp.zeros((), jnp.float32)
     n = jnp.asarray(x.size // c.d_model, jnp.int32)
     stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)

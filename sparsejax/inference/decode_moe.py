@@ -2,9 +2,10 @@
 
 At decode time T (tokens in the step) times k is tiny next to E * 128, the rows the block-sparse
 layer pads to. The layer is then bound by the bytes of expert weights it reads, so this path
-gathers the weights of the (at most min(T k, E)) distinct chosen experts and runs every token of
-the step through each of them in one small batched product; the combine matrix keeps only the
-chosen (token, expert) pairs. What it reads grows with T k, never with E.
+takes the (at most min(T k, E)) distinct chosen experts and runs every token of the step through
+each of them in one small batched product (skinny_matmul, which reads each chosen expert in place);
+the combine matrix keeps only the chosen (token, expert) pairs. What it reads grows with T k, never
+with E.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
+from sparsejax.kernels.skinny_matmul import skinny_matmul
 from sparsejax.moe import MoEStats, moe_mlp
 
 # MoE.__call__(decode=True) takes this path when T * k is at most this (a static shape decision).
@@ -45,8 +47,10 @@ def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
     raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
   _checks.check_top_k(expert_ids.shape[1], num_experts)
   weights = {"w_in": w_in, "w_out": w_out, "w_gate": w_gate}
-  if scales is None:
-    _checks.check_same_dtype(x=x, w_in=w_in, w_out=w_out, w_gate=w_gate)
+  if scales is None:  # float weights of any dtype: each is cast to x's dtype where the kernel loads it
+    for name, w in weights.items():
+      if w is not None:
+        _checks.check_floating(name, w)
     return
   out_dims = {"w_in": d_ff, "w_out": d_model, "w_gate": d_ff}
   for name, w in weights.items():
@@ -116,18 +120,12 @@ def decode_moe_mlp(
   experts = jnp.minimum(uniq, num_experts - 1)
 
   def product(a, name, w):
-    """[n, T, out] = a @ W[experts[s]] for every slot s; a is [T, in] (shared) or [n, T, in]."""
-    if num_tokens == 1:
-      # One dynamic slice per slot instead of a gather: XLA can fuse a dynamic slice (and the int8
-      # convert) into the dot's operand, where a gather is first written out as a copy.
-      y = jnp.stack([jnp.dot(a if a.ndim == 2 else a[i],
-                             jax.lax.dynamic_index_in_dim(w, experts[i], 0, keepdims=False).astype(dt),
-                             preferred_element_type=jnp.float32) for i in range(n)])
-    else:
-      wi = jnp.take(w, experts, axis=0).astype(dt)  # int8 -> dt fuses into the gather, inside the step
-      y = jnp.einsum("td,ndf->ntf" if a.ndim == 2 else "ntd,ndf->ntf", a, wi, preferred_element_type=jnp.float32)
-    s = scales.get(name)
-    return y if s is None else y * jnp.take(s, experts, axis=0).astype(jnp.float32)[:, None, :]
+    """[n, T, out] = a @ W[experts[s]] (times the int8 scale) for every slot s; a is [T, in] or [n, T, in].
+
+    skinny_matmul reads each chosen expert's weight once (on a GPU, a split-K Pallas kernel; XLA's own
+    one-row dot writes the broadcast product out before reducing it) and never gathers a copy of it.
+    """
+    return skinny_matmul(a, w, experts=experts, scale=scales.get(name))
 
   h = product(x, "w_in", w_in).astype(dt)
   if w_gate is not None:
@@ -148,8 +146,8 @@ def dequantize(q: Num[Array, "experts n_in n_out"], scale: Float[Array, "experts
 
 
 def expert_weights(moe, dtype, *, quantized: bool) -> dict:
-  """The MoE module's expert weights as decode_moe_mlp takes them: int8 + scales as stored (quantized),
-  or in dtype (dequantized on the fly when the module holds int8)."""
+  """The MoE module's expert weights as decode_moe_mlp takes them: as stored, int8 with its scales
+  (quantized), or in dtype (dequantized on the fly when the module holds int8)."""
   out = {}
   for name in ("w_in", "w_gate", "w_out"):
     p = getattr(moe, name)
@@ -158,8 +156,10 @@ def expert_weights(moe, dtype, *, quantized: bool) -> dict:
       continue
     w = p[...]
     s = getattr(moe, f"{name}_scale", None)
-    if s is not None and quantized:
-      out[name], out[f"{name}_scale"] = w, s[...]
+    if quantized:  # as stored: skinny_matmul casts where it loads, so no converted copy of E experts is made
+      out[name] = w
+      if s is not None:
+        out[f"{name}_scale"] = s[...]
     else:
       out[name] = w.astype(dtype) if s is None else dequantize(w, s[...], dtype)
   return out

@@ -17,6 +17,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from sparsejax.models.config import DTYPES, TransformerConfig
+from sparsejax.kernels import skinny_matmul
+from sparsejax.kernels.decode_attention import decode_attention
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
@@ -90,13 +92,27 @@ class Attention(nnx.Module):
   @jax.named_scope("attention")
   def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None) -> Float[Array, "b t d"]:
     cfg, dt = self.cfg, self.cfg.compute_dtype
-    qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
+    b, t, d = x.shape
+    h, dh = cfg.num_heads, cfg.head_dim
+    few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
+    if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
+      w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
+      qkv = skinny_matmul.skinny_matmul(x.reshape(b * t, d), w_qkv).astype(dt).reshape(b, t, 3, h, dh)
+    else:
+      qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if cache is not None:  # decoding: write the new keys/values at cache.index, attend over the cache
       q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
       self.cached_key[...] = kv_cache.write(self.cached_key[...], k, cache.index)
       self.cached_value[...] = kv_cache.write(self.cached_value[...], v, cache.index)
-      o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
+      if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
+        o = decode_attention(q[:, 0], self.cached_key[...], self.cached_value[...], cache.start,
+                             cache.index)[:, None]
+      else:
+        o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
+      if few_rows:
+        w_out = self.w_out[...].reshape(h * dh, d)
+        return skinny_matmul.skinny_matmul(o.reshape(b * t, h * dh), w_out).astype(dt).reshape(b, t, d)
       return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     impl = attention_impl(cfg)
@@ -129,10 +145,12 @@ class Block(nnx.Module):
 
 @flax.struct.dataclass
 class DecodeView:
-  """What every block's attention needs in a decode call: where to write, RoPE positions, the mask."""
+  """What every block's attention needs in a decode call: where to write, RoPE positions, the mask
+  (and the rows' left-padding, from which the one-query kernel builds the same mask)."""
   index: Int[Array, ""]
   positions: Int[Array, "b t"]
   mask: jax.Array  # bool [b, 1, t, cache_len]
+  start: Int[Array, "b"]
 
 
 class Transformer(nnx.Module):
@@ -183,7 +201,8 @@ class Transformer(nnx.Module):
         raise ValueError(f"decode=True got tokens of shape {tokens.shape} for a cache of {batch} rows "
                          f"x {length} slots.")
       t = tokens.shape[1]
-      cache = DecodeView(index, kv_cache.positions(index, start, t), kv_cache.mask(index, start, t, length))
+      cache = DecodeView(index, kv_cache.positions(index, start, t), kv_cache.mask(index, start, t, length),
+                         start)
       self.cache_index[...] = index + t
     with jax.named_scope("embed"):
       h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
