@@ -1,7 +1,7 @@
 """decode_attention: one new query per row against the KV cache of a decode step.
 
   o[b, h] = softmax_j(q[b, h] . k[b, j, h] / sqrt(dh)) v[b, j, h], over the slots j the query sees:
-            start[b] <= j <= index, or j == index (see reference.visible and inference.kv_cache)
+            start[b] <= j <= index, or j == index (inference.kv_cache.mask's rule)
 The query sits in slot `index` (already written into the cache). Backends: "triton" (triton.py; off the
 GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a GPU when dh is a power of two
 >= 16 and the cache has >= 16 slots. Differentiable: the cotangents are the reference's.

@@ -5,12 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-
-def visible(index: Int[Array, ""], start: Int[Array, "b"], slots: int) -> jax.Array:
-  """[b, slots]: the query in slot `index` of row b sees slot j iff start[b] <= j <= index, or j == index
-  (so a padding row's query, index < start[b], still sees itself: no empty softmax; see inference.kv_cache)."""
-  j = jnp.arange(slots, dtype=jnp.int32)[None, :]
-  return ((j >= start[:, None]) & (j <= index)) | (j == index)
+from sparsejax.inference import kv_cache
 
 
 def decode_attention_reference(
@@ -24,7 +19,8 @@ def decode_attention_reference(
   scale = q.shape[-1] ** -0.5
   s = jnp.einsum("bhd,bshd->bhs", q.astype(jnp.float32), k_cache.astype(jnp.float32),
                  precision=jax.lax.Precision.HIGHEST) * scale
-  s = jnp.where(visible(index, start, k_cache.shape[1])[:, None, :], s, -jnp.inf)
+  # The query sits in slot `index`: kv_cache.mask's rule for one new token, [b, 1, 1, s] -> [b, 1, s].
+  s = jnp.where(kv_cache.mask(index, start, 1, k_cache.shape[1])[:, :, 0], s, -jnp.inf)
   p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bhs,bshd->bhd", p, v_cache.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   return o.astype(q.dtype)
