@@ -14,9 +14,11 @@ functions on float32 operands. Needs an sm_90 GPU:
 mosaic.DEFAULT_CONFIGS, "epilogue_wg" the same with mosaic_epilogue.CONFIGS (gmm_act and gmm_dact
 with the epilogue in a fourth warpgroup); a later set's fused gradients are also checked against
 the first's.
---ab-rounds R times gmm_act, gmm_dact and the fused MLP only, once per config set, in R interleaved
-rounds (each set's outputs checked against the first's): for differences smaller than the drift
-between sets timed one after the other.
+--ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
+config set, in R interleaved rounds (each set's outputs checked against the first's): for
+differences smaller than the drift between sets timed one after the other. "planar" runs every gmm
+kind in planar_snake order (before expert_band_order); the tgmm_streamed* sets put both weight
+gradients on the streamed tgmm (mosaic._tgmm_streamed).
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
 import argparse
@@ -36,7 +38,25 @@ from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epil
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS}
+def _streamed_tgmm(**tiles):
+  """Both tgmm kinds on the streamed kernel (one ring for all of a CTA's tiles) with these tiles."""
+  c = mosaic.Config(tile_n=128, tile_k=64, grid_tile_width=1, streamed=True, **tiles)
+  return dict(tgmm=c, tgmm_long=dataclasses.replace(c, grid_minor_dim=mosaic.N_DIM))
+
+
+GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+
+CONFIG_SETS = {
+    "default": {},
+    # Every gmm kind in planar_snake order over all row blocks (before expert_band_order).
+    "planar": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), expert_bands=False) for k in GMM_KINDS},
+    "epilogue_wg": mosaic_epilogue.CONFIGS,
+    # A 3-deep ring and a whole [128, 128] tile staged per consumer (the stores never wait
+    # within a tile) against the per-tile pipeline's shared memory: a 4-deep ring, 2 slots of 32.
+    "tgmm_streamed": _streamed_tgmm(max_concurrent_steps=3, epi_tile_n=32, epi_slots=4),
+    "tgmm_streamed_ring4": _streamed_tgmm(max_concurrent_steps=4, epi_tile_n=32, epi_slots=2),
+    "tgmm_streamed_epi64": _streamed_tgmm(max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
+}
 
 
 @contextlib.contextmanager
@@ -124,11 +144,17 @@ def config_set_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dic
   return res, fused
 
 
-def ab(shape: str, config_sets, rounds: int) -> dict:
-  """gmm_act, gmm_dact and the fused MLP's fwd+bwd compiled once per config set, then timed in
-  `rounds` interleaved rounds (set A, set B, A, B, ...), so that clock drift over the run, which
-  moved one unchanged kernel by 15% between two sets timed one after the other, falls on every
-  set alike. Each set's outputs are checked against the first set's. {kernel: {set: [ms per round]}}."""
+AB_KERNELS = ("gmm_act", "gmm h W_out", "gmm_dact", "tgmm h^T dY", "tgmm x^T dpre", "gmm_t dX",
+              "expert_mlp fwd+bwd")
+
+
+def ab(shape: str, config_sets, rounds: int, names=AB_KERNELS) -> dict:
+  """The kernels `names` (of AB_KERNELS; the MLP is the fused fwd+bwd) compiled once per config
+  set, then timed in `rounds` interleaved rounds (set A, set B, A, B, ...), so that clock drift
+  over the run, which moved one unchanged kernel by 15% between two sets timed one after the
+  other, falls on every set alike. Each set's outputs are checked against the first set's (the
+  tgmm gradients are the same sums in the same order, so they should agree bit for bit).
+  {kernel: {set: [ms per round]}}."""
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   act, real = jax.nn.gelu, real_rows(topo)[:, None]
@@ -136,9 +162,17 @@ def ab(shape: str, config_sets, rounds: int) -> dict:
   pre = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)[0]
   loss = lambda a, wi, wo: jnp.sum(
       expert_mlp(a, wi, wo, topo, activation=act, backend="mosaic").astype(jnp.float32) * dy)
+  h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)[1]
+  dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
+  tg = lambda a, b: mosaic.tgmm(a, b, topo, a.dtype)
   kernels = {"gmm_act": (lambda a, b: mosaic.gmm_act(a, b, topo, act), (x, w_in)),
+             "gmm h W_out": (lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype), (h, w_out)),
              "gmm_dact": (lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act), (dy, w_out, pre)),
+             "tgmm h^T dY": (tg, (h, dy)),
+             "tgmm x^T dpre": (tg, (x, dpre)),
+             "gmm_t dX": (lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype), (dpre, w_in)),
              "expert_mlp fwd+bwd": (jax.grad(loss, argnums=(0, 1, 2)), (x, w_in, w_out))}
+  kernels = {k: kernels[k] for k in names}
   compiled, outs = {}, {}
   for name in config_sets:
     with config_set(name):
@@ -176,14 +210,18 @@ def main(argv=None):
   ap.add_argument("--shapes", default="XS_b128,E64_top1")
   ap.add_argument("--configs", default="default", help=f"comma-separated, of {', '.join(CONFIG_SETS)}")
   ap.add_argument("--ab-rounds", type=int, default=0,
-                  help="instead of the parts: gmm_act, gmm_dact and the MLP per config set, in this many interleaved rounds")
+                  help="instead of the parts: --ab-kernels per config set, in this many interleaved rounds")
+  ap.add_argument("--ab-kernels", default=",".join(AB_KERNELS), help=f"comma-separated, of {', '.join(AB_KERNELS)}")
   args = ap.parse_args(argv)
   config_sets = args.configs.split(",")
   if any(s not in CONFIG_SETS for s in config_sets):
     ap.error(f"--configs: each one of {', '.join(CONFIG_SETS)}")
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
   if args.ab_rounds:
-    out = {s: ab(s, config_sets, args.ab_rounds) for s in args.shapes.split(",")}
+    names = args.ab_kernels.split(",")
+    if any(k not in AB_KERNELS for k in names):
+      ap.error(f"--ab-kernels: each one of {', '.join(AB_KERNELS)}")
+    out = {s: ab(s, config_sets, args.ab_rounds, names) for s in args.shapes.split(",")}
   else:
     out = {s: parts(s, config_sets) for s in args.shapes.split(",")}
   with open(os.path.join(os.environ.get("OUT", "."), "expert_mlp_parts.json"), "w") as fh:
