@@ -16,9 +16,7 @@ with the epilogue in a fourth warpgroup); a later set's fused gradients are also
 the first's.
 --ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
 config set, in R interleaved rounds (each set's outputs checked against the first's): for
-differences smaller than the drift between sets timed one after the other. "planar" runs every gmm
-kind in planar_snake order (before expert_band_order); the tgmm_streamed* sets put both weight
-gradients on the streamed tgmm (mosaic._tgmm_streamed).
+differences smaller than the drift between sets timed one after the other.
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
 import argparse
@@ -38,25 +36,7 @@ from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epil
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-def _streamed_tgmm(**tiles):
-  """Both tgmm kinds on the streamed kernel (one ring for all of a CTA's tiles) with these tiles."""
-  c = mosaic.Config(tile_n=128, tile_k=64, grid_tile_width=1, streamed=True, **tiles)
-  return dict(tgmm=c, tgmm_long=dataclasses.replace(c, grid_minor_dim=mosaic.N_DIM))
-
-
-GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
-
-CONFIG_SETS = {
-    "default": {},
-    # Every gmm kind in planar_snake order over all row blocks (before expert_band_order).
-    "planar": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), expert_bands=False) for k in GMM_KINDS},
-    "epilogue_wg": mosaic_epilogue.CONFIGS,
-    # A 3-deep ring and a whole [128, 128] tile staged per consumer (the stores never wait
-    # within a tile) against the per-tile pipeline's shared memory: a 4-deep ring, 2 slots of 32.
-    "tgmm_streamed": _streamed_tgmm(max_concurrent_steps=3, epi_tile_n=32, epi_slots=4),
-    "tgmm_streamed_ring4": _streamed_tgmm(max_concurrent_steps=4, epi_tile_n=32, epi_slots=2),
-    "tgmm_streamed_epi64": _streamed_tgmm(max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
-}
+CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS}
 
 
 @contextlib.contextmanager
@@ -152,17 +132,15 @@ def ab(shape: str, config_sets, rounds: int, names=AB_KERNELS) -> dict:
   """The kernels `names` (of AB_KERNELS; the MLP is the fused fwd+bwd) compiled once per config
   set, then timed in `rounds` interleaved rounds (set A, set B, A, B, ...), so that clock drift
   over the run, which moved one unchanged kernel by 15% between two sets timed one after the
-  other, falls on every set alike. Each set's outputs are checked against the first set's (the
-  tgmm gradients are the same sums in the same order, so they should agree bit for bit).
+  other, falls on every set alike. Each set's outputs are checked against the first set's.
   {kernel: {set: [ms per round]}}."""
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   act, real = jax.nn.gelu, real_rows(topo)[:, None]
   dy = jnp.where(real, jax.random.normal(jax.random.key(9), (x.shape[0], w_out.shape[-1]), x.dtype), 0)
-  pre = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)[0]
+  pre, h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)
   loss = lambda a, wi, wo: jnp.sum(
       expert_mlp(a, wi, wo, topo, activation=act, backend="mosaic").astype(jnp.float32) * dy)
-  h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)[1]
   dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
   tg = lambda a, b: mosaic.tgmm(a, b, topo, a.dtype)
   kernels = {"gmm_act": (lambda a, b: mosaic.gmm_act(a, b, topo, act), (x, w_in)),

@@ -80,33 +80,23 @@ class Config:
   # tgmm: walk the experts heaviest first, every second wave of num_sms tiles backwards (see
   # _tgmm_item). False: experts in index order, as before (kept for A/B runs).
   balance_experts: bool = True
-  # gmm: walk the output tiles in expert_band_order (planar-snake bands of at most grid_tile_width
-  # row blocks that never straddle two experts, so each expert's weight tiles are read from DRAM
-  # once) instead of plain planar_snake over all row blocks. M-minor orders only.
-  expert_bands: bool = False
-  # tgmm: one hand-written ring over all of a CTA's tiles (_tgmm_streamed), so the producer loads
-  # the next tile's rows while the consumers finish this one and store it; epi_slots pieces of
-  # epi_tile_n columns buffer the stores. False: a pipeline per tile (_tgmm_padded).
-  streamed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Configs:
-  gmm: Config = Config(grid_tile_width=8, expert_bands=True)
-  gmm_t: Config = Config(expert_bands=True)
+  gmm: Config = Config(grid_tile_width=8)
+  gmm_t: Config = Config()
   # x W_in writing (pre, act(pre)): twice the stores. 128-wide N tiles with a 6-deep ring ran
   # 0.759 / 0.406 ms against 0.834 / 0.427 for 256-wide tiles with 4 slots (MoE-XS at 128 x 1024
   # tokens / E64 top-1; experiments/results/act_kernels_sweep_H100.log).
-  gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8,
-                           expert_bands=True)
+  gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8)
   # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
   # tile beside a 5-deep ring.
-  gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8,
-                            expert_bands=True)
+  gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8)
   # GLU: two weight tiles per stage and two accumulators per consumer, so 128-wide tiles (two
   # 64x256 float32 accumulators would not fit the registers). Untuned.
-  gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32, expert_bands=True)
-  gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8, expert_bands=True)
+  gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32)
+  gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8)
   tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                         grid_tile_width=1)
   # tgmm when experts average LONG_ROWS rows or more (E8 top-2: 4,224): walking N fastest ran
@@ -248,40 +238,6 @@ def _row_iota(shape):
   return iota if _interpret() is not None else plgpu.layout_cast(iota, plgpu.Layout.WGMMA)
 
 
-def expert_band_order(
-    row_block_expert: Int[Array, "row_blocks"],
-    expert_block_offsets: Int[Array, "experts_plus_one"],
-    n_iters: int,
-    width: int,
-) -> Int[Array, "tiles"]:
-  """order[p] = m * n_iters + n: the p-th output tile (row block m, column tile n) of gmm's persistent
-  loop. Each expert's row blocks are cut into bands of at most `width` (the blocks past the active
-  ones are one more group, last); a band's tiles come together, m fastest, n ascending in a band of
-  even index within its expert and descending in an odd one (a snake, as planar_snake's).
-
-  planar_snake's bands of `width` blocks over all row blocks split every expert that straddles a
-  band boundary: its weight tiles are then read once per band, from DRAM, since the band between
-  has evicted them. At E64 top-1 (2.5 blocks an expert, bands of 8) Nsight Compute counted 655 MB of
-  DRAM reads for x W_in against 554 MB of operands. Here the CTAs in flight share each weight tile
-  within one band. A permutation of range(row_blocks * n_iters), built by one scatter.
-  """
-  num_blocks = row_block_expert.shape[0]
-  b = jnp.arange(num_blocks, dtype=jnp.int32)
-  active = expert_block_offsets[-1]
-  e = row_block_expert
-  first = jnp.where(b < active, expert_block_offsets[e], active)
-  end = jnp.where(b < active, expert_block_offsets[e + 1], num_blocks)
-  band = (b - first) // width
-  start = first + band * width
-  band_width = jnp.minimum(width, end - start)
-  n = jnp.arange(n_iters, dtype=jnp.int32)[None, :]
-  rank = jnp.where((band % 2 == 1)[:, None], n_iters - 1 - n, n)
-  pos = start[:, None] * n_iters + rank * band_width[:, None] + (b - start)[:, None]
-  code = b[:, None] * n_iters + n
-  return jnp.zeros((num_blocks * n_iters,), jnp.int32).at[pos.reshape(-1)].set(
-      code.reshape(-1), unique_indices=True)
-
-
 def _tile_coords(lin, shape, cfg: Config):
   """(row tile, column tile) of the lin-th output tile in cfg's planar_snake order. A grid of one
   tile is (0, 0) outright: with every operand constant, XLA:CPU's constant folding of
@@ -315,7 +271,7 @@ def _launch(body, out_shape, *args, num_threads=3):
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
 def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
-                out_dtype, cfg: Config, activation=None, order=None):
+                out_dtype, cfg: Config, activation=None):
   """The gmm kernel and its epilogue variants. weights: (W,), or (W_gate, W_in) for the GLU
   form (two accumulators per consumer over the same lhs tile); pre: the forward's products that
   a backward epilogue reads, each consumer's tile arriving by TMA while its K loop runs.
@@ -326,8 +282,6 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
     Wg, Wi     ()       g, u, act(g) * u                        x W_gate, x W_in
     W          (p,)     acc * act'(p)                           dY W_out^T
     W          (g, u)   acc * u * act'(g), acc * act(g)         dY W_out^T
-
-  order: expert_band_order's tile table, or None for planar_snake over all row blocks.
   """
   rows, k = lhs.shape
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
@@ -356,9 +310,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
                    pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
   window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
 
-  def body(*refs):
-    order_gmem = refs[0] if order is not None else None
-    rbe_gmem, rbr_gmem, lhs_gmem, *refs = refs[order is not None:]
+  def body(rbe_gmem, rbr_gmem, lhs_gmem, *refs):
     w_gmems, pre_gmems, out_gmems = refs[:num_w], refs[num_w:num_w + num_pre], refs[num_w + num_pre:]
     ignore = lambda *_, **__: None
     # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
@@ -376,11 +328,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
-        if order is None:
-          m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
-        else:
-          code = order_gmem[info.index[0]]
-          m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+        m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
         expert = rbe_gmem[m_idx]
         num_real = rbr_gmem[m_idx]
         # Inactive blocks run zero K steps (and store nothing, below).
@@ -470,8 +418,6 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
 
   out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
   args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
-  if order is not None:
-    args = (order,) + args
   return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
 
 
@@ -511,13 +457,6 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   else:
     cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
     padded = _gmm_padded
-    if cfg.expert_bands:
-      if cfg.grid_minor_dim != M_DIM:
-        raise ValueError(f"Config.expert_bands orders row blocks within column tiles: it needs "
-                         f"grid_minor_dim=M_DIM; got {cfg.grid_minor_dim} for {kind}")
-      n_iters = -(-n // cfg.tile_n)
-      padded = functools.partial(_gmm_padded, order=expert_band_order(
-          topo.row_block_expert, topo.expert_block_offsets, n_iters, cfg.grid_tile_width))
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k) for w in weights)
@@ -636,31 +575,6 @@ def _tgmm_item(step, total, width):
   return jnp.where(backwards, wave * width + (width - 1 - pos), step)
 
 
-def _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, grid, block_m, tile_r, cfg: Config):
-  """(expert, m_idx, n_idx, steps, tail, first) of a CTA's step-th work item: its output tile, the
-  number of tile_r-row reduction steps over the expert's real rows (zero for an expert with none),
-  the real rows in the last step, and the expert's first row block."""
-  tiles = grid[0] * grid[1]
-  total = (offsets_gmem.shape[0] - 1) * tiles
-  item = _tgmm_item(step, total, _num_sms()) if cfg.balance_experts else step
-  e = order_gmem[item // tiles]
-  m_idx, n_idx = _tile_coords(item % tiles, grid, cfg)
-  first, end = offsets_gmem[e], offsets_gmem[e + 1]
-  # Real rows of the expert: full blocks, then its last block's real rows.
-  last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
-  num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
-  steps = (num_rows + tile_r - 1) // tile_r
-  return e, m_idx, n_idx, steps, num_rows - (steps - 1) * tile_r, first
-
-
-def _mask_tail(b, tail, tile_r):
-  """Zero the rows of the last reduction step past the expert's real rows, in this consumer's
-  columns b of the shared slot (the rows after them belong to padding, or to the next expert)."""
-  keep = (_row_iota(b.shape) < tail).astype(b.dtype)
-  b[...] = b[...] * keep
-  plgpu.commit_smem()  # wgmma reads what these stores wrote
-
-
 def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
   rows, k = lhs.shape
   n = dout.shape[1]
@@ -679,6 +593,7 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
   out_transforms = _transforms(epi_tile_n, out_dtype)
 
   tiles = m_iters * n_iters
+  num_sms = _num_sms()
 
   def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
     ignore = lambda *_, **__: None
@@ -696,8 +611,17 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
       # Experts major (in `order`): the CTAs in flight work on a few experts' rows, which stay in L2.
       @plgpu.nd_loop((num_experts * tiles,), collective_axes="sm")
       def _tile(info):
-        e, m_idx, n_idx, steps, tail, first = _tgmm_tile(
-            info.index[0], order_gmem, offsets_gmem, rbr_gmem, (m_iters, n_iters), block_m, tile_r, cfg)
+        item = info.index[0]
+        if cfg.balance_experts:
+          item = _tgmm_item(item, num_experts * tiles, num_sms)
+        e = order_gmem[item // tiles]
+        m_idx, n_idx = _tile_coords(item % tiles, (m_iters, n_iters), cfg)
+        first, end = offsets_gmem[e], offsets_gmem[e + 1]
+        # Real rows of the expert: full blocks, then its last block's real rows.
+        last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
+        num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
+        steps = (num_rows + tile_r - 1) // tile_r  # zero for an expert with no rows
+        tail = num_rows - (steps - 1) * tile_r  # real rows in the last step
         row0 = first * steps_per_block
         m_slice = pl.ds(m_idx * tile_m, tile_m)
         n_slice = pl.ds(n_idx * cta_n, cta_n)
@@ -715,9 +639,12 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
         def mma(idx, a_smem, b_smem, acc_ref):
           b = b_smem.at[:, wg_n]
 
+          # The last step may reach into padding rows: zero them in this consumer's own columns.
           @pl.when((idx[0] == steps - 1) & (tail < tile_r))
           def _():
-            _mask_tail(b, tail, tile_r)
+            keep = (_row_iota((tile_r, tile_n)) < tail).astype(b.dtype)
+            b[...] = b[...] * keep
+            plgpu.commit_smem()
 
           plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b)
           plgpu.wgmma_wait(delay)
@@ -734,127 +661,6 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
         _producer_waits_for_tile(wg_idx, steps, tile_done)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-  return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                 order, offsets, row_block_rows, lhs, dout)
-
-
-# Registers per thread of the hand-written kernel's warpgroups (64 K a CTA): the producer holds
-# addresses only; each consumer a [128, tile_n] float32 accumulator (128 registers at tile_n 128).
-_PRODUCER_REGISTERS = 40
-_CONSUMER_REGISTERS = 232
-
-
-def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
-  """_tgmm_padded's tiles, items and numerics, on one ring for all of a CTA's items.
-
-  The per-tile pipeline of _tgmm_padded starts each tile's loads only once both consumers have
-  drained the last tile's wgmmas (_producer_waits_for_tile), so every tile begins with the
-  latency of its first load, and an expert of 256 rows has only 4 reduction steps to hide it
-  behind. Here the producer streams every step of every item through one ring and waits only for
-  a slot's release: the next tile's rows arrive while the consumers run this tile's last steps
-  and its epilogue. With epi_slots * epi_tile_n = tile_n a consumer stages its whole tile for
-  the TMA stores, so the stores drain during the next tile's steps rather than in its epilogue.
-  """
-  rows, k = lhs.shape
-  n = dout.shape[1]
-  num_experts = offsets.shape[0] - 1
-  tile_m, tile_n, tile_r, epi_tile_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
-  cta_n = 2 * tile_n
-  grid = (k // tile_m, n // cta_n)
-  slots = cfg.max_concurrent_steps
-  dtype = lhs.dtype
-  items = (num_experts * grid[0] * grid[1],)
-
-  def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
-    scratch = dict(
-        a_smem=plgpu.SMEM((slots, tile_r, tile_m), dtype, transforms=_transforms(tile_m, dtype)),
-        b_smem=plgpu.SMEM((slots, tile_r, cta_n), dtype, transforms=_transforms(cta_n, dtype)),
-        full=plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # the A and B copies of a slot
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # both consumers
-        out_smem=plgpu.SMEM((2, cfg.epi_slots, tile_m, epi_tile_n), out_dtype,
-                            transforms=_transforms(epi_tile_n, out_dtype)))
-
-    @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
-    def _scope(a_smem, b_smem, full, consumed, out_smem):
-      wg_idx = lax.axis_index("wg")
-      tile = lambda step: _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, grid, block_m, tile_r, cfg)
-
-      @pl.when(wg_idx == 2)
-      def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-
-        @plgpu.nd_loop(items, collective_axes="sm", init_carry=(jnp.int32(0),))
-        def issued(info, carry):
-          (step0,) = carry
-          _, m_idx, n_idx, steps, _, first = tile(info.index[0])
-
-          @pl.loop(0, steps)
-          def _step(s):
-            slot = lax.rem(step0 + s, slots)
-
-            @pl.when(step0 + s >= slots)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            rs = pl.ds(first * block_m + s * tile_r, tile_r)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rs, pl.ds(m_idx * tile_m, tile_m)], a_smem.at[slot],
-                                    full.at[slot])
-            plgpu.copy_gmem_to_smem(dout_gmem.at[rs, pl.ds(n_idx * cta_n, cta_n)], b_smem.at[slot],
-                                    full.at[slot])
-
-          return (step0 + steps,)
-
-        # Observe the last releases, so no barrier ends the kernel with an unobserved phase.
-        total = issued[0]
-
-        @pl.loop(jnp.maximum(total - slots, 0), total)
-        def _drain(step):
-          plgpu.barrier_wait(consumed.at[lax.rem(step, slots)])
-
-      @pl.when(wg_idx < 2)
-      def _consumer():
-        plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-        wg_n = pl.ds(wg_idx * tile_n, tile_n)
-
-        @plgpu.nd_loop(items, collective_axes="sm", init_carry=(jnp.int32(0),))
-        def _done(info, carry):
-          (step0,) = carry
-          e, m_idx, n_idx, steps, tail, _ = tile(info.index[0])
-
-          # An expert with no rows runs zero steps: its gradient is the zero accumulator.
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-          def _acc(acc_ref):
-            def k_step(s, acc):
-              slot = lax.rem(step0 + s, slots)
-              plgpu.barrier_wait(full.at[slot])
-              b = b_smem.at[slot].at[:, wg_n]
-
-              @pl.when((s == steps - 1) & (tail < tile_r))
-              def _():
-                _mask_tail(b, tail, tile_r)
-
-              plgpu.wgmma(acc, plgpu.transpose_ref(a_smem.at[slot], (1, 0)), b)
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
-
-              @pl.when(s > 0)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(step0 + s - 1, slots)])
-              return acc
-
-            acc = lax.fori_loop(0, steps, k_step, acc_ref)
-            plgpu.wgmma_wait(0)
-
-            @pl.when(steps > 0)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
-
-            out = out_gmem.at[e, pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * cta_n, cta_n)]
-            _store_tile((acc[...],), out_smem, [out.at[:, wg_n]], wg_idx, epi_tile_n)
-
-          return (step0 + steps,)
-
-        plgpu.wait_smem_to_gmem(0)
 
   return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
                  order, offsets, row_block_rows, lhs, dout)
@@ -878,13 +684,12 @@ def tgmm(
   long = lhs.shape[0] >= LONG_ROWS * topo.num_experts
   cfg = _fit(configs.tgmm_long if long else configs.tgmm, block_m, n,
              stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
-             out_bytes=lambda c: 2 * (c.epi_slots if c.streamed else 2) * block_m * c.epi_tile_n * out_size)
+             out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
   lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, 2 * cfg.tile_n)
   offsets = topo.expert_block_offsets
   order = (heaviest_first(offsets) if cfg.balance_experts
            else jnp.arange(topo.num_experts, dtype=jnp.int32))
-  kernel = _tgmm_streamed if cfg.streamed else _tgmm_padded
-  out = kernel(lhs_p, dout_p, order, offsets, topo.row_block_rows,
+  out = _tgmm_padded(lhs_p, dout_p, order, offsets, topo.row_block_rows,
                      block_m=topo.block_size,
                      out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]
