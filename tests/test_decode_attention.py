@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsejax.kernels.decode_attention import decode_attention, decode_attention_reference, decode_attention_step
+from sparsejax.kernels.decode_attention import decode_attention, decode_attention_reference
 from sparsejax.inference import kv_cache
 from tests.moe_testing import seed_of
 
@@ -98,85 +98,3 @@ def test_bad_inputs_fail_with_clear_errors():
     decode_attention(q2, k2, v2, start[:1], index, impl="triton")
   with pytest.raises(ValueError, match="got head_dim 16, 8 slots"):
     decode_attention(q, k[:, :8], v[:, :8], start, index, impl="triton")
-
-
-def _step_oracle(parts, k_cache, v_cache, start, index, base, dtype):
-  """float64 numpy: q, k, v = the parts' sum rounded to dtype, q and k rotated at position index - start
-  (and rounded), k and v written at slot `index`, then _oracle. (o, k_cache, v_cache)."""
-  rnd = lambda a: np.asarray(jnp.asarray(np.asarray(a, np.float32)).astype(dtype), np.float64)
-  qkv = rnd(np.asarray(parts, np.float64).sum(0))  # [b, 3, h, dh]
-  dh = qkv.shape[-1]
-  # The angle in float32, as the model defines RoPE (at position ~250 its rounding alone moves a
-  # rotated value by ~1e-4 of float64's); the rotation itself in float64.
-  freq = np.float32(base) ** (-np.arange(dh // 2, dtype=np.float32) * np.float32(2.0) / np.float32(dh))
-  ang = ((index - np.asarray(start)).astype(np.float32)[:, None, None] * freq).astype(np.float64)
-
-  def rope(x):
-    x1, x2 = x[..., :dh // 2], x[..., dh // 2:]
-    return rnd(np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1))
-
-  q, k = rope(qkv[:, 0]), rope(qkv[:, 1])
-  kc, vc = np.asarray(k_cache, np.float64).copy(), np.asarray(v_cache, np.float64).copy()
-  kc[:, index], vc[:, index] = k, qkv[:, 2]
-  return _oracle(q, kc, vc, np.asarray(start), index), kc, vc
-
-
-# (rows, slots, heads, head_dim, start per row, query slot, K slabs of the projection): as CASES, with
-# slab counts that are not powers of two, one slab, and the query in the last (partial) chunk.
-STEP_CASES = {
-    "first_slot_one_slab": (1, 64, 2, 32, [0], 0, 1),
-    "chunk_boundary": (2, 200, 2, 32, [0, 10], 64, 6),
-    "several_chunks_padded_rows": (3, 300, 2, 64, [0, 70, 130], 250, 8),
-    "last_partial_chunk": (2, 150, 1, 32, [3, 0], 149, 3),
-    "short_cache": (2, 23, 2, 32, [0, 5], 20, 4),
-    "padding_query_sees_itself": (2, 128, 2, 32, [0, 100], 90, 2),
-}
-
-
-# float32 RoPE at positions of a few hundred is good to ~1e-4 of float64's (its inverse frequencies
-# come from a float32 pow, whose last-bit error the position multiplies): the oracle's tolerance.
-ROPE_TOL = {jnp.float32: dict(rtol=2e-4, atol=2e-4), jnp.bfloat16: TOL[jnp.bfloat16]}
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("name", list(STEP_CASES))
-def test_step_kernel_equals_oracle(name, dtype):
-  """decode_attention_step's kernel and its reference against the float64 oracle, and the kernel
-  against the reference at float32's tolerance: the output, the written slot of both caches, and
-  every other slot unchanged bit for bit."""
-  b, s, h, dh, start, index, splits = STEP_CASES[name]
-  rng = np.random.default_rng(seed_of(name, str(dtype)))
-  parts = jnp.asarray(rng.standard_normal((splits, b, 3, h, dh)), jnp.float32)
-  _, k_cache, v_cache = _case(b, s, h, dh, dtype, seed_of(name, "cache"))
-  start = jnp.asarray(start, jnp.int32)
-  want_o, want_k, want_v = _step_oracle(parts, k_cache, v_cache, start, index, 500.0, dtype)
-  step = lambda impl: jax.jit(lambda p, k, v, i: decode_attention_step(
-      p, k, v, start, i, rope_base=500.0, dtype=dtype, impl=impl))(parts, k_cache, v_cache, jnp.int32(index))
-  outs = {impl: step(impl) for impl in ("triton", "xla")}
-  for o, kc, vc in outs.values():
-    assert o.dtype == dtype and o.shape == (b, h, dh) and kc.dtype == dtype and kc.shape == k_cache.shape
-    np.testing.assert_allclose(np.asarray(o, np.float32), want_o, **ROPE_TOL[dtype])
-    for got, want, old in ((kc, want_k, k_cache), (vc, want_v, v_cache)):
-      np.testing.assert_allclose(np.asarray(got[:, index], np.float32), want[:, index], **ROPE_TOL[dtype])
-      others = np.arange(s) != index
-      np.testing.assert_array_equal(np.asarray(got)[:, others], np.asarray(old)[:, others])
-  for got, want in zip(outs["triton"], outs["xla"], strict=True):
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
-
-
-def test_step_bad_inputs_fail_with_clear_errors():
-  _, k, v = _case(2, 32, 2, 32, jnp.float32, 10)
-  parts, start, index = jnp.zeros((3, 2, 3, 2, 32)), jnp.zeros((2,), jnp.int32), jnp.int32(3)
-  step = lambda p, k=k, **kw: decode_attention_step(p, k, k, start, index, rope_base=1e4, dtype=jnp.float32, **kw)
-  with pytest.raises(ValueError, match="qkv_parts must be"):
-    step(parts[:, :, :2])
-  with pytest.raises(ValueError, match=r"qkv_parts must have rank 5"):
-    step(parts[0])
-  with pytest.raises(ValueError, match="head_dim must be even"):
-    _, k3, _ = _case(2, 32, 2, 15, jnp.float32, 11)
-    step(jnp.zeros((3, 2, 3, 2, 15)), k3)
-  with pytest.raises(ValueError, match="power of two >= 32 for the step kernel"):
-    _, k4, _ = _case(2, 32, 2, 16, jnp.float32, 12)
-    step(jnp.zeros((3, 2, 3, 2, 16)), k4, impl="triton")
-  with pytest.raises(ValueError, match="impl must be one of"):
-    step(parts, impl="cudnn")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from sparsejax.inference import quantize_weight
-from sparsejax.kernels.skinny_matmul import MAX_ROWS, skinny_matmul, skinny_matmul_partials, skinny_matmul_reference
+from sparsejax.kernels.skinny_matmul import MAX_ROWS, skinny_matmul, skinny_matmul_reference
 from sparsejax.kernels.skinny_matmul.triton import default_config
 from tests.moe_testing import seed_of
 
@@ -127,20 +127,3 @@ def test_bad_inputs_fail_with_clear_errors():
     skinny_matmul(jnp.ones((MAX_ROWS + 1, 64)), w, experts=ids, impl="triton")
   with pytest.raises(ValueError, match="multiples of 16"):
     skinny_matmul(jnp.ones((2, 40)), jnp.ones((3, 40, 32)), experts=ids, impl="triton")
-
-
-@pytest.mark.parametrize("m,k,n", [(1, 768, 320), (5, 2048, 64)])  # 6 slabs (m = 1), 4 slabs of 512 (dot path)
-def test_partials_sum_to_the_product(m, k, n):
-  """skinny_matmul_partials: the kernel's split-K parts, one per K slab, whose sum is x @ w; a plain
-  product as one part without the kernel. Float weights only."""
-  x, w = _draw(1, (m, k), jnp.bfloat16), _draw(2, (k, n), jnp.float32)
-  parts = skinny_matmul_partials(x, w, impl="triton")
-  cfg = default_config(m, k, n)
-  assert parts.dtype == jnp.float32 and parts.shape == (k // cfg.rows_per_program, m, n)
-  want = _oracle(x, w[None], jnp.zeros((1,), jnp.int32))[0]
-  np.testing.assert_allclose(np.asarray(parts.sum(0)), want, **TOL[jnp.bfloat16])
-  plain = skinny_matmul_partials(x, w, impl="xla")  # the reference's one part
-  assert plain.shape == (1, m, n)
-  np.testing.assert_allclose(np.asarray(plain[0]), want, **TOL[jnp.bfloat16])
-  with pytest.raises(ValueError, match="takes float weights"):
-    skinny_matmul_partials(x, jnp.ones((k, n), jnp.int8))

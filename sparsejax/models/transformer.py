@@ -18,10 +18,9 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax.models.config import DTYPES, TransformerConfig
 from sparsejax.kernels import skinny_matmul
-from sparsejax.kernels.decode_attention import decode_attention, decode_attention_step
+from sparsejax.kernels.decode_attention import decode_attention
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
-from sparsejax.rope import rotary
 
 
 @flax.struct.dataclass
@@ -46,6 +45,21 @@ class RMSNorm(nnx.Module):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary(x: Float[Array, "b t h d"], base: float,
+           positions: Int[Array, "b t"] | None = None) -> Float[Array, "b t h d"]:
+  """RoPE (Su et al.): rotate pairs (x_i, x_{i+d/2}) by angle p * base^(-2i/d), in float32.
+
+  p is the token's position: positions[b, t] when given (cached decoding), else t.
+  """
+  t, d = x.shape[1], x.shape[-1]
+  inv_freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  pos = jnp.arange(t, dtype=jnp.float32)[None, :] if positions is None else positions.astype(jnp.float32)
+  angles = pos[:, :, None] * inv_freq  # [b or 1, t, d/2]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def attention_impl(cfg: TransformerConfig) -> str | None:
@@ -81,16 +95,6 @@ class Attention(nnx.Module):
     b, t, d = x.shape
     h, dh = cfg.num_heads, cfg.head_dim
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
-    if few_rows and t == 1:
-      # One new token a row: the projection's split-K parts go straight into the attention kernel,
-      # which sums them, applies RoPE, writes the caches and attends (no XLA kernel in between).
-      w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
-      parts = skinny_matmul.skinny_matmul_partials(x.reshape(b, d), w_qkv).reshape(-1, b, 3, h, dh)
-      o, self.cached_key[...], self.cached_value[...] = decode_attention_step(
-          parts, self.cached_key[...], self.cached_value[...], cache.start, cache.index,
-          rope_base=cfg.rope_base, dtype=dt)
-      w_out = self.w_out[...].reshape(h * dh, d)
-      return skinny_matmul.skinny_matmul(o.reshape(b, h * dh), w_out).astype(dt).reshape(b, t, d)
     if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
       w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
       qkv = skinny_matmul.skinny_matmul(x.reshape(b * t, d), w_qkv).astype(dt).reshape(b, t, 3, h, dh)

@@ -5,11 +5,6 @@
 The query sits in slot `index` (already written into the cache). Backends: "triton" (triton.py; off the
 GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a GPU when dh is a power of two
 >= 16 and the cache has >= 16 slots. Differentiable: the cotangents are the reference's.
-
-decode_attention_step is the whole attention of a decode step after the qkv projection: from the
-projection's split-K parts (skinny_matmul_partials) it makes q, k, v (their sum in the compute dtype,
-RoPE on q and k), writes k and v into slot `index` of the caches and attends, in one kernel (dh a
-power of two >= 32). Not differentiable: it updates the caches (decoding only).
 """
 from __future__ import annotations
 
@@ -21,8 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 from sparsejax.kernels.decode_attention import triton
-from sparsejax.kernels.decode_attention.reference import (decode_attention_reference,
-                                                          decode_attention_step_reference)
+from sparsejax.kernels.decode_attention.reference import decode_attention_reference
 
 IMPLS = ("auto", "triton", "xla")
 
@@ -95,43 +89,3 @@ def decode_attention(
   if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
     return _kernel(q, k_cache, v_cache, start, index)
   return decode_attention_reference(q, k_cache, v_cache, start, index)
-
-
-def _step_kernel_fits(dh: int, slots: int) -> bool:
-  return _kernel_fits(dh, slots) and dh >= 32  # RoPE's halves are Triton blocks of >= 16
-
-
-def decode_attention_step(
-    qkv_parts: Float[Array, "splits b 3 h dh"],
-    k_cache: Float[Array, "b s h dh"],
-    v_cache: Float[Array, "b s h dh"],
-    start: Int[Array, "b"],
-    index: Int[Array, ""],
-    *,
-    rope_base: float,
-    dtype,
-    impl: str = "auto",
-) -> tuple[Float[Array, "b h dh"], Float[Array, "b s h dh"], Float[Array, "b s h dh"]]:
-  """(o, k_cache, v_cache) of one decode step: qkv = sum_p qkv_parts[p] in dtype; q and k rotated at
-  position index - start[b]; k, v written into slot `index`; o = decode_attention of q (module doc)."""
-  index = jnp.asarray(index)
-  _checks.check_rank("qkv_parts", qkv_parts, 5, "[splits, batch, 3, heads, head_dim]")
-  _checks.check_floating("qkv_parts", qkv_parts)
-  b, _, h, dh = k_cache.shape if k_cache.ndim == 4 else (None,) * 4
-  if k_cache.ndim == 4 and qkv_parts.shape[1:] != (b, 3, h, dh):
-    raise ValueError(f"qkv_parts must be [splits, batch, 3, heads, head_dim] = [splits, {b}, 3, {h}, {dh}] "
-                     f"for this cache; got {qkv_parts.shape}.")
-  if dh is not None and dh % 2:
-    raise ValueError(f"RoPE rotates pairs: head_dim must be even; got {dh}.")
-  _check(qkv_parts[0, :, 0].astype(dtype), k_cache, v_cache, start, index, impl)
-  if impl == "triton" and not _step_kernel_fits(dh, k_cache.shape[1]):
-    raise ValueError(f"impl='triton' needs head_dim a power of two >= 32 for the step kernel; got {dh} "
-                     f"(use impl='auto').")
-  fits = _step_kernel_fits(dh, k_cache.shape[1])
-  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
-    k_cache, v_cache, part, stats = triton.step_chunk_attention(
-        qkv_parts, k_cache, v_cache, start, index, rope_base=rope_base, dtype=dtype,
-        interpret=jax.default_backend() != "gpu")
-    return _merge(part, stats, jnp.dtype(dtype)), k_cache, v_cache
-  return decode_attention_step_reference(qkv_parts, k_cache, v_cache, start, index, rope_base=rope_base,
-                                         dtype=dtype)

@@ -1,4 +1,4 @@
-"""The plain-jnp decode attention that the kernels are tested against (and that XLA runs off the GPU)."""
+"""The plain-jnp decode attention that the kernel is tested against (and that XLA runs off the GPU)."""
 from __future__ import annotations
 
 import jax
@@ -6,7 +6,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax.inference import kv_cache
-from sparsejax.rope import rotary
 
 
 def decode_attention_reference(
@@ -25,23 +24,3 @@ def decode_attention_reference(
   p = jax.nn.softmax(s, axis=-1)
   o = jnp.einsum("bhs,bshd->bhd", p, v_cache.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
   return o.astype(q.dtype)
-
-
-def decode_attention_step_reference(
-    qkv_parts: Float[Array, "splits b 3 h dh"],
-    k_cache: Float[Array, "b s h dh"],
-    v_cache: Float[Array, "b s h dh"],
-    start: Int[Array, "b"],
-    index: Int[Array, ""],
-    *,
-    rope_base: float,
-    dtype,
-) -> tuple[Float[Array, "b h dh"], Float[Array, "b s h dh"], Float[Array, "b s h dh"]]:
-  """A decode step's attention from its projection's split-K parts, as the Transformer wrote it out:
-  qkv = sum_p parts[p] in dtype; q, k rotated (RoPE at position index - start[b]); k and v written
-  into slot `index` of the caches; (decode_attention of q over them, the new caches)."""
-  qkv = jnp.sum(qkv_parts, axis=0).astype(dtype)[:, None]  # [b, 1, 3, h, dh]
-  pos = kv_cache.positions(index, start, 1)
-  q, k = rotary(qkv[:, :, 0], rope_base, pos), rotary(qkv[:, :, 1], rope_base, pos)
-  k_cache, v_cache = kv_cache.write(k_cache, k, index), kv_cache.write(v_cache, qkv[:, :, 2], index)
-  return decode_attention_reference(q[:, 0], k_cache, v_cache, start, index), k_cache, v_cache

@@ -91,29 +91,6 @@ def _kernel_bwd(cfg, res, g):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def skinny_matmul_partials(
-    x: Float[Array, "m k"],
-    w: Float[Array, "k n"],
-    *,
-    impl: str = "auto",
-) -> Float[Array, "splits m n"]:
-  """parts with sum_p parts[p] = x @ w in float32: the kernel's split-K partial products, unsummed,
-  for a consumer kernel that sums them where it loads them (decode_attention_step), so that no
-  XLA kernel runs between the two just to add them. One part, the plain product, off the kernel.
-  Float weights only; not differentiable (decoding)."""
-  if jnp.result_type(w) == jnp.int8:
-    raise ValueError("skinny_matmul_partials takes float weights; int8 ones need their scale (skinny_matmul).")
-  _check(x, w, None, None, impl)
-  m, k = x.shape
-  cfg = triton.default_config(m, k, w.shape[1])
-  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and cfg is not None):
-    parts = triton.partial_products(x, w[None], jnp.zeros((1,), jnp.int32), cfg,
-                                    interpret=jax.default_backend() != "gpu")
-    return parts[0, :, :m]
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  return jnp.dot(x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)[None]
-
-
 def skinny_matmul(
     x: Float[Array, "m k"] | Float[Array, "slots m k"],
     w: Num[Array, "k n"] | Num[Array, "experts k n"],

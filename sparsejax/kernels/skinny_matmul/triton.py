@@ -82,20 +82,6 @@ def skinny_matmul(
     interpret: bool,
 ) -> Float[Array, "slots m n"]:
   """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here."""
-  m = x.shape[-2]
-  return partial_products(x, w, experts, cfg, interpret=interpret).sum(axis=1)[:, :m]
-
-
-def partial_products(
-    x: Float[Array, "slots m k"] | Float[Array, "m k"],
-    w: Num[Array, "experts k n"],
-    experts: Int[Array, "slots"],
-    cfg: Config,
-    *,
-    interpret: bool,
-) -> Float[Array, "slots splits mp n"]:
-  """The kernel's output: partial[s, p] = x[s][:, slab p] @ w[experts[s]][slab p], float32, on
-  padded_rows(m) rows (the rows past m are zero)."""
   x_per_slot = x.ndim == 3
   m, k = x.shape[-2:]
   n = w.shape[-1]
@@ -112,7 +98,7 @@ def partial_products(
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  return pl.pallas_call(
+  partial = pl.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
       in_specs=[pl.no_block_spec] * 3,
@@ -122,3 +108,4 @@ def partial_products(
       compiler_params=params,
       name="sparsejax_skinny_matmul",
   )(experts.astype(jnp.int32), x, w)
+  return partial.sum(axis=1)[:, :m]
