@@ -152,19 +152,11 @@ def test_mosaic_epilogue_warpgroup_compiled_matches_reference(monkeypatch, act, 
   _check_expert_mlp_compiled("mosaic", act, shape, glu=False)
 
 
-@pytest.mark.parametrize("cluster_m", [False, True] if HOPPER else [])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32] if HOPPER else [])
 @pytest.mark.parametrize("shape", SHAPES + [(8192, 256, 384, 2, 1, 0.0)])  # the last takes tgmm_long
-def test_mosaic_tgmm_compiled_matches_reference(shape, out_dtype, cluster_m, monkeypatch):
+def test_mosaic_tgmm_compiled_matches_reference(shape, out_dtype):
   """tgmm alone against the float32 reference, bf16 and float32 gradients; an expert with no rows
-  (the skewed shape has some) gets an exact zero gradient. cluster_m: in 2-CTA clusters with the
-  dout tile multicast (the GPU interpreter of jax 0.10 has no cluster barriers, so this runs here
-  only)."""
-  if cluster_m:
-    base = mosaic.DEFAULT_CONFIGS
-    monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(
-        base, tgmm=dataclasses.replace(base.tgmm, cluster_m=True),
-        tgmm_long=dataclasses.replace(base.tgmm_long, cluster_m=True)))
+  (the skewed shape has some) gets an exact zero gradient."""
   T, d, f, E, k, skew = shape
   keys = jax.random.split(jax.random.key(T + E + 7), 3)
   topo, _ = routed_topology(keys[0], T, E, k, skew)

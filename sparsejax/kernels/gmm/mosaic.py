@@ -80,10 +80,6 @@ class Config:
   # tgmm: walk the experts heaviest first, every second wave of num_sms tiles backwards (see
   # _tgmm_item). False: experts in index order, as before (kept for A/B runs).
   balance_experts: bool = True
-  # tgmm: CTAs in clusters of two on neighbouring M tiles of one expert and N tile, the [rows, N]
-  # operand tile multicast to both by TMA (each CTA loads half of it): a third fewer bytes a step
-  # from L2. Needs an even number of M tiles (else one CTA a cluster).
-  cluster_m: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,15 +263,10 @@ def _warp_specialized(body, grid, in_specs, cfg, compute_context):
       compute_context=compute_context)
 
 
-def _launch(body, out_shape, *args, num_threads=3, cluster=1):
-  """One CTA per SM (grid axis "sm"), or clusters of `cluster` CTAs (axes "cluster_grid" over the
-  clusters and "cluster" within one)."""
-  grid = dict(grid=(_num_sms(),), grid_names=("sm",))
-  if cluster > 1:
-    grid = dict(grid=(_num_sms() // cluster,), grid_names=("cluster_grid",), cluster=(cluster,),
-                cluster_names=("cluster",))
+def _launch(body, out_shape, *args, num_threads=3):
   return plgpu.kernel(
-      body, out_type=out_shape, **grid, num_threads=num_threads, thread_name="wg",
+      body, out_type=out_shape, grid=(_num_sms(),), grid_names=("sm",), num_threads=num_threads,
+      thread_name="wg",
       # approx_math: the exp and rsqrt of the activation epilogues (sparsejax.activations' kernel
       # forms) become one special-function instruction each; the epilogues were issue-bound.
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
@@ -604,24 +595,13 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
   steps_per_block = block_m // tile_r
   delay = min(cfg.delay_release, cfg.max_concurrent_steps - 1)
   dtype = lhs.dtype
-  # A cluster's two CTAs take M tiles 2i and 2i + 1 of one (expert, N tile): the same rows and
-  # the same dout tile, which TMA multicasts to both; their pipelines run in step.
-  cluster = 2 if cfg.cluster_m and m_iters % 2 == 0 and _num_sms() % 2 == 0 else 1
-  multicast = ("cluster",) if cluster > 1 else ()
-  if cluster > 1:
-    # A multicast load writes the peer CTA's slot too, and the pipeline's cluster-wide release
-    # barriers guard only the slots it releases: with delay_release it keeps a tile's last slot
-    # unreleased, guarded by the CTA-local tile_done below, which does not see the peer's
-    # consumers (measured: 3% wrong gradients). Release every slot through the pipeline.
-    delay = 0
   a_tf, b_tf = _transforms(tile_m, dtype), _transforms(cta_n, dtype)
   a_spec = plgpu.BlockSpec((tile_r, tile_m), lambda s: (s, 0), transforms=a_tf, delay_release=delay)
-  b_spec = plgpu.BlockSpec((tile_r, cta_n), lambda s: (s, 0), transforms=b_tf, delay_release=delay,
-                           collective_axes=multicast)
+  b_spec = plgpu.BlockSpec((tile_r, cta_n), lambda s: (s, 0), transforms=b_tf, delay_release=delay)
   out_transforms = _transforms(epi_tile_n, out_dtype)
 
-  tiles = (m_iters // cluster) * n_iters  # work items an expert: one per CTA, or per cluster
-  num_sms = _num_sms() // cluster
+  tiles = m_iters * n_iters
+  num_sms = _num_sms()
 
   def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
     ignore = lambda *_, **__: None
@@ -637,15 +617,13 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
       wg_idx = lax.axis_index("wg")
 
       # Experts major (in `order`): the CTAs in flight work on a few experts' rows, which stay in L2.
-      @plgpu.nd_loop((num_experts * tiles,), collective_axes="sm" if cluster == 1 else "cluster_grid")
+      @plgpu.nd_loop((num_experts * tiles,), collective_axes="sm")
       def _tile(info):
         item = info.index[0]
         if cfg.balance_experts:
           item = _tgmm_item(item, num_experts * tiles, num_sms)
         e = order_gmem[item // tiles]
-        m_idx, n_idx = _tile_coords(item % tiles, (m_iters // cluster, n_iters), cfg)
-        if cluster > 1:
-          m_idx = m_idx * cluster + lax.axis_index("cluster")
+        m_idx, n_idx = _tile_coords(item % tiles, (m_iters, n_iters), cfg)
         first, end = offsets_gmem[e], offsets_gmem[e + 1]
         # Real rows of the expert: full blocks, then its last block's real rows.
         last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
@@ -682,7 +660,7 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
             plgpu.BlockSpec((tile_r, tile_m), lambda s: (row0 + s, 0), transforms=a_tf,
                             delay_release=delay),
             plgpu.BlockSpec((tile_r, cta_n), lambda s: (row0 + s, 0), transforms=b_tf,
-                            delay_release=delay, collective_axes=multicast),
+                            delay_release=delay),
         ]
         _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
             lhs_gmem.at[:, m_slice], dout_gmem.at[:, n_slice], allocations=pipeline_allocs)
@@ -691,7 +669,7 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                 order, offsets, row_block_rows, lhs, dout, cluster=cluster)
+                 order, offsets, row_block_rows, lhs, dout)
 
 
 def tgmm(
