@@ -162,9 +162,7 @@ class MLP(nnx.Module):
     matmul = lambda a, w: a @ w[...].astype(c.dtype)
     rows = x.size // c.d_model
     if decode and rows <= skinny_matmul.MAX_ROWS:
-      flat = lambda a: a.reshape(rows, a.shape[-1])
-      matmul = lambda a, w: skinny_matmul.skinny_matmul(flat(a), w[...]).reshape(
-          *a.shape[:-1], w.shape[-1]).astype(c.dtype)
+      matmul = lambda a, w: skinny_matmul.skinny_matmul(a, w[...]).astype(c.dtype)
     h = matmul(x, self.w_in)
     if self.w_gate is not None:
       h = c.activation_fn(matmul(x, self.w_gate)) * h

@@ -79,6 +79,18 @@ def test_dense_weight_and_mixed_dtypes():
   np.testing.assert_allclose(np.asarray(got), np.asarray(skinny_matmul(x, w, impl="xla")), **TOL[jnp.bfloat16])
 
 
+def test_dense_weight_takes_leading_dimensions_as_rows():
+  """w [k, n]: x [b, t, k] is b * t rows, as in jnp.dot; the kernel's rows count against MAX_ROWS."""
+  x = _draw(11, (2, 3, 384), jnp.float32)
+  w = _draw(12, (384, 320), jnp.float32)
+  got = skinny_matmul(x, w, impl="triton")
+  assert got.shape == (2, 3, 320)
+  want = _oracle(x.reshape(6, 384), w[None], jnp.zeros(1, jnp.int32))[0].reshape(2, 3, 320)
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[jnp.float32])
+  with pytest.raises(ValueError, match=f"at most {MAX_ROWS} rows"):
+    skinny_matmul(jnp.zeros((2, MAX_ROWS, 16)), jnp.zeros((16, 16)), impl="triton")
+
+
 def test_auto_off_the_gpu_and_odd_shapes_use_the_reference():
   x = _draw(9, (2, 40), jnp.float32)  # 40: not a multiple of 16, no kernel tiling
   w = _draw(10, (3, 40, 24), jnp.float32)

@@ -97,7 +97,7 @@ class Attention(nnx.Module):
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
     if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
       w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
-      qkv = skinny_matmul.skinny_matmul(x.reshape(b * t, d), w_qkv).astype(dt).reshape(b, t, 3, h, dh)
+      qkv = skinny_matmul.skinny_matmul(x, w_qkv).astype(dt).reshape(b, t, 3, h, dh)
     else:
       qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -112,7 +112,7 @@ class Attention(nnx.Module):
         o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
       if few_rows:
         w_out = self.w_out[...].reshape(h * dh, d)
-        return skinny_matmul.skinny_matmul(o.reshape(b * t, h * dh), w_out).astype(dt).reshape(b, t, d)
+        return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), w_out).astype(dt)
       return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     impl = attention_impl(cfg)

@@ -1,6 +1,6 @@
 """skinny_matmul: a product of a few rows (decoding) with a weight, or with chosen experts' weights.
 
-  w [k, n]:               y[m]    = x[m] @ w                                   (* scale[n])
+  w [k, n]:               y[r]    = x[r] @ w, r over x's leading axes          (* scale[n])
   w [e, k, n], experts:   y[s, m] = x_s[m] @ w[experts[s]]   (* scale[experts[s], n])
 with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. Weights enter the product
 as x's dtype, cast where they are loaded: int8 exactly (|q| <= 127), with the per-column scale on the
@@ -36,7 +36,8 @@ def _check(x, w, experts, scale, impl):
   if w.ndim == 2:
     if experts is not None:
       raise ValueError("experts selects from w [experts, k, n]; w is [k, n].")
-    _checks.check_rank("x", x, 2, "[m, k]")
+    if x.ndim < 1:
+      raise ValueError("x must be [..., k] for w [k, n]; got a scalar.")
   else:
     if experts is None:
       raise ValueError(f"w is [experts, k, n] = {w.shape}: give experts, the [slots] expert ids to read.")
@@ -61,7 +62,7 @@ def _check(x, w, experts, scale, impl):
       raise ValueError(f"scale must have shape {want} (one per output column{' per expert' if w.ndim == 3 else ''}); "
                        f"got {scale.shape}.")
   if impl == "triton":
-    m = x.shape[-2]
+    m = x.size // x.shape[-1] if w.ndim == 2 else x.shape[-2]
     if m > MAX_ROWS:
       raise ValueError(f"impl='triton' takes at most {MAX_ROWS} rows; got m={m} (use impl='auto').")
     if triton.default_config(m, k, n) is None:
@@ -92,16 +93,21 @@ _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 def skinny_matmul(
-    x: Float[Array, "m k"] | Float[Array, "slots m k"],
+    x: Float[Array, "*m k"] | Float[Array, "slots m k"],
     w: Num[Array, "k n"] | Num[Array, "experts k n"],
     *,
     experts: Int[Array, "slots"] | None = None,
     scale: Float[Array, "n"] | Float[Array, "experts n"] | None = None,
     impl: str = "auto",
-) -> Float[Array, "m n"] | Float[Array, "slots m n"]:
-  """y = x @ w, or y[s] = x_s @ w[experts[s]], times the per-column scale; float32 (see the module doc)."""
+) -> Float[Array, "*m n"] | Float[Array, "slots m n"]:
+  """y = x @ w, or y[s] = x_s @ w[experts[s]], times the per-column scale; float32 (see the module doc).
+  With w [k, n], x's leading dimensions are rows, as in jnp.dot."""
   _check(x, w, experts, scale, impl)
   dense = w.ndim == 2
+  if dense and x.ndim != 2:
+    lead = x.shape[:-1]
+    y = skinny_matmul(x.reshape(-1, x.shape[-1]), w, scale=scale, impl=impl)
+    return y.reshape(*lead, w.shape[-1])
   w3 = w[None] if dense else w
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   m, k = x.shape[-2:]
