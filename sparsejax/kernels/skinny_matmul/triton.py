@@ -73,15 +73,16 @@ def _kernel(experts_ref, x_ref, w_ref, out_ref, *, cfg: Config, steps: int, x_pe
   out_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, cfg.block_n), jnp.float32))
 
 
-def skinny_matmul(
+def skinny_matmul_parts(
     x: Float[Array, "slots m k"] | Float[Array, "m k"],
     w: Num[Array, "experts k n"],
     experts: Int[Array, "slots"],
     cfg: Config,
     *,
     interpret: bool,
-) -> Float[Array, "slots m n"]:
-  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here."""
+) -> Float[Array, "slots splits rows n"]:
+  """parts[s, p] = x[s][:, slab p] @ w[experts[s]][slab p] over k's slabs of cfg.rows_per_program, float32,
+  with rows = padded_rows(m) >= m (the rows past m are zero); no scale applied here."""
   x_per_slot = x.ndim == 3
   m, k = x.shape[-2:]
   n = w.shape[-1]
@@ -98,7 +99,7 @@ def skinny_matmul(
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  partial = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
       in_specs=[pl.no_block_spec] * 3,
@@ -108,4 +109,15 @@ def skinny_matmul(
       compiler_params=params,
       name="sparsejax_skinny_matmul",
   )(experts.astype(jnp.int32), x, w)
-  return partial.sum(axis=1)[:, :m]
+
+
+def skinny_matmul(
+    x: Float[Array, "slots m k"] | Float[Array, "m k"],
+    w: Num[Array, "experts k n"],
+    experts: Int[Array, "slots"],
+    cfg: Config,
+    *,
+    interpret: bool,
+) -> Float[Array, "slots m n"]:
+  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here."""
+  return skinny_matmul_parts(x, w, experts, cfg, interpret=interpret).sum(axis=1)[:, :x.shape[-2]]
