@@ -16,12 +16,7 @@ from jaxtyping import Array, Float
 from sparsejax import losses, parallel, routing
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
-from sparsejax.moe import MoEStats, expert_choice_mlp, moe_mlp
-
-
-def _decode_moe():
-  from sparsejax.inference import decode_moe  # inference imports this module
-  return decode_moe
+from sparsejax.moe import expert_choice_mlp, moe_mlp
 
 
 
@@ -133,12 +128,8 @@ class MoE(nnx.Module):
                        w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
                        impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)
-    return y.reshape(*lead, c.d_model), self._stats(stats, lb, logits)
-
-  def _stats(self, stats, lb, logits) -> "MoELayerStats":
-    c = self.config
     z = losses.router_z_loss(logits)
-    return MoELayerStats(
+    layer_stats = MoELayerStats(
         tokens_per_expert=stats.tokens_per_expert,
         num_dropped=stats.num_dropped,
         dropped_fraction=stats.dropped_fraction,
@@ -146,33 +137,7 @@ class MoE(nnx.Module):
         router_z_loss=z,
         aux_loss=c.load_balancing_weight * lb + c.z_loss_weight * z,
     )
-
-  @property
-  def routes_in_decode_glue(self) -> bool:
-    """Whether a decode step may take this layer's routing from residual_norm (the top-k router, which
-    needs nothing but n W_r; the others run their own routing in decode_parts)."""
-    return self.config.router == "top_k"
-
-  def decode_parts(self, x: Float[Array, "tokens d_model"], route=None):
-    """The decode step's layer as pending parts: ((parts, combine), stats) with y = pending_delta(parts,
-    combine), equal to self(x, decode=True)'s y. route: (logits, ids, weights) of the top-k router, as
-    residual_norm computes them with the norm; None routes here."""
-    c = self.config
-    if route is None or c.top_k * x.shape[0] > _decode_moe().SMALL_BATCH_MAX_ASSIGNMENTS:
-      y, stats = self(x, decode=True)
-      return (y.astype(jnp.float32)[None, None], None), stats
-    if not self.routes_in_decode_glue:
-      raise ValueError(f"route is the top-k router's; this layer's router is {c.router!r}.")
-    if self.mesh is not None:
-      raise NotImplementedError("decoding runs on one device: build the model without a mesh for generation.")
-    logits, ids, weights = route
-    w = _decode_moe().expert_weights(self, c.dtype, quantized=True)
-    parts, combine, counts = _decode_moe().decode_moe_parts(
-        x.astype(c.dtype), ids, weights, w.pop("w_in"), w.pop("w_out"), activation=c.activation_fn,
-        ids_in_range=True, **w)
-    zero = jnp.zeros((), jnp.int32)
-    lb = losses.load_balancing_loss(jax.nn.softmax(logits, axis=-1), ids)
-    return (parts, combine), self._stats(MoEStats(counts, zero, zero.astype(jnp.float32)), lb, logits)
+    return y.reshape(*lead, c.d_model), layer_stats
 
 
 class MLP(nnx.Module):
@@ -195,31 +160,16 @@ class MLP(nnx.Module):
     c = self.config
     x = x.astype(c.dtype)
     matmul = lambda a, w: a @ w[...].astype(c.dtype)
-    if decode and x.size // c.d_model <= skinny_matmul.MAX_ROWS:
+    rows = x.size // c.d_model
+    if decode and rows <= skinny_matmul.MAX_ROWS:
       matmul = lambda a, w: skinny_matmul.skinny_matmul(a, w[...]).astype(c.dtype)
-    return matmul(self._hidden(x, matmul), self.w_out), self._stats(x)
-
-  def _hidden(self, x, matmul):
     h = matmul(x, self.w_in)
     if self.w_gate is not None:
-      return self.config.activation_fn(matmul(x, self.w_gate)) * h
-    return self.config.activation_fn(h)
-
-  def _stats(self, x) -> MoELayerStats:
+      h = c.activation_fn(matmul(x, self.w_gate)) * h
+    else:
+      h = c.activation_fn(h)
+    y = matmul(h, self.w_out)
     zero = jnp.zeros((), jnp.float32)
-    n = jnp.asarray(x.size // self.config.d_model, jnp.int32)
-    return MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)
-
-  @jax.named_scope("dense_mlp")
-  def decode_parts(self, x: Float[Array, "rows d_model"], route=None):
-    """The decode step's layer as pending parts, ((parts, None), stats): y = pending_delta(parts, None)
-    equals self(x, decode=True)'s y; the second product's split-K partials are left for residual_norm
-    to sum. route is the MoE layer's and must be None here."""
-    if route is not None:
-      raise ValueError("a dense MLP takes no route.")
-    c = self.config
-    x = x.astype(c.dtype)
-    h = self._hidden(x, lambda a, w: skinny_matmul.skinny_matmul(a, w[...]).astype(c.dtype))
-    return (skinny_matmul.skinny_matmul_parts(h, self.w_out[...]), None), self._stats(x)
-
-  routes_in_decode_glue = False
+    n = jnp.asarray(x.size // c.d_model, jnp.int32)
+    stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)
+    return y, stats

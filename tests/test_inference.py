@@ -50,59 +50,6 @@ def test_greedy_cached_decoding_equals_full_forward(variant):
   assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
 
 
-def _force_kernels(monkeypatch) -> dict:
-  """Every decode-step op on its Pallas kernel (interpret mode here), as "auto" picks them on a GPU;
-  returns the calls counted by op name."""
-  from sparsejax.inference import decode_moe
-  from sparsejax.kernels import skinny_matmul as sm
-  from sparsejax.models import transformer
-  calls = {}
-
-  def triton(name, fn):
-    def call(*a, **kw):
-      calls[name] = calls.get(name, 0) + 1
-      return fn(*a, impl="triton", **kw)
-    return call
-
-  for mod, names in [(transformer, ("residual_norm", "decode_attention")),
-                     (sm, ("skinny_matmul", "skinny_matmul_parts")),
-                     (decode_moe, ("skinny_matmul", "skinny_matmul_parts"))]:
-    for name in names:
-      monkeypatch.setattr(mod, name, triton(name, getattr(mod, name)))
-  return calls
-
-
-@pytest.mark.parametrize("moe_every,top_k", [(0, 2), (2, 1), (1, 2)])
-def test_decode_step_kernels_equal_the_xla_step(monkeypatch, moe_every, top_k):
-  """The decode step as it runs on a GPU (residual_norm with the router, skinny_matmul's partials,
-  decode_attention: Pallas kernels, interpreted here) gives the XLA step's logits and routing, through a
-  prefill and greedy steps, dense and MoE blocks, top-1 and top-2."""
-  model = Transformer(BASE.replace(moe_every=moe_every, top_k=top_k), rngs=nnx.Rngs(3))
-  tokens, lengths = left_pad(PROMPTS)
-
-  def run(model):
-    graphdef, params = nnx.split(model)
-    m = nnx.merge(graphdef, params)
-    m.init_cache(len(PROMPTS), 24, start=tokens.shape[1] - lengths)
-    out, feed = [], jnp.asarray(tokens)
-    for _ in range(3):
-      logits, stats = m(feed, decode=True)
-      out.append((np.asarray(logits[:, -1]), np.asarray(stats.tokens_per_expert)))
-      feed = jnp.argmax(logits[:, -1], axis=-1)[:, None].astype(jnp.int32)
-    return out
-
-  want = run(model)
-  calls = _force_kernels(monkeypatch)
-  got = run(model)
-  layers, steps = BASE.num_layers, 3
-  assert calls["residual_norm"] == (2 * layers + 1) * steps  # two a block and the final norm
-  assert calls["decode_attention"] == layers * (steps - 1)  # the prefill's t > 1 attends in XLA
-  assert calls["skinny_matmul_parts"] == 2 * layers * steps  # attention's and the FFN's last products
-  for (gl, gt), (wl, wt) in zip(got, want):
-    np.testing.assert_allclose(gl, wl, rtol=1e-4, atol=1e-4)
-    np.testing.assert_array_equal(gt, wt)
-
-
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

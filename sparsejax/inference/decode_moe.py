@@ -16,8 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
-from sparsejax.kernels.residual_norm import pending_delta
-from sparsejax.kernels.skinny_matmul import skinny_matmul, skinny_matmul_parts
+from sparsejax.kernels.skinny_matmul import skinny_matmul
 from sparsejax.moe import MoEStats, moe_mlp
 
 # MoE.__call__(decode=True) takes this path when T * k is at most this (a static shape decision).
@@ -71,74 +70,6 @@ def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
                        f"got {s.shape}.")
 
 
-def decode_moe_parts(
-    x: Float[Array, "tokens d_model"],
-    expert_ids: Int[Array, "tokens k"],
-    combine_weights: Float[Array, "tokens k"],
-    w_in: Num[Array, "experts d_model d_ff"],
-    w_out: Num[Array, "experts d_ff d_model"],
-    *,
-    w_gate: Num[Array, "experts d_model d_ff"] | None = None,
-    activation: Callable = jax.nn.gelu,
-    w_in_scale: Float[Array, "experts d_ff"] | None = None,
-    w_out_scale: Float[Array, "experts d_model"] | None = None,
-    w_gate_scale: Float[Array, "experts d_ff"] | None = None,
-    ids_in_range: bool = False,
-) -> tuple[Float[Array, "slots splits rows d_model"], Float[Array, "tokens slots"], Int[Array, "experts"]]:
-  """decode_moe_mlp before its last sum: (parts, C, tokens per expert) with Y[s] = round(sum_p parts[s, p])
-  (skinny_matmul_parts of the second product) and y = round(sum_s C[:, s] Y[s]) (pending_delta).
-
-  ids_in_range: every id is in [0, E) (a router's top-k, never NO_EXPERT); with one token the ids and
-  weights are then the slots and C as they are, and no kernel runs to mask or clamp them.
-  """
-  scales = None
-  if any(s is not None for s in (w_in_scale, w_out_scale, w_gate_scale)) or jnp.result_type(w_in) == jnp.int8:
-    scales = {"w_in": w_in_scale, "w_out": w_out_scale, "w_gate": w_gate_scale}
-  _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales)
-  scales = scales or {}
-  num_tokens, k = expert_ids.shape
-  num_experts = w_in.shape[0]
-  n = min(num_tokens * k, num_experts)
-  dt = x.dtype
-
-  ids = expert_ids.reshape(-1).astype(jnp.int32)
-  valid = ids >= 0
-  counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
-  if num_tokens == 1 and ids_in_range:
-    experts, combine = ids, combine_weights.astype(jnp.float32)
-  else:
-    # NO_EXPERT sorts last (as E), so when it does not fit in the n slots it is the one left out.
-    key = jnp.where(valid, ids, num_experts)
-    if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
-      uniq, slot, picked = key, jnp.arange(k), valid
-    else:
-      uniq = jnp.unique(key, size=n)  # sorted; padded with the smallest id (a duplicate, never matched)
-      hit = key[:, None] == uniq[None, :]  # [T k, n]
-      slot = jnp.argmax(hit, axis=1)  # the first matching slot
-      picked = valid & jnp.any(hit, axis=1)
-    c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
-    combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
-                         jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n))
-    experts = jnp.minimum(uniq, num_experts - 1)
-
-  def product(a, name, w):
-    """[n, T, out] = a @ W[experts[s]] (times the int8 scale) for every slot s; a is [T, in] or [n, T, in].
-
-    skinny_matmul reads each chosen expert's weight once (on a GPU, a split-K Pallas kernel; XLA's own
-    one-row dot writes the broadcast product out before reducing it) and never gathers a copy of it.
-    """
-    return skinny_matmul(a, w, experts=experts, scale=scales.get(name))
-
-  h = product(x, "w_in", w_in).astype(dt)
-  if w_gate is not None:
-    h = activation(product(x, "w_gate", w_gate).astype(dt)) * h
-  else:
-    h = activation(h)
-  # Rounded per expert by the consumer (pending_delta), like moe_mlp's expert rows.
-  parts = skinny_matmul_parts(h, w_out, experts=experts, scale=scales.get("w_out"))
-  return parts, combine, counts
-
-
 def decode_moe_mlp(
     x: Float[Array, "tokens d_model"],
     expert_ids: Int[Array, "tokens k"],
@@ -162,10 +93,48 @@ def decode_moe_mlp(
   and the scale multiplies the float32 result, so no dequantized weight is ever formed.
   Equals moe_mlp (dropless) on the same inputs; ids of -1 (NO_EXPERT) add nothing.
   """
-  parts, combine, counts = decode_moe_parts(
-      x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
-      w_in_scale=w_in_scale, w_out_scale=w_out_scale, w_gate_scale=w_gate_scale)
-  y = pending_delta(parts, combine, x.shape[0], x.dtype)
+  scales = None
+  if any(s is not None for s in (w_in_scale, w_out_scale, w_gate_scale)) or jnp.result_type(w_in) == jnp.int8:
+    scales = {"w_in": w_in_scale, "w_out": w_out_scale, "w_gate": w_gate_scale}
+  _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales)
+  scales = scales or {}
+  num_tokens, k = expert_ids.shape
+  num_experts = w_in.shape[0]
+  n = min(num_tokens * k, num_experts)
+  dt = x.dtype
+
+  ids = expert_ids.reshape(-1).astype(jnp.int32)
+  valid = ids >= 0
+  # NO_EXPERT sorts last (as E), so when it does not fit in the n slots it is the one left out.
+  key = jnp.where(valid, ids, num_experts)
+  if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
+    uniq, slot, picked = key, jnp.arange(k), valid
+  else:
+    uniq = jnp.unique(key, size=n)  # sorted; padded with the smallest id (a duplicate, never matched)
+    hit = key[:, None] == uniq[None, :]  # [T k, n]
+    slot = jnp.argmax(hit, axis=1)  # the first matching slot
+    picked = valid & jnp.any(hit, axis=1)
+  c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
+  combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
+                       jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n))
+  experts = jnp.minimum(uniq, num_experts - 1)
+
+  def product(a, name, w):
+    """[n, T, out] = a @ W[experts[s]] (times the int8 scale) for every slot s; a is [T, in] or [n, T, in].
+
+    skinny_matmul reads each chosen expert's weight once (on a GPU, a split-K Pallas kernel; XLA's own
+    one-row dot writes the broadcast product out before reducing it) and never gathers a copy of it.
+    """
+    return skinny_matmul(a, w, experts=experts, scale=scales.get(name))
+
+  h = product(x, "w_in", w_in).astype(dt)
+  if w_gate is not None:
+    h = activation(product(x, "w_gate", w_gate).astype(dt)) * h
+  else:
+    h = activation(h)
+  out = product(h, "w_out", w_out).astype(dt)  # rounded like moe_mlp's expert rows
+  y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32)).astype(dt)
+  counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
   zero = jnp.zeros((), jnp.int32)
   return y, MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
 

@@ -19,7 +19,6 @@ from jaxtyping import Array, Float, Int
 from sparsejax.models.config import DTYPES, TransformerConfig
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
-from sparsejax.kernels.residual_norm import residual_norm
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
@@ -93,11 +92,28 @@ class Attention(nnx.Module):
   @jax.named_scope("attention")
   def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None) -> Float[Array, "b t d"]:
     cfg, dt = self.cfg, self.cfg.compute_dtype
-    if cache is not None:  # decoding many rows at once (a prefill): XLA's products over the cache
+    b, t, d = x.shape
+    h, dh = cfg.num_heads, cfg.head_dim
+    few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
+    if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
+      w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
+      qkv = skinny_matmul.skinny_matmul(x, w_qkv).astype(dt).reshape(b, t, 3, h, dh)
+    else:
       qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
-      return jnp.einsum("bthk,hkd->btd", self._attend_cached(qkv, cache), self.w_out[...].astype(dt))
-    qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if cache is not None:  # decoding: write the new keys/values at cache.index, attend over the cache
+      q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
+      self.cached_key[...] = kv_cache.write(self.cached_key[...], k, cache.index)
+      self.cached_value[...] = kv_cache.write(self.cached_value[...], v, cache.index)
+      if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
+        o = decode_attention(q[:, 0], self.cached_key[...], self.cached_value[...], cache.start,
+                             cache.index)[:, None]
+      else:
+        o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
+      if few_rows:
+        w_out = self.w_out[...].reshape(h * dh, d)
+        return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), w_out).astype(dt)
+      return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     impl = attention_impl(cfg)
     try:
@@ -107,30 +123,6 @@ class Attention(nnx.Module):
         raise
       o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
-
-  def _attend_cached(self, qkv: Float[Array, "b t 3 h dh"], cache: "DecodeView") -> Float[Array, "b t h dh"]:
-    """Write the new keys and values at cache.index and attend over the cache (RoPE on q and k)."""
-    cfg = self.cfg
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
-    self.cached_key[...] = kv_cache.write(self.cached_key[...], k, cache.index)
-    self.cached_value[...] = kv_cache.write(self.cached_value[...], v, cache.index)
-    if qkv.shape[1] == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
-      return decode_attention(q[:, 0], self.cached_key[...], self.cached_value[...], cache.start,
-                              cache.index)[:, None]
-    return jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
-
-  @jax.named_scope("attention")
-  def decode_parts(self, x: Float[Array, "b t d"], cache: "DecodeView") -> Float[Array, "1 splits rows d"]:
-    """A decode step of few rows (b t <= skinny_matmul.MAX_ROWS): the output projection's split-K
-    partials over the b t rows, for residual_norm to sum (skinny_matmul reads each weight once; XLA's
-    one-row dot writes x * W out, then sums it)."""
-    cfg, dt = self.cfg, self.cfg.compute_dtype
-    b, t, d = x.shape
-    h, dh = cfg.num_heads, cfg.head_dim
-    qkv = skinny_matmul.skinny_matmul(x, self.w_qkv[...].reshape(d, 3 * h * dh)).astype(dt)
-    o = self._attend_cached(qkv.reshape(b, t, 3, h, dh), cache)
-    return skinny_matmul.skinny_matmul_parts(o.reshape(b * t, h * dh), self.w_out[...].reshape(h * dh, d))
 
 
 class Block(nnx.Module):
@@ -149,25 +141,6 @@ class Block(nnx.Module):
     x = x + self.attn(self.attn_norm(x), cache=cache)
     y, stats = self.ffn(self.ffn_norm(x), rng=rng, decode=cache is not None)
     return x + y.astype(x.dtype), stats
-
-  def decode_step(self, x: Float[Array, "rows d"], pending: tuple, cache: "DecodeView", shape: tuple[int, int]):
-    """The block on a decode step of few rows, with the residual adds deferred: x is the residual stream
-    before the previous layer's output, pending = (parts, combine) that output as residual_norm takes it
-    (None, None: nothing pending). Returns (x, pending, stats) in the same form, so that each add, the
-    norm after it and (top-k MoE) the router's top-k run as one residual_norm."""
-    eps = self.attn_norm.eps
-    x, n = residual_norm(x, *pending, self.attn_norm.scale[...], eps=eps)
-    attn = self.attn.decode_parts(n.reshape(*shape, -1), cache)
-    ffn, route = self.ffn, None
-    if ffn.routes_in_decode_glue:
-      c = ffn.config
-      x, n, *route = residual_norm(x, attn, None, self.ffn_norm.scale[...], eps=self.ffn_norm.eps,
-                                   w_router=ffn.router.w[...], k=c.top_k,
-                                   renormalize=c.top_k > 1 if c.renormalize is None else c.renormalize)
-    else:
-      x, n = residual_norm(x, attn, None, self.ffn_norm.scale[...], eps=self.ffn_norm.eps)
-    pending, stats = ffn.decode_parts(n, route)
-    return x, pending, stats
 
 
 @flax.struct.dataclass
@@ -234,21 +207,12 @@ class Transformer(nnx.Module):
     with jax.named_scope("embed"):
       h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     moe_stats = []
-    b, t = tokens.shape
-    if cache is not None and b * t <= skinny_matmul.MAX_ROWS:  # a decode step: see Block.decode_step
-      x, pending = h.reshape(b * t, -1), (None, None)
-      for block in self.blocks:
-        x, pending, s = block.decode_step(x, pending, cache, (b, t))
-        if block.is_moe:
-          moe_stats.append(s)
-      h = residual_norm(x, *pending, self.final_norm.scale[...], eps=self.final_norm.eps)[1].reshape(b, t, -1)
-    else:
-      for i, block in enumerate(self.blocks):
-        layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-        h, s = block(h, rng=layer_rng, cache=cache)
-        if block.is_moe:
-          moe_stats.append(s)
-      h = self.final_norm(h)
+    for i, block in enumerate(self.blocks):
+      layer_rng = None if rng is None else jax.random.fold_in(rng, i)
+      h, s = block(h, rng=layer_rng, cache=cache)
+      if block.is_moe:
+        moe_stats.append(s)
+    h = self.final_norm(h)
     with jax.named_scope("lm_head"):
       logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(dt), preferred_element_type=jnp.float32)
     return logits, _collect(moe_stats, cfg.num_experts)

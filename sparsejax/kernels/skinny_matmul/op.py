@@ -78,68 +78,18 @@ def _kernel_fwd(x, w, experts, cfg):
   return _kernel(x, w, experts, cfg), (x, w, experts)
 
 
-def _vjp_of(fn, x, w, experts, g):
-  """The cotangents of fn(x3, w, experts) (x broadcast over the slots when shared), as x's dtype."""
+def _kernel_bwd(cfg, res, g):
+  del cfg
+  x, w, experts = res
   x3 = x if x.ndim == 3 else jnp.broadcast_to(x, (experts.shape[0],) + x.shape)
-  _, vjp = jax.vjp(fn, x3, w, experts)
+  _, vjp = jax.vjp(lambda x3, w, e: skinny_matmul_reference(x3, w, e), x3, w, experts)
   dx, dw, de = vjp(g)
   if x.ndim == 2:
     dx = dx.sum(axis=0)
   return dx.astype(x.dtype), dw, de
 
 
-def _kernel_bwd(cfg, res, g):
-  del cfg
-  return _vjp_of(skinny_matmul_reference, *res, g)
-
-
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
-
-
-def _parts_reference(x3, w, experts, splits, rows):
-  """parts[s, p] = x3[s][:, slab p] @ w[experts[s]][slab p] (k in `splits` equal slabs), rows zero-padded."""
-  slots, m, k = x3.shape
-  xs = x3.reshape(slots, m, splits, k // splits).transpose(0, 2, 1, 3)
-  ws = w.reshape(w.shape[0], splits, k // splits, w.shape[-1])
-  parts = jax.vmap(skinny_matmul_reference, in_axes=(1, 1, None), out_axes=1)(xs, ws, experts)
-  return jnp.pad(parts, ((0, 0), (0, 0), (0, rows - m), (0, 0)))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _parts_kernel(x, w, experts, cfg):
-  return triton.skinny_matmul_parts(x, w, experts, cfg, interpret=jax.default_backend() != "gpu")
-
-
-def _parts_kernel_fwd(x, w, experts, cfg):
-  return _parts_kernel(x, w, experts, cfg), (x, w, experts)
-
-
-def _parts_kernel_bwd(cfg, res, g):
-  splits, rows = g.shape[1], g.shape[2]
-  return _vjp_of(lambda x3, w, e: _parts_reference(x3, w, e, splits, rows), *res, g)
-
-
-_parts_kernel.defvjp(_parts_kernel_fwd, _parts_kernel_bwd)
-
-
-def _plan(x, w, experts, impl):
-  """(w as [e, k, n], slot ids, the kernel's config or None for XLA)."""
-  dense = w.ndim == 2
-  w3 = w[None] if dense else w
-  ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
-  m, k = x.shape[-2:]
-  cfg = triton.default_config(m, k, w.shape[-1])
-  use_kernel = impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and cfg is not None
-                                    and m <= MAX_ROWS)
-  return w3, ids, cfg if use_kernel else None
-
-
-def _scaled(y, scale, ids, dense):
-  """y [slots, ..., n] times the per-column scale of each slot's expert."""
-  if scale is None:
-    return y
-  s = scale[None] if dense else jnp.take(scale, ids, axis=0)
-  return y * s.astype(jnp.float32).reshape(s.shape[:1] + (1,) * (y.ndim - 2) + s.shape[1:])
 
 
 def skinny_matmul(
@@ -158,8 +108,14 @@ def skinny_matmul(
     lead = x.shape[:-1]
     y = skinny_matmul(x.reshape(-1, x.shape[-1]), w, scale=scale, impl=impl)
     return y.reshape(*lead, w.shape[-1])
-  w3, ids, cfg = _plan(x, w, experts, impl)
-  if cfg is not None:
+  w3 = w[None] if dense else w
+  ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
+  m, k = x.shape[-2:]
+  n = w.shape[-1]
+  cfg = triton.default_config(m, k, n)
+  use_kernel = impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and cfg is not None
+                                    and m <= MAX_ROWS)
+  if use_kernel:
     y = _kernel(x, w3, ids, cfg)
   elif dense:  # a plain dot: no gather of the one weight
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
@@ -167,28 +123,7 @@ def skinny_matmul(
   else:
     x3 = x if x.ndim == 3 else jnp.broadcast_to(x, (ids.shape[0],) + x.shape)
     y = skinny_matmul_reference(x3, w3, ids)
-  y = _scaled(y, scale, ids, dense)
+  if scale is not None:
+    s = scale[None] if dense else jnp.take(scale, ids, axis=0)
+    y = y * s.astype(jnp.float32)[:, None, :]
   return y[0] if dense else y
-
-
-def skinny_matmul_parts(
-    x: Float[Array, "m k"] | Float[Array, "slots m k"],
-    w: Num[Array, "k n"] | Num[Array, "experts k n"],
-    *,
-    experts: Int[Array, "slots"] | None = None,
-    scale: Float[Array, "n"] | Float[Array, "experts n"] | None = None,
-    impl: str = "auto",
-) -> Float[Array, "slots splits rows n"]:
-  """skinny_matmul's split-K partial products, unsummed: y[s] = sum_p parts[s, p, :m] (a dense w is one
-  slot). rows >= m, the rows past m zero. For a consumer that sums them itself (residual_norm): the
-  sum then costs no kernel of its own. XLA (off the kernel) gives one split."""
-  _check(x, w, experts, scale, impl)
-  if w.ndim == 2 and x.ndim != 2:
-    raise ValueError(f"skinny_matmul_parts takes x [m, k] with a [k, n] weight; got x of shape {x.shape}.")
-  w3, ids, cfg = _plan(x, w, experts, impl)
-  if cfg is not None:
-    parts = _parts_kernel(x, w3, ids, cfg)
-  else:
-    x3 = x if x.ndim == 3 else jnp.broadcast_to(x, (ids.shape[0],) + x.shape)
-    parts = skinny_matmul_reference(x3, w3, ids)[:, None]
-  return _scaled(parts, scale, ids, w.ndim == 2)

@@ -73,16 +73,15 @@ def _kernel(experts_ref, x_ref, w_ref, out_ref, *, cfg: Config, steps: int, x_pe
   out_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, cfg.block_n), jnp.float32))
 
 
-def skinny_matmul_parts(
+def skinny_matmul(
     x: Float[Array, "slots m k"] | Float[Array, "m k"],
     w: Num[Array, "experts k n"],
     experts: Int[Array, "slots"],
     cfg: Config,
     *,
     interpret: bool,
-) -> Float[Array, "slots splits rows n"]:
-  """parts[s, p] = x[s][:, slab p] @ w[experts[s]][slab p] over k's slabs of cfg.rows_per_program, float32,
-  with rows = padded_rows(m) >= m (the rows past m are zero); no scale applied here."""
+) -> Float[Array, "slots m n"]:
+  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here."""
   x_per_slot = x.ndim == 3
   m, k = x.shape[-2:]
   n = w.shape[-1]
@@ -99,7 +98,7 @@ def skinny_matmul_parts(
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  return pl.pallas_call(
+  partial = pl.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
       in_specs=[pl.no_block_spec] * 3,
@@ -109,15 +108,4 @@ def skinny_matmul_parts(
       compiler_params=params,
       name="sparsejax_skinny_matmul",
   )(experts.astype(jnp.int32), x, w)
-
-
-def skinny_matmul(
-    x: Float[Array, "slots m k"] | Float[Array, "m k"],
-    w: Num[Array, "experts k n"],
-    experts: Int[Array, "slots"],
-    cfg: Config,
-    *,
-    interpret: bool,
-) -> Float[Array, "slots m n"]:
-  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here."""
-  return skinny_matmul_parts(x, w, experts, cfg, interpret=interpret).sum(axis=1)[:, :x.shape[-2]]
+  return partial.sum(axis=1)[:, :m]
