@@ -12,8 +12,8 @@ functions on float32 operands. Needs an sm_90 GPU:
   python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1 [--configs default,epilogue_wg]
 --configs times the Mosaic kernels once per config set, in one process: "default" is
 mosaic.DEFAULT_CONFIGS, "epilogue_wg" the same with mosaic_epilogue.CONFIGS (gmm_act and gmm_dact
-with the epilogue in a fourth warpgroup); a later set's fused gradients are also checked against
-the first's.
+with the epilogue in a fourth warpgroup), "pingpong" the same with Config(pingpong=True) for tgmm
+(mosaic_pingpong.py); a later set's fused gradients are also checked against the first's.
 --ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
 config set, in R interleaved rounds (each set's outputs checked against the first's): for
 differences smaller than the drift between sets timed one after the other.
@@ -36,7 +36,8 @@ from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epil
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS}
+CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS,
+               "pingpong": {"tgmm": dataclasses.replace(mosaic.Configs().tgmm, pingpong=True)}}
 
 
 @contextlib.contextmanager

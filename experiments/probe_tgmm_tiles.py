@@ -10,16 +10,20 @@ So the loss is per tile, not per K step. This times, on exactly balanced routing
 and three ablations (unchecked, their outputs are garbage): the stores removed (mosaic._store_tile a
 no-op), the TMA stores alone removed (the epilogue's conversion, shared-memory writes and fences
 kept: what the consumers' epilogue costs without the global writes), and the tail mask's
-read-modify-write removed (the last step's rows are zero here anyway). --random adds tune_gmm's
-E64 top-1 (random routing). 2-CTA clusters were measured with this script and reverted
+read-modify-write removed (the last step's rows are zero here anyway). "pingpong <rows>" times the
+ping-pong schedule (mosaic_pingpong.py: 128 x 128 tiles, each consumer owning every second tile, one's
+epilogue under the other's wgmmas) beside ours, checked like ours. --random adds tune_gmm's
+E64 top-1 (random routing), both schedules. 2-CTA clusters were measured with this script and reverted
 (experiments/notes_hopper_kernels.md).
 Variants are timed in interleaved rounds (medians); every checked output is compared with the
-float32 reference. GPU only.
+float32 reference. "us per tile" counts 128 x 256 tiles (the default schedule's), whatever the
+variant's own tile. GPU only.
 
   python experiments/probe_tgmm_tiles.py                 # the table, JSON under $OUT or results/
   python experiments/probe_tgmm_tiles.py --ncu 256       # one launch of ours at 256 rows, for ncu
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +56,13 @@ def problem(rows):
 
 def ours(topo, configs=None):
   return jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, a.dtype, configs))
+
+
+def pingpong_configs():
+  """The default configs with tgmm (and tgmm_long) on the ping-pong schedule."""
+  d = mosaic.DEFAULT_CONFIGS
+  return dataclasses.replace(d, tgmm=dataclasses.replace(d.tgmm, pingpong=True),
+                             tgmm_long=dataclasses.replace(d.tgmm_long, pingpong=True))
 
 
 def cublas(x, dh, rows):
@@ -109,11 +120,14 @@ def main():
     want = tgmm_reference(x, dh, topo)
     f = ours(topo)
     err = tune_gmm.rel_err(f(x, dh), want)
+    fp = ours(topo, pingpong_configs())
+    errp = tune_gmm.rel_err(fp(x, dh), want)
     fc, xc, dhc = cublas(x, dh, rows)
     errc = tune_gmm.rel_err(fc(xc, dhc), want)
-    print(f"rows {rows}: ours rel err {err:.1e}, cuBLAS {errc:.1e}", flush=True)
-    assert err < 2e-2 and errc < 2e-2, rows
+    print(f"rows {rows}: ours rel err {err:.1e}, pingpong {errp:.1e}, cuBLAS {errc:.1e}", flush=True)
+    assert err < 2e-2 and errp < 2e-2 and errc < 2e-2, rows
     variants[f"ours {rows}"] = (f, x, dh, rows)
+    variants[f"pingpong {rows}"] = (fp, x, dh, rows)
     if not args.no_cublas:
       variants[f"cublas {rows}"] = (fc, xc, dhc, rows)
     if str(rows) in args.ablate_at.split(","):
@@ -131,9 +145,12 @@ def main():
       want = tgmm_reference(lhs, other, p["topo"])
       f = ours(p["topo"])
       err = tune_gmm.rel_err(f(lhs, other), want)
-      print(f"E64_top1 {op}: rel err {err:.1e}", flush=True)
-      assert err < 2e-2, op
+      fp = ours(p["topo"], pingpong_configs())
+      errp = tune_gmm.rel_err(fp(lhs, other), want)
+      print(f"E64_top1 {op}: rel err {err:.1e}, pingpong {errp:.1e}", flush=True)
+      assert err < 2e-2 and errp < 2e-2, op
       variants[f"E64_top1 {op}"] = (f, lhs, other, p["N"] // E)
+      variants[f"E64_top1 {op} pingpong"] = (fp, lhs, other, p["N"] // E)
   times = {n: [] for n in variants}
   for _ in range(args.rounds):
     for n, (f, x, dh, _) in variants.items():

@@ -3,7 +3,7 @@
 The Triton backend runs every case in float32 and bf16. The Mosaic GPU (Hopper) backend is slower
 to interpret, so two bf16 expert MLPs (plain and GLU) run all its kernels (gmm with each epilogue:
 none, activation, GLU; gmm with the transposed weight with and without a derivative epilogue;
-tgmm in both tile orders) on shapes that cross several K and N tiles; its float32 calls are served
+tgmm in both tile orders and on the ping-pong schedule) on shapes that cross several K and N tiles; its float32 calls are served
 by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
 """
 import dataclasses
@@ -254,6 +254,55 @@ def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance):
   dw = G.tgmm(lhs, dout, topo, backend="mosaic")
   assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[1] == 0)
+
+
+def _pingpong_configs(**overrides):
+  """INTERPRET_CONFIGS with tgmm (and tgmm_long) on the ping-pong schedule: 128 x 128 tiles, each
+  consumer's ring 2 slots deep, so the rings wrap within a tile and across tiles."""
+  return dataclasses.replace(mosaic.INTERPRET_CONFIGS, **{
+      kind: dataclasses.replace(getattr(mosaic.INTERPRET_CONFIGS, kind), pingpong=True, **overrides)
+      for kind in ("tgmm", "tgmm_long")})
+
+
+@pytest.mark.parametrize("groups,k,n,out_dtype,balance", [
+    # Skewed, an empty expert, tails of 40, 44 and 2 rows in the last 64-row step; 2 x 3 tiles an
+    # expert: each interpreted SM walks 12 tiles, 6 per consumer. Heaviest-first, reversed waves.
+    ([40, 0, 300, 130], 256, 384, jnp.bfloat16, True),
+    ([40, 0, 300, 130], 256, 384, jnp.float32, False),  # experts in index order
+    ([0, 0, 300, 0], 256, 512, jnp.float32, True),  # all rows on one expert
+    ([257], 300, 330, jnp.bfloat16, True),  # one expert; K and N padded to the tiles, a 1-row tail
+])
+def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance):
+  """tgmm on the ping-pong schedule (mosaic_pingpong.py, each consumer owning every second tile of
+  its CTA, one ring each) against the float32 reference; lhs and dout random on the padding rows
+  too, so an unmasked tail shows; an expert with no rows gets an exact zero gradient."""
+  topo, lhs, _, _, dout = _operands(groups, jnp.bfloat16, k, n, 17 + len(groups))
+  dw = mosaic.tgmm(lhs, dout, topo, out_dtype, _pingpong_configs(balance_experts=balance))
+  assert dw.dtype == out_dtype and dw.shape == (len(groups), k, n)
+  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo, jnp.float32)) < TOL[out_dtype]
+  empty = [i for i, g in enumerate(groups) if g == 0]
+  assert np.all(np.asarray(dw)[empty] == 0)
+
+
+def test_mosaic_pingpong_serves_tgmm_only():
+  topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
+  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(pingpong=True))
+  with pytest.raises(ValueError, match="pingpong serves tgmm only; got it for gmm"):
+    mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
+
+
+def test_mosaic_pingpong_fit_shrinks_to_shared_memory():
+  """Two rings of 32 KiB stages: the default 4 slots shrink to 3 (float32 stores to 16-column
+  pieces first); 256-wide tiles come down to 128 (the accumulator's registers); nothing fits
+  float32 operands (64 KiB stages), which tgmm sends to Triton anyway."""
+  from sparsejax.kernels.gmm import mosaic_pingpong
+  cfg = mosaic.Config(tile_n=256, tile_k=64, max_concurrent_steps=4, epi_tile_n=32)
+  bf16 = mosaic_pingpong.fit(cfg, 4096, 128, jnp.bfloat16, jnp.bfloat16)
+  assert (bf16.tile_n, bf16.max_concurrent_steps, bf16.epi_tile_n) == (128, 3, 32)
+  f32 = mosaic_pingpong.fit(cfg, 4096, 128, jnp.bfloat16, jnp.float32)
+  assert (f32.tile_n, f32.max_concurrent_steps, f32.epi_tile_n) == (128, 3, 16)
+  with pytest.raises(ValueError, match="no tiles of"):
+    mosaic_pingpong.fit(cfg, 4096, 128, jnp.float32, jnp.float32)
 
 
 def test_mosaic_float32_is_exact():

@@ -32,7 +32,11 @@ The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tan
 compiled with approximate math: a special-function instruction each, within a few float32 ulps.
 Config(epilogue_wg=True) runs gmm_act / gmm_dact from mosaic_epilogue.py instead, where a fourth
 warpgroup does the epilogue while the consumers go on to the next tile (not the default: it has
-not been measured on a GPU yet).
+not been measured on a GPU yet). Config(pingpong=True) runs tgmm from mosaic_pingpong.py instead,
+where each consumer owns whole 128 x tile_n tiles and the two alternate, so one's epilogue runs
+under the other's wgmmas: 10% faster than the default on E64 top-1's random routing, slower on
+balanced 256 and 1,024 rows an expert (experiments/results/tgmm_pingpong_probe_H100.log); not
+the default until the expert MLP is measured with it.
 
 Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
@@ -65,6 +69,8 @@ class Config:
   measured 35-50% slower on an H100: experiments/results/gmm_kernels_*.json.)
   tgmm: the CTA tile is block_m (128, of K) x (2 * tile_n); each consumer owns tile_n columns,
   and tile_k rows of the reduction (64 or 128: it divides the row block) are one step.
+  tgmm with pingpong: the CTA tile is block_m x tile_n (at most 128), each consumer owns whole
+  tiles in turn, and max_concurrent_steps is the depth of each consumer's ring.
   """
   tile_n: int = 256
   tile_k: int = 64
@@ -80,6 +86,9 @@ class Config:
   # tgmm: walk the experts heaviest first, every second wave of num_sms tiles backwards (see
   # _tgmm_item). False: experts in index order, as before (kept for A/B runs).
   balance_experts: bool = True
+  # tgmm / tgmm_long: the ping-pong schedule (mosaic_pingpong.py): each consumer owns whole tiles
+  # and the two alternate, one's epilogue under the other's wgmmas (see the module docstring).
+  pingpong: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -454,6 +463,8 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
+  if getattr(_configs(configs), kind).pingpong:
+    raise ValueError(f"Config.pingpong serves tgmm only; got it for {kind}")
   if getattr(_configs(configs), kind).epilogue_wg:
     from sparsejax.kernels.gmm import mosaic_epilogue
 
@@ -583,6 +594,24 @@ def _tgmm_item(step, total, width):
   return jnp.where(backwards, wave * width + (width - 1 - pos), step)
 
 
+def _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, *, grid, num_experts, num_sms, block_m,
+               cfg: Config):
+  """(expert, row tile, column tile, reduction steps, real rows in the last step, first step's row
+  block x steps a block) of the step-th step of tgmm's persistent loop over experts x grid tiles:
+  experts in `order` (heaviest first), every second full wave backwards (_tgmm_item)."""
+  tiles = grid[0] * grid[1]
+  item = _tgmm_item(step, num_experts * tiles, num_sms) if cfg.balance_experts else step
+  e = order_gmem[item // tiles]
+  m_idx, n_idx = _tile_coords(item % tiles, grid, cfg)
+  first, end = offsets_gmem[e], offsets_gmem[e + 1]
+  # Real rows of the expert: full blocks, then its last block's real rows.
+  last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
+  num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
+  steps = (num_rows + cfg.tile_k - 1) // cfg.tile_k  # zero for an expert with no rows
+  tail = num_rows - (steps - 1) * cfg.tile_k  # real rows in the last step
+  return e, m_idx, n_idx, steps, tail, first * (block_m // cfg.tile_k)
+
+
 def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
   rows, k = lhs.shape
   n = dout.shape[1]
@@ -592,7 +621,6 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
   tile_m, tile_n, tile_r, epi_tile_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
   cta_n = 2 * tile_n
   m_iters, n_iters = k // tile_m, n // cta_n
-  steps_per_block = block_m // tile_r
   delay = min(cfg.delay_release, cfg.max_concurrent_steps - 1)
   dtype = lhs.dtype
   a_tf, b_tf = _transforms(tile_m, dtype), _transforms(cta_n, dtype)
@@ -619,18 +647,9 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
       # Experts major (in `order`): the CTAs in flight work on a few experts' rows, which stay in L2.
       @plgpu.nd_loop((num_experts * tiles,), collective_axes="sm")
       def _tile(info):
-        item = info.index[0]
-        if cfg.balance_experts:
-          item = _tgmm_item(item, num_experts * tiles, num_sms)
-        e = order_gmem[item // tiles]
-        m_idx, n_idx = _tile_coords(item % tiles, (m_iters, n_iters), cfg)
-        first, end = offsets_gmem[e], offsets_gmem[e + 1]
-        # Real rows of the expert: full blocks, then its last block's real rows.
-        last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
-        num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
-        steps = (num_rows + tile_r - 1) // tile_r  # zero for an expert with no rows
-        tail = num_rows - (steps - 1) * tile_r  # real rows in the last step
-        row0 = first * steps_per_block
+        e, m_idx, n_idx, steps, tail, row0 = _tgmm_tile(
+            info.index[0], order_gmem, offsets_gmem, rbr_gmem, grid=(m_iters, n_iters),
+            num_experts=num_experts, num_sms=num_sms, block_m=block_m, cfg=cfg)
         m_slice = pl.ds(m_idx * tile_m, tile_m)
         n_slice = pl.ds(n_idx * cta_n, cta_n)
         wg_n = pl.ds(wg_idx * tile_n, tile_n)
@@ -688,14 +707,22 @@ def tgmm(
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
   long = lhs.shape[0] >= LONG_ROWS * topo.num_experts
-  cfg = _fit(configs.tgmm_long if long else configs.tgmm, block_m, n,
-             stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
-             out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
-  lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, 2 * cfg.tile_n)
+  cfg = configs.tgmm_long if long else configs.tgmm
+  if cfg.pingpong:
+    from sparsejax.kernels.gmm import mosaic_pingpong
+
+    cfg = mosaic_pingpong.fit(cfg, n, block_m, lhs.dtype, out_dtype)
+    padded, cta_n = mosaic_pingpong.tgmm_padded, cfg.tile_n
+  else:
+    cfg = _fit(cfg, block_m, n,
+               stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
+               out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
+    padded, cta_n = _tgmm_padded, 2 * cfg.tile_n
+  lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, cta_n)
   offsets = topo.expert_block_offsets
   order = (heaviest_first(offsets) if cfg.balance_experts
            else jnp.arange(topo.num_experts, dtype=jnp.int32))
-  out = _tgmm_padded(lhs_p, dout_p, order, offsets, topo.row_block_rows,
-                     block_m=topo.block_size,
-                     out_dtype=jnp.dtype(out_dtype), cfg=cfg)
+  out = padded(lhs_p, dout_p, order, offsets, topo.row_block_rows,
+               block_m=topo.block_size,
+               out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]
