@@ -138,3 +138,15 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   rows = tune_skinny_matmul.main(["--smoke"])
   assert {r["variant"] for r in rows} >= {"xla_dot", "pallas_mulsum_n64_rows128_w4"}
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
+
+
+def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypatch):
+  """bench_decode --no-check (timing runs): rows are timed and marked unchecked, and check_step never runs."""
+  import bench_decode
+  monkeypatch.setattr(bench_decode, "check_step", lambda *a: pytest.fail("checked despite --no-check"))
+  res = bench_decode.main(["--presets", "tiny-dense", "--batches", "1", "--prompt-len", "8", "--warmup", "1",
+                           "--steps", "2", "--reps", "1", "--chunk", "2", "--copy-mb", "4", "--no-check",
+                           "--out-dir", str(tmp_path)])
+  (row,) = res["rows"]
+  assert "error" not in row and row["step_ms"] > 0 and "rel_err_vs_full_forward" not in row
+  assert "| unchecked |" in bench_decode._fmt_row(row)
