@@ -37,7 +37,7 @@ from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
 CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS,
-               "pingpong": {"tgmm": dataclasses.replace(mosaic.Configs().tgmm, pingpong=True)}}
+               "pingpong": {k: getattr(mosaic.Configs().with_tgmm(pingpong=True), k) for k in ("tgmm", "tgmm_long")}}
 
 
 @contextlib.contextmanager

@@ -23,7 +23,6 @@ variant's own tile. GPU only.
   python experiments/probe_tgmm_tiles.py --ncu 256       # one launch of ours at 256 rows, for ncu
 """
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -60,9 +59,7 @@ def ours(topo, configs=None):
 
 def pingpong_configs():
   """The default configs with tgmm (and tgmm_long) on the ping-pong schedule."""
-  d = mosaic.DEFAULT_CONFIGS
-  return dataclasses.replace(d, tgmm=dataclasses.replace(d.tgmm, pingpong=True),
-                             tgmm_long=dataclasses.replace(d.tgmm_long, pingpong=True))
+  return mosaic.DEFAULT_CONFIGS.with_tgmm(pingpong=True)
 
 
 def cublas(x, dh, rows):

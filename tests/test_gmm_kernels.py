@@ -259,9 +259,7 @@ def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance):
 def _pingpong_configs(**overrides):
   """INTERPRET_CONFIGS with tgmm (and tgmm_long) on the ping-pong schedule: 128 x 128 tiles, each
   consumer's ring 2 slots deep, so the rings wrap within a tile and across tiles."""
-  return dataclasses.replace(mosaic.INTERPRET_CONFIGS, **{
-      kind: dataclasses.replace(getattr(mosaic.INTERPRET_CONFIGS, kind), pingpong=True, **overrides)
-      for kind in ("tgmm", "tgmm_long")})
+  return mosaic.INTERPRET_CONFIGS.with_tgmm(pingpong=True, **overrides)
 
 
 @pytest.mark.parametrize("groups,k,n,out_dtype,balance", [

@@ -152,45 +152,25 @@ def test_mosaic_epilogue_warpgroup_compiled_matches_reference(monkeypatch, act, 
   _check_expert_mlp_compiled("mosaic", act, shape, glu=False)
 
 
+@pytest.mark.parametrize("schedule", ["default", "pingpong"])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32] if HOPPER else [])
 @pytest.mark.parametrize("shape", SHAPES + [(8192, 256, 384, 2, 1, 0.0)])  # the last takes tgmm_long
-def test_mosaic_tgmm_compiled_matches_reference(shape, out_dtype):
-  """tgmm alone against the float32 reference, bf16 and float32 gradients; an expert with no rows
-  (the skewed shape has some) gets an exact zero gradient."""
+def test_mosaic_tgmm_compiled_matches_reference(monkeypatch, shape, out_dtype, schedule):
+  """tgmm alone, on mosaic.py's schedule and on the ping-pong one (mosaic_pingpong.py), against the
+  float32 reference, bf16 and float32 gradients; an expert with no rows (the skewed shape has some)
+  gets an exact zero gradient."""
+  if schedule == "pingpong":
+    monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", mosaic.DEFAULT_CONFIGS.with_tgmm(pingpong=True))
   T, d, f, E, k, skew = shape
   keys = jax.random.split(jax.random.key(T + E + 7), 3)
   topo, _ = routed_topology(keys[0], T, E, k, skew)
   rows = topo.num_row_blocks * 128
-  real = G.reference.real_rows(topo)[:, None]
-  x = jnp.where(real, jax.random.normal(keys[1], (rows, d), jnp.bfloat16), 0)
-  dh = jnp.where(real, jax.random.normal(keys[2], (rows, f), jnp.bfloat16), 0)
-  dw = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, out_dtype))(x, dh)
-  assert dw.dtype == out_dtype and dw.shape == (E, d, f)
-  assert rel_err(dw, G.tgmm_reference(x, dh, topo)) < 1e-2
-  empty = np.asarray(topo.expert_block_offsets[1:] == topo.expert_block_offsets[:-1])
-  assert np.all(np.asarray(dw)[empty] == 0)
-
-
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32] if HOPPER else [])
-@pytest.mark.parametrize("shape", SHAPES + [(8192, 256, 384, 2, 1, 0.0)])  # the last takes tgmm_long
-def test_mosaic_pingpong_tgmm_compiled_matches_reference(monkeypatch, shape, out_dtype):
-  """tgmm on the ping-pong schedule (mosaic_pingpong.py: each consumer owns every second tile, one
-  ring each) against the float32 reference, bf16 and float32 gradients; an expert with no rows
-  gets an exact zero gradient."""
-  d = mosaic.DEFAULT_CONFIGS
-  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(
-      d, tgmm=dataclasses.replace(d.tgmm, pingpong=True),
-      tgmm_long=dataclasses.replace(d.tgmm_long, pingpong=True)))
-  T, d_model, f, E, k, skew = shape
-  keys = jax.random.split(jax.random.key(T + E + 7), 3)
-  topo, _ = routed_topology(keys[0], T, E, k, skew)
-  rows = topo.num_row_blocks * 128
-  # Random on the padding rows too (test_mosaic_tgmm_compiled_matches_reference zeroes them): only
-  # the tail mask keeps an expert's last partial step's padding out of its gradient.
-  x = jax.random.normal(keys[1], (rows, d_model), jnp.bfloat16)
+  # Random on the padding rows too: only the tail mask keeps an expert's last partial step's
+  # padding out of its gradient.
+  x = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
   dh = jax.random.normal(keys[2], (rows, f), jnp.bfloat16)
   dw = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, out_dtype))(x, dh)
-  assert dw.dtype == out_dtype and dw.shape == (E, d_model, f)
+  assert dw.dtype == out_dtype and dw.shape == (E, d, f)
   assert rel_err(dw, G.tgmm_reference(x, dh, topo, jnp.float32)) < 1e-2
   empty = np.asarray(topo.expert_block_offsets[1:] == topo.expert_block_offsets[:-1])
   assert np.all(np.asarray(dw)[empty] == 0)

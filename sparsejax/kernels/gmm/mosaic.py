@@ -114,6 +114,11 @@ class Configs:
   tgmm_long: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                              grid_minor_dim=N_DIM, grid_tile_width=1)
 
+  def with_tgmm(self, **changes) -> "Configs":
+    """These configs with `changes` to both tgmm configs (tgmm and tgmm_long), e.g. pingpong=True."""
+    return dataclasses.replace(self, tgmm=dataclasses.replace(self.tgmm, **changes),
+                               tgmm_long=dataclasses.replace(self.tgmm_long, **changes))
+
 
 LONG_ROWS = 2048
 
