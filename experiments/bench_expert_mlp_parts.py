@@ -10,13 +10,15 @@ unfused path's; the balanced and dense peers are the same FLOPs on other data (p
 and out, so their backward stays bf16), and their gradients are checked against the same
 functions on float32 operands. Needs an sm_90 GPU:
   python experiments/bench_expert_mlp_parts.py --shapes XS_b128,E64_top1 [--configs default,epilogue_wg]
---configs times the Mosaic kernels once per config set, in one process: "default" is
-mosaic.DEFAULT_CONFIGS, "epilogue_wg" the same with mosaic_epilogue.CONFIGS (gmm_act and gmm_dact
-with the epilogue in a fourth warpgroup), "pingpong" the same with Config(pingpong=True) for tgmm
-(mosaic_pingpong.py); a later set's fused gradients are also checked against the first's.
+--configs times the Mosaic kernels once per config set, in one process (CONFIG_SETS): "default" is
+mosaic.DEFAULT_CONFIGS; "planar" runs every gmm kind in planar_snake order (before
+expert_band_order); "epilogue_wg" gmm_act and gmm_dact with the epilogue in a fourth warpgroup
+(mosaic_epilogue.py); "per_tile", "pingpong" and "tgmm_streamed*" put every tgmm config on one
+schedule. A later set's fused gradients are also checked against the first's.
 --ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
 config set, in R interleaved rounds (each set's outputs checked against the first's): for
-differences smaller than the drift between sets timed one after the other.
+differences smaller than the drift between sets timed one after the other. A kernel that a set
+leaves unchanged is reported as tracing to the first set's program.
 Writes expert_mlp_parts.json under $OUT (or the current directory); shapes are tune_gmm.SHAPES.
 """
 import argparse
@@ -36,8 +38,29 @@ from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epil
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-CONFIG_SETS = {"default": {}, "epilogue_wg": mosaic_epilogue.CONFIGS,
-               "pingpong": {k: getattr(mosaic.Configs().with_tgmm(pingpong=True), k) for k in ("tgmm", "tgmm_long")}}
+GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+
+
+def _tgmm_set(**changes) -> dict:
+  """Both tgmm kinds of DEFAULT_CONFIGS with `changes`, as a config set."""
+  c = mosaic.DEFAULT_CONFIGS.with_tgmm(**changes)
+  return dict(tgmm=c.tgmm, tgmm_long=c.tgmm_long, tgmm_short=c.tgmm_short)
+
+
+CONFIG_SETS = {
+    "default": {},
+    # Every gmm kind in planar_snake order over all row blocks (before expert_band_order).
+    "planar": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), expert_bands=False) for k in GMM_KINDS},
+    "epilogue_wg": mosaic_epilogue.CONFIGS,
+    # tgmm's schedules: the per-tile pipeline (a 4-deep ring, 2 store slots of 32 columns), the
+    # ping-pong one (mosaic_pingpong.py), one ring for all of a CTA's tiles (_tgmm_streamed: 3
+    # deep, a consumer's whole tile staged for its stores; or 4 deep and 2 slots; or 64-wide slots).
+    "per_tile": _tgmm_set(streamed=False, pingpong=False, max_concurrent_steps=4, epi_slots=2),
+    "pingpong": _tgmm_set(streamed=False, pingpong=True),
+    "tgmm_streamed": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_slots=4),
+    "tgmm_streamed_ring4": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=4, epi_slots=2),
+    "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
+}
 
 
 @contextlib.contextmanager
@@ -133,47 +156,63 @@ def ab(shape: str, config_sets, rounds: int, names=AB_KERNELS) -> dict:
   """The kernels `names` (of AB_KERNELS; the MLP is the fused fwd+bwd) compiled once per config
   set, then timed in `rounds` interleaved rounds (set A, set B, A, B, ...), so that clock drift
   over the run, which moved one unchanged kernel by 15% between two sets timed one after the
-  other, falls on every set alike. Each set's outputs are checked against the first set's.
+  other, falls on every set alike. Each set's outputs are checked against the first set's (the
+  tgmm gradients are the same sums in the same order, so they should agree bit for bit).
   {kernel: {set: [ms per round]}}."""
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   act, real = jax.nn.gelu, real_rows(topo)[:, None]
   dy = jnp.where(real, jax.random.normal(jax.random.key(9), (x.shape[0], w_out.shape[-1]), x.dtype), 0)
   pre, h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)
-  loss = lambda a, wi, wo: jnp.sum(
-      expert_mlp(a, wi, wo, topo, activation=act, backend="mosaic").astype(jnp.float32) * dy)
   dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
-  tg = lambda a, b: mosaic.tgmm(a, b, topo, a.dtype)
-  kernels = {"gmm_act": (lambda a, b: mosaic.gmm_act(a, b, topo, act), (x, w_in)),
+
+  def kernels():
+    # Fresh functions per config set: jit caches a trace by function identity, so reusing one
+    # function object would run the first set's trace (its configs) for every later set.
+    tg = lambda a, b: mosaic.tgmm(a, b, topo, a.dtype)
+    every = {"gmm_act": (lambda a, b: mosaic.gmm_act(a, b, topo, act), (x, w_in)),
              "gmm h W_out": (lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype), (h, w_out)),
              "gmm_dact": (lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act), (dy, w_out, pre)),
              "tgmm h^T dY": (tg, (h, dy)),
              "tgmm x^T dpre": (tg, (x, dpre)),
              "gmm_t dX": (lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype), (dpre, w_in)),
-             "expert_mlp fwd+bwd": (jax.grad(loss, argnums=(0, 1, 2)), (x, w_in, w_out))}
-  kernels = {k: kernels[k] for k in names}
-  compiled, outs = {}, {}
+             "expert_mlp fwd+bwd": (jax.grad(lambda a, wi, wo: jnp.sum(
+                 expert_mlp(a, wi, wo, topo, activation=act, backend="mosaic").astype(jnp.float32) * dy),
+                 argnums=(0, 1, 2)), (x, w_in, w_out))}
+    return {k: every[k] for k in names}
+
+  compiled, outs, programs = {}, {}, {}
   for name in config_sets:
     with config_set(name):
-      for k, (fn, args) in kernels.items():
+      for k, (fn, args) in kernels().items():
         compiled[k, name] = jax.jit(fn).lower(*args).compile()
+        # The traced program, not the compiled text: Mosaic GPU's compiled text differs between
+        # two compiles of the same kernel.
+        programs[k, name] = str(jax.make_jaxpr(fn)(*args))
         outs[k, name] = jax.block_until_ready(compiled[k, name](*args))
-  res = {"rel_err_vs_first": {}, "ms": {k: {c: [] for c in config_sets} for k in kernels}}
+  args_of = {k: args for k, (_, args) in kernels().items()}
+  res = {"rel_err_vs_first": {}, "same_program_as_first": {}, "ms": {k: {c: [] for c in config_sets} for k in names}}
   on_real = lambda v: jnp.where(real, v, 0) if v.shape[0] == x.shape[0] else v
-  for k in kernels:
+  for k in names:
     for c in config_sets[1:]:
+      # A set that traces to the first's program measures nothing: say so beside its times.
+      res["same_program_as_first"][f"{k} {c}"] = programs[k, c] == programs[k, config_sets[0]]
       res["rel_err_vs_first"][f"{k} {c}"] = [rel_err(on_real(a), on_real(b)) for a, b in zip(
           jax.tree.leaves(outs[k, c]), jax.tree.leaves(outs[k, config_sets[0]]), strict=True)]
   for _ in range(rounds):
-    for k, (_, args) in kernels.items():
+    for k, args in args_of.items():
       for c in config_sets:
         res["ms"][k][c].append(1e3 * timeit(compiled[k, c], *args))
-  for k in kernels:
+  for k in names:
     print(f"{shape} A/B {k:20s} " + "   ".join(
         f"{c} median {statistics.median(v):.3f} ms (min {min(v):.3f}, max {max(v):.3f})"
         for c, v in res["ms"][k].items()), flush=True)
   print(f"{shape} A/B rel err against {config_sets[0]}: " + "; ".join(
       f"{k} {', '.join(f'{e:.1e}' for e in v)}" for k, v in res["rel_err_vs_first"].items()), flush=True)
+  same = [k for k, v in res["same_program_as_first"].items() if v]
+  if same:
+    print(f"{shape} A/B traced to the first set's program (no difference to measure): {'; '.join(same)}",
+          flush=True)
   return res
 
 

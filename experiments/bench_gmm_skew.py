@@ -22,7 +22,6 @@ Writes gmm_skew_<gpu>.json (under $OUT when set, else experiments/results/).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -77,9 +76,7 @@ def main(argv=None):
   flops = 2 * T * d * f
   # The A/B peer: tgmm walking the experts in index order (Config.balance_experts=False).
   base = mosaic.DEFAULT_CONFIGS if jax.default_backend() == "gpu" else mosaic.INTERPRET_CONFIGS
-  expert_order = dataclasses.replace(
-      base, tgmm=dataclasses.replace(base.tgmm, balance_experts=False),
-      tgmm_long=dataclasses.replace(base.tgmm_long, balance_experts=False))
+  expert_order = base.with_tgmm(balance_experts=False)
   rows = []
   log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; T={T} d={d} f={f} E={E} top-1")
   for sigma in map(float, args.sigmas.split(",")):

@@ -8,7 +8,6 @@ gradients (each tile's reduction is the same; only which SM runs it changes). GP
 
   python experiments/probe_tgmm_order.py 0,0.5,1,2     # sigmas of the routing bias
 """
-import dataclasses
 import os
 import sys
 
@@ -22,8 +21,7 @@ from bench_gmm_skew import skewed_problem, XS_B128
 from tune_gmm import timeit
 
 base = mosaic.DEFAULT_CONFIGS
-off = dataclasses.replace(base, tgmm=dataclasses.replace(base.tgmm, balance_experts=False),
-                          tgmm_long=dataclasses.replace(base.tgmm_long, balance_experts=False))
+off = base.with_tgmm(balance_experts=False)
 ident_order = lambda offsets: jnp.arange(offsets.shape[0] - 1, dtype=jnp.int32)
 no_snake = lambda step, total, width: step
 real_hf, real_item = mosaic.heaviest_first, mosaic._tgmm_item

@@ -272,8 +272,8 @@ def main(argv=None):
         finally:
           mosaic._store_tile = stores
       if args.sweep:
-        # tgmm's two fields: which one a shape uses depends on its rows per expert (LONG_ROWS).
-        fields = {"gmm": ("gmm_t",) if tr else ("gmm",), "tgmm": ("tgmm", "tgmm_long")}[kind]
+        # tgmm's three fields: which one a shape uses depends on its rows per expert (Configs.tgmm_for).
+        fields = {"gmm": ("gmm_t",) if tr else ("gmm",), "tgmm": ("tgmm", "tgmm_long", "tgmm_short")}[kind]
         best = None
         for tn, tk, st, md, w, en, dl in MOSAIC_SWEEP[kind]:
           cfg = mosaic.Config(tile_n=tn, tile_k=tk, max_concurrent_steps=st, grid_minor_dim=md,

@@ -150,3 +150,30 @@ def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypa
   (row,) = res["rows"]
   assert "error" not in row and row["step_ms"] > 0 and "rel_err_vs_full_forward" not in row
   assert "| unchecked |" in bench_decode._fmt_row(row)
+
+
+def test_expert_mlp_ab_traces_each_config_set_anew(monkeypatch):
+  """--ab-rounds compiles every config set from a fresh trace: jit caches traces by function
+  identity, and one shared function once timed the first set's program under every set's name."""
+  import dataclasses
+
+  import bench_expert_mlp_parts as parts
+  import jax.numpy as jnp
+  import tune_gmm
+
+  from sparsejax.kernels.gmm import mosaic
+
+  monkeypatch.setitem(tune_gmm.SHAPES, "tiny", (256, 128, 128, 2, 1))
+  monkeypatch.setitem(parts.CONFIG_SETS, "k32", {"tgmm": dataclasses.replace(mosaic.DEFAULT_CONFIGS.tgmm, tile_k=32)})
+  # Stand-ins: the products ab() needs for its operands, and a tgmm whose output is the tgmm
+  # config it was traced under.
+  monkeypatch.setattr(mosaic, "gmm_act", lambda a, b, topo, act: (a @ b[0], act(a @ b[0])))
+  monkeypatch.setattr(mosaic, "gmm_dact", lambda a, b, topo, pre, act: a @ b[0].T)
+  monkeypatch.setattr(mosaic, "tgmm", lambda a, b, topo, dtype: jnp.full((2, 2), mosaic.DEFAULT_CONFIGS.tgmm.tile_k, dtype))
+  monkeypatch.setattr(parts, "timeit", lambda fn, *args: 1e-3)
+  res = parts.ab("tiny", ["default", "k32"], rounds=1, names=("tgmm h^T dY",))
+  assert res["same_program_as_first"] == {"tgmm h^T dY k32": False}
+  assert res["rel_err_vs_first"]["tgmm h^T dY k32"][0] > 0.1
+  monkeypatch.setitem(parts.CONFIG_SETS, "k32", {})  # the same configs: flagged, not timed as a difference
+  assert parts.ab("tiny", ["default", "k32"], rounds=1, names=("tgmm h^T dY",))["same_program_as_first"] == {
+      "tgmm h^T dY k32": True}

@@ -200,16 +200,24 @@ def test_expert_mlp_rejects_a_gate_unlike_w_in(w_gate):
     jax.eval_shape(lambda g: G.expert_mlp(x, w_in, w_out, topo, w_gate=g), w_gate)
 
 
-@pytest.mark.parametrize("rows_per_expert,long", [(384, False), (4224, True)])
-def test_mosaic_tgmm_picks_its_order_by_rows_per_expert(monkeypatch, rows_per_expert, long):
-  """Experts averaging LONG_ROWS rows or more take the tgmm_long config (tiles N-fastest)."""
+@pytest.mark.parametrize("rows_per_expert,want", [(384, "tgmm_short"), (1152, "tgmm"), (4224, "tgmm_long")])
+def test_mosaic_tgmm_picks_its_config_by_rows_per_expert(monkeypatch, rows_per_expert, want):
+  """Experts averaging fewer than SHORT_ROWS rows take tgmm_short (the ping-pong kernel), LONG_ROWS
+  or more tgmm_long (tiles N-fastest), the rest tgmm (the per-tile kernel)."""
+  from sparsejax.kernels.gmm import mosaic_pingpong
   seen = []
-  monkeypatch.setattr(mosaic, "_tgmm_padded", lambda lhs, dout, *a, cfg, **k: seen.append(cfg) or
-                      jnp.zeros((2, lhs.shape[1], dout.shape[1]), lhs.dtype))
+  fake = lambda kernel: lambda lhs, dout, *a, cfg, **k: seen.append((kernel, cfg)) or jnp.zeros(
+      (2, lhs.shape[1], dout.shape[1]), lhs.dtype)
+  monkeypatch.setattr(mosaic, "_tgmm_padded", fake("per_tile"))
+  monkeypatch.setattr(mosaic_pingpong, "tgmm_padded", fake("pingpong"))
   topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
   lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
-  mosaic.tgmm(lhs, lhs, topo, jnp.bfloat16)
-  assert (seen[0].grid_minor_dim == mosaic.N_DIM) == long
+  configs = mosaic.DEFAULT_CONFIGS
+  assert configs.tgmm_for(lhs.shape[0], 2) == getattr(configs, want)
+  mosaic.tgmm(lhs, lhs, topo, jnp.bfloat16, configs)
+  kernel, cfg = seen[0]
+  assert kernel == ("pingpong" if want == "tgmm_short" else "per_tile")
+  assert cfg.grid_minor_dim == (mosaic.N_DIM if want == "tgmm_long" else mosaic.M_DIM)
 
 
 def test_mosaic_tgmm_of_a_single_output_tile():
@@ -220,6 +228,63 @@ def test_mosaic_tgmm_of_a_single_output_tile():
   assert dw.shape == (3, 128, 256) and dw.dtype == jnp.bfloat16
   assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[1] == 0)
+
+
+GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+
+
+def _with_expert_bands(configs, width=None):
+  """configs with every gmm kind walking expert_band_order (at `width` row blocks a band if given)."""
+  return dataclasses.replace(configs, **{
+      k: dataclasses.replace(getattr(configs, k), expert_bands=True,
+                             grid_tile_width=width or getattr(configs, k).grid_tile_width)
+      for k in GMM_KINDS})
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_mosaic_expert_mlp_in_expert_band_order(monkeypatch, glu):
+  """Every gmm kind (plain, transposed, act, dact, glu, dglu) walking its tiles in expert_band_order,
+  with bands of 2 row blocks so that the expert of 3 blocks makes two bands (the second reversed),
+  through the expert MLP's custom_vjp against the float32 reference."""
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", _with_expert_bands(mosaic.INTERPRET_CONFIGS, width=2))
+  _check_fused_expert_mlp([300, 0, 70], jax.nn.silu if glu else jax.nn.gelu, glu=glu, seed=15 + glu)
+
+
+@pytest.mark.parametrize("groups,bound,n_iters,width", [([300, 0, 70, 129], None, 3, 2), ([257], 5 * 128, 2, 8),
+                                                        ([0, 0, 0], 2 * 128, 4, 4), ([1] * 9, None, 1, 3)])
+def test_expert_band_order_is_a_permutation_of_expert_aligned_bands(groups, bound, n_iters, width):
+  """The order is a permutation of the tiles; cut into runs of one band's tiles, every run holds the
+  row blocks of one expert (or of the inactive tail) at most `width` of them, each of them once per
+  column tile, column tiles ascending in a run of even index within its expert, descending in an odd one."""
+  topo = topology_for(groups, bound)
+  nb = topo.num_row_blocks
+  order = np.asarray(jax.jit(mosaic.expert_band_order, static_argnums=(2, 3))(
+      topo.row_block_expert, topo.expert_block_offsets, n_iters, width))
+  np.testing.assert_array_equal(np.sort(order), np.arange(nb * n_iters))
+  m, n = order // n_iters, order % n_iters
+  offsets = np.asarray(topo.expert_block_offsets)
+  active = offsets[-1]
+  group = np.where(m < active, np.asarray(topo.row_block_expert)[m], len(groups))  # the tail: one group
+  p = 0
+  while p < len(order):
+    g, first = group[p], (offsets[group[p]] if group[p] < len(groups) else active)
+    band = (m[p] - first) // width
+    run = len(set(range(first + band * width, min(first + (band + 1) * width,
+                                                  offsets[g + 1] if g < len(groups) else nb)))) * n_iters
+    ms, ns = m[p:p + run], n[p:p + run]
+    assert np.all(group[p:p + run] == g) and len(set(ms)) <= width
+    cols = ns.reshape(n_iters, -1)  # m fastest within the band
+    assert np.all(cols == cols[:, :1]) and sorted(set(ms)) == sorted(ms[:run // n_iters])
+    steps = np.diff(cols[:, 0])
+    assert np.all(steps == (-1 if band % 2 else 1)) if n_iters > 1 else True
+    p += run
+
+
+def test_expert_bands_needs_row_blocks_minor():
+  topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
+  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(expert_bands=True, grid_minor_dim=mosaic.N_DIM))
+  with pytest.raises(ValueError, match="expert_bands orders row blocks within column tiles"):
+    mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
 
 
 def test_heaviest_first_orders_experts_by_row_blocks():
@@ -243,12 +308,14 @@ def test_tgmm_item_is_a_permutation_with_every_second_full_wave_reversed(total, 
     np.testing.assert_array_equal(got, want[::-1] if wave % 2 else want)
 
 
+@pytest.mark.parametrize("streamed", [False, True])
 @pytest.mark.parametrize("balance", [True, False])
-def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance):
+def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance, streamed):
   """Heaviest-first with reversed waves (the default) and plain expert order give the same
-  gradient; the skewed sizes make the two orders differ, and two interpreted "SMs" over four
-  one-tile experts make a second, reversed wave."""
-  cfg = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, balance_experts=balance)
+  gradient, with a pipeline per tile and with one ring for all of a CTA's tiles; the skewed
+  sizes make the two orders differ, and two interpreted "SMs" over four one-tile experts make a
+  second, reversed wave."""
+  cfg = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, balance_experts=balance, streamed=streamed)
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=cfg))
   topo, lhs, _, _, dout = _operands([40, 0, 300, 130], jnp.bfloat16, 128, 256, 5)
   dw = G.tgmm(lhs, dout, topo, backend="mosaic")
@@ -301,6 +368,23 @@ def test_mosaic_pingpong_fit_shrinks_to_shared_memory():
   assert (f32.tile_n, f32.max_concurrent_steps, f32.epi_tile_n) == (128, 3, 16)
   with pytest.raises(ValueError, match="no tiles of"):
     mosaic_pingpong.fit(cfg, 4096, 128, jnp.float32, jnp.float32)
+
+
+@pytest.mark.parametrize("epi_slots,minor,out_dtype", [(4, mosaic.M_DIM, jnp.bfloat16),
+                                                       (2, mosaic.N_DIM, jnp.float32)])
+def test_mosaic_streamed_tgmm_across_tiles(monkeypatch, epi_slots, minor, out_dtype):
+  """The streamed tgmm over several output tiles per expert (K = 256, N = 520: two row tiles, two
+  column tiles of 256 and padding), so the ring wraps across tiles and experts. epi_slots 4 stages
+  a consumer's whole tile for its stores; 2 makes the stores wait on each other within a tile.
+  Both tile orders; bf16 and float32 gradients; an empty expert gets exact zeros."""
+  cfg = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, streamed=True, epi_slots=epi_slots,
+                            grid_minor_dim=minor)
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=cfg))
+  topo, lhs, _, _, dout = _operands([0, 257, 70], jnp.bfloat16, 256, 520, 6)
+  dw = G.tgmm(lhs, dout, topo, out_dtype=out_dtype, backend="mosaic")
+  assert dw.shape == (3, 256, 520) and dw.dtype == out_dtype
+  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
+  assert np.all(np.asarray(dw)[0] == 0)
 
 
 def test_mosaic_float32_is_exact():

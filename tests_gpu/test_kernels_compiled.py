@@ -152,15 +152,20 @@ def test_mosaic_epilogue_warpgroup_compiled_matches_reference(monkeypatch, act, 
   _check_expert_mlp_compiled("mosaic", act, shape, glu=False)
 
 
-@pytest.mark.parametrize("schedule", ["default", "pingpong"])
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32] if HOPPER else [])
+# tgmm's schedules: the per-tile pipeline, the ping-pong one (mosaic_pingpong.py), one ring for all
+# of a CTA's tiles with each consumer's whole tile staged for its stores (_tgmm_streamed).
+TGMM_SCHEDULES = {"per_tile": dict(streamed=False, pingpong=False),
+                  "pingpong": dict(streamed=False, pingpong=True),
+                  "streamed": dict(streamed=True, pingpong=False, max_concurrent_steps=3, epi_slots=4)}
+
+
+@pytest.mark.parametrize("schedule", list(TGMM_SCHEDULES) if HOPPER else [])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("shape", SHAPES + [(8192, 256, 384, 2, 1, 0.0)])  # the last takes tgmm_long
-def test_mosaic_tgmm_compiled_matches_reference(monkeypatch, shape, out_dtype, schedule):
-  """tgmm alone, on mosaic.py's schedule and on the ping-pong one (mosaic_pingpong.py), against the
-  float32 reference, bf16 and float32 gradients; an expert with no rows (the skewed shape has some)
-  gets an exact zero gradient."""
-  if schedule == "pingpong":
-    monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", mosaic.DEFAULT_CONFIGS.with_tgmm(pingpong=True))
+def test_mosaic_tgmm_compiled_matches_reference(shape, out_dtype, schedule):
+  """tgmm alone, on each schedule, against the float32 reference, bf16 and float32 gradients; an
+  expert with no rows (the skewed shape has some) gets an exact zero gradient."""
+  cfgs = mosaic.DEFAULT_CONFIGS.with_tgmm(**TGMM_SCHEDULES[schedule])
   T, d, f, E, k, skew = shape
   keys = jax.random.split(jax.random.key(T + E + 7), 3)
   topo, _ = routed_topology(keys[0], T, E, k, skew)
@@ -169,8 +174,21 @@ def test_mosaic_tgmm_compiled_matches_reference(monkeypatch, shape, out_dtype, s
   # padding out of its gradient.
   x = jax.random.normal(keys[1], (rows, d), jnp.bfloat16)
   dh = jax.random.normal(keys[2], (rows, f), jnp.bfloat16)
-  dw = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, out_dtype))(x, dh)
+  dw = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, out_dtype, cfgs))(x, dh)
   assert dw.dtype == out_dtype and dw.shape == (E, d, f)
   assert rel_err(dw, G.tgmm_reference(x, dh, topo, jnp.float32)) < 1e-2
   empty = np.asarray(topo.expert_block_offsets[1:] == topo.expert_block_offsets[:-1])
   assert np.all(np.asarray(dw)[empty] == 0)
+
+
+@pytest.mark.parametrize("expert_bands", [True, False] if HOPPER else [])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expert_mlp_compiled_in_either_tile_order(monkeypatch, shape, expert_bands):
+  """Every gmm kind in expert_band_order and in planar_snake order, through the expert MLP and its
+  GLU form, against the float32 reference."""
+  kinds = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+  d = mosaic.DEFAULT_CONFIGS
+  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(d, **{
+      k: dataclasses.replace(getattr(d, k), expert_bands=expert_bands) for k in kinds}))
+  _check_expert_mlp_compiled("mosaic", "gelu", shape, glu=False)
+  _check_expert_mlp_compiled("mosaic", "silu", shape, glu=True)

@@ -17,9 +17,11 @@ from its zero-step reduction. Rows that hold no token
 padding: gmm's consumer of that half issues no wgmma, and tgmm stops its reduction at the
 expert's last real row (masking the padding rows of its last step).
 
-The tile order is `planar_snake` over (row tiles, column tiles): with minor dimension M and a
-width of about one expert's row blocks, the CTAs in flight share each expert's weight tiles
-and row tiles in L2. tgmm walks the experts heaviest first, every second wave of the persistent
+gmm's tile order is `expert_band_order`: planar-snake bands of at most grid_tile_width row
+blocks that never straddle two experts, so the CTAs in flight share each expert's weight tiles
+in L2 and read them from DRAM once (plain `planar_snake` over all row blocks with
+Config(expert_bands=False) ran the E64 shapes' expert MLP 1-2.5% slower and E64 top-8's gmm_act
+7% slower: experiments/results/expert_mlp_ab_schedules_H100.log). tgmm walks the experts heaviest first, every second wave of the persistent
 loop backwards, so a busy expert's long reductions do not all land on neighbouring SMs (see
 _tgmm_item; -10 to -20% under a training run's routing skew, equal under uniform routing).
 
@@ -31,12 +33,13 @@ stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows
 The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tanh or division),
 compiled with approximate math: a special-function instruction each, within a few float32 ulps.
 Config(epilogue_wg=True) runs gmm_act / gmm_dact from mosaic_epilogue.py instead, where a fourth
-warpgroup does the epilogue while the consumers go on to the next tile (not the default: it has
-not been measured on a GPU yet). Config(pingpong=True) runs tgmm from mosaic_pingpong.py instead,
-where each consumer owns whole 128 x tile_n tiles and the two alternate, so one's epilogue runs
-under the other's wgmmas: 10% faster than the default on E64 top-1's random routing, slower on
-balanced 256 and 1,024 rows an expert (experiments/results/tgmm_pingpong_probe_H100.log); not
-the default until the expert MLP is measured with it.
+warpgroup does the epilogue while the consumers go on to the next tile (opt-in: no faster in the
+expert MLP). tgmm has three schedules: a pipeline per output tile (_tgmm_padded, the default), one
+TMA ring over all of a CTA's tiles (Config(streamed=True), _tgmm_streamed; opt-in, within the
+spread in the MLP), and ping-pong (Config(pingpong=True), mosaic_pingpong.py: each consumer owns
+whole 128 x tile_n tiles and the two alternate, so one's epilogue runs under the other's wgmmas),
+which Configs.tgmm_short picks for experts of fewer than SHORT_ROWS rows on average
+(experiments/results/expert_mlp_ab_schedules_H100.log).
 
 Contract and custom_vjp: op.py (mlp.py for the fused MLP). Reference: reference.py. Float32 operands go to the Triton
 backend: wgmma reads float32 as TF32, and float32 users get float32 answers.
@@ -86,26 +89,36 @@ class Config:
   # tgmm: walk the experts heaviest first, every second wave of num_sms tiles backwards (see
   # _tgmm_item). False: experts in index order, as before (kept for A/B runs).
   balance_experts: bool = True
-  # tgmm / tgmm_long: the ping-pong schedule (mosaic_pingpong.py): each consumer owns whole tiles
+  # tgmm, tgmm_long, tgmm_short: the ping-pong schedule (mosaic_pingpong.py): each consumer owns whole tiles
   # and the two alternate, one's epilogue under the other's wgmmas (see the module docstring).
   pingpong: bool = False
+  # gmm: walk the output tiles in expert_band_order (planar-snake bands of at most grid_tile_width
+  # row blocks that never straddle two experts, so each expert's weight tiles are read from DRAM
+  # once) instead of plain planar_snake over all row blocks. M-minor orders only.
+  expert_bands: bool = False
+  # tgmm: one hand-written ring over all of a CTA's tiles (_tgmm_streamed), so the producer loads
+  # the next tile's rows while the consumers finish this one and store it; epi_slots pieces of
+  # epi_tile_n columns buffer the stores. False: a pipeline per tile (_tgmm_padded).
+  streamed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Configs:
-  gmm: Config = Config(grid_tile_width=8)
-  gmm_t: Config = Config()
+  gmm: Config = Config(grid_tile_width=8, expert_bands=True)
+  gmm_t: Config = Config(expert_bands=True)
   # x W_in writing (pre, act(pre)): twice the stores. 128-wide N tiles with a 6-deep ring ran
   # 0.759 / 0.406 ms against 0.834 / 0.427 for 256-wide tiles with 4 slots (MoE-XS at 128 x 1024
   # tokens / E64 top-1; experiments/results/act_kernels_sweep_H100.log).
-  gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8)
+  gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8,
+                           expert_bands=True)
   # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
   # tile beside a 5-deep ring.
-  gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8)
+  gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8,
+                            expert_bands=True)
   # GLU: two weight tiles per stage and two accumulators per consumer, so 128-wide tiles (two
   # 64x256 float32 accumulators would not fit the registers). Untuned.
-  gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32)
-  gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8)
+  gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32, expert_bands=True)
+  gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8, expert_bands=True)
   tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                         grid_tile_width=1)
   # tgmm when experts average LONG_ROWS rows or more (E8 top-2: 4,224): walking N fastest ran
@@ -113,14 +126,27 @@ class Configs:
   # (E64 top-1) it lost 12%, on 1,152 (E64 top-8) it tied (experiments/results/tgmm_sweep_H100.log).
   tgmm_long: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                              grid_minor_dim=N_DIM, grid_tile_width=1)
+  # tgmm when experts average fewer than SHORT_ROWS rows (E64 top-1: about 320 with padding): the
+  # ping-pong schedule. On E64 top-1's random routing both weight gradients ran 0.401 / 0.387 ms
+  # against 0.454 / 0.420 and the expert MLP 1.888 against 1.940; on E64 top-8 (1,088 rows an
+  # expert) it lost 4% of the MLP (experiments/results/expert_mlp_ab_schedules_H100.log).
+  tgmm_short: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
+                              grid_tile_width=1, pingpong=True)
 
   def with_tgmm(self, **changes) -> "Configs":
-    """These configs with `changes` to both tgmm configs (tgmm and tgmm_long), e.g. pingpong=True."""
-    return dataclasses.replace(self, tgmm=dataclasses.replace(self.tgmm, **changes),
-                               tgmm_long=dataclasses.replace(self.tgmm_long, **changes))
+    """These configs with `changes` to every tgmm config (tgmm, tgmm_long, tgmm_short)."""
+    return dataclasses.replace(self, **{k: dataclasses.replace(getattr(self, k), **changes)
+                                        for k in ("tgmm", "tgmm_long", "tgmm_short")})
+
+  def tgmm_for(self, rows: int, num_experts: int) -> Config:
+    """The tgmm config for `rows` (padded) rows over `num_experts` experts, by rows per expert."""
+    if rows >= LONG_ROWS * num_experts:
+      return self.tgmm_long
+    return self.tgmm_short if rows < SHORT_ROWS * num_experts else self.tgmm
 
 
 LONG_ROWS = 2048
+SHORT_ROWS = 512
 
 
 # The defaults won or tied experiments/tune_gmm.py --sweep on an H100 (jax 0.11.2, bf16) for the
@@ -141,7 +167,10 @@ INTERPRET_CONFIGS = Configs(
     gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
     gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
     tgmm=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32),
-    tgmm_long=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32, grid_minor_dim=N_DIM))
+    tgmm_long=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32, grid_minor_dim=N_DIM),
+    # The per-tile schedule at every length here: the CPU tests' few rows would otherwise all take
+    # tgmm_short; the ping-pong kernel has its own tests (test_mosaic_pingpong_*).
+    tgmm_short=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32))
 
 
 def _configs(configs: Configs | None) -> Configs:
@@ -260,6 +289,40 @@ def _zero_rows_from(ref, first):
   plgpu.commit_smem()
 
 
+def expert_band_order(
+    row_block_expert: Int[Array, "row_blocks"],
+    expert_block_offsets: Int[Array, "experts_plus_one"],
+    n_iters: int,
+    width: int,
+) -> Int[Array, "tiles"]:
+  """order[p] = m * n_iters + n: the p-th output tile (row block m, column tile n) of gmm's persistent
+  loop. Each expert's row blocks are cut into bands of at most `width` (the blocks past the active
+  ones are one more group, last); a band's tiles come together, m fastest, n ascending in a band of
+  even index within its expert and descending in an odd one (a snake, as planar_snake's).
+
+  planar_snake's bands of `width` blocks over all row blocks split every expert that straddles a
+  band boundary: its weight tiles are then read once per band, from DRAM, since the band between
+  has evicted them. At E64 top-1 (2.5 blocks an expert, bands of 8) Nsight Compute counted 655 MB of
+  DRAM reads for x W_in against 554 MB of operands. Here the CTAs in flight share each weight tile
+  within one band. A permutation of range(row_blocks * n_iters), built by one scatter.
+  """
+  num_blocks = row_block_expert.shape[0]
+  b = jnp.arange(num_blocks, dtype=jnp.int32)
+  active = expert_block_offsets[-1]
+  e = row_block_expert
+  first = jnp.where(b < active, expert_block_offsets[e], active)
+  end = jnp.where(b < active, expert_block_offsets[e + 1], num_blocks)
+  band = (b - first) // width
+  start = first + band * width
+  band_width = jnp.minimum(width, end - start)
+  n = jnp.arange(n_iters, dtype=jnp.int32)[None, :]
+  rank = jnp.where((band % 2 == 1)[:, None], n_iters - 1 - n, n)
+  pos = start[:, None] * n_iters + rank * band_width[:, None] + (b - start)[:, None]
+  code = b[:, None] * n_iters + n
+  return jnp.zeros((num_blocks * n_iters,), jnp.int32).at[pos.reshape(-1)].set(
+      code.reshape(-1), unique_indices=True)
+
+
 def _tile_coords(lin, shape, cfg: Config):
   """(row tile, column tile) of the lin-th output tile in cfg's planar_snake order. A grid of one
   tile is (0, 0) outright: with every operand constant, XLA:CPU's constant folding of
@@ -293,7 +356,7 @@ def _launch(body, out_shape, *args, num_threads=3):
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
 def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
-                out_dtype, cfg: Config, activation=None):
+                out_dtype, cfg: Config, activation=None, order=None):
   """The gmm kernel and its epilogue variants. weights: (W,), or (W_gate, W_in) for the GLU
   form (two accumulators per consumer over the same lhs tile); pre: the forward's products that
   a backward epilogue reads, each consumer's tile arriving by TMA while its K loop runs.
@@ -304,6 +367,8 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
     Wg, Wi     ()       g, u, act(g) * u                        x W_gate, x W_in
     W          (p,)     acc * act'(p)                           dY W_out^T
     W          (g, u)   acc * u * act'(g), acc * act(g)         dY W_out^T
+
+  order: expert_band_order's tile table, or None for planar_snake over all row blocks.
   """
   rows, k = lhs.shape
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
@@ -332,7 +397,9 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
                    pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
   window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
 
-  def body(rbe_gmem, rbr_gmem, lhs_gmem, *refs):
+  def body(*refs):
+    order_gmem = refs[0] if order is not None else None
+    rbe_gmem, rbr_gmem, lhs_gmem, *refs = refs[order is not None:]
     w_gmems, pre_gmems, out_gmems = refs[:num_w], refs[num_w:num_w + num_pre], refs[num_w + num_pre:]
     ignore = lambda *_, **__: None
     # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
@@ -350,7 +417,11 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
 
       @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
       def _tile(info):
-        m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
+        if order is None:
+          m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
+        else:
+          code = order_gmem[info.index[0]]
+          m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
         expert = rbe_gmem[m_idx]
         num_real = rbr_gmem[m_idx]
         # Inactive blocks run zero K steps (and store nothing, below).
@@ -440,6 +511,8 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
 
   out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
   args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
+  if order is not None:
+    args = (order,) + args
   return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
 
 
@@ -481,6 +554,13 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   else:
     cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
     padded = _gmm_padded
+    if cfg.expert_bands:
+      if cfg.grid_minor_dim != M_DIM:
+        raise ValueError(f"Config.expert_bands orders row blocks within column tiles: it needs "
+                         f"grid_minor_dim=M_DIM; got {cfg.grid_minor_dim} for {kind}")
+      n_iters = -(-n // cfg.tile_n)
+      padded = functools.partial(_gmm_padded, order=expert_band_order(
+          topo.row_block_expert, topo.expert_block_offsets, n_iters, cfg.grid_tile_width))
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k) for w in weights)
@@ -696,6 +776,133 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
                  order, offsets, row_block_rows, lhs, dout)
 
 
+def observe_last_releases(consumed_at, total, slots):
+  """Wait on the release barrier of each of a ring's last `slots` steps (of `total`), so that no
+  barrier ends the kernel with an unobserved phase. consumed_at(step): that step's barrier."""
+  @pl.loop(jnp.maximum(total - slots, 0), total)
+  def _observe(step):
+    plgpu.barrier_wait(consumed_at(step))
+
+
+# Registers per thread of the hand-written three-warpgroup kernels (_tgmm_streamed and
+# mosaic_pingpong.py; 64 K a CTA, 512 a thread summed over the warpgroups): the producer only
+# issues copies; each consumer holds a [128, tile_n] float32 accumulator (128 registers at tile_n
+# 128) plus an epilogue piece. CUTLASS's warp-specialized kernels split the same way.
+PRODUCER_REGISTERS = 40
+CONSUMER_REGISTERS = 232
+
+
+def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
+  """_tgmm_padded's tiles, items and numerics, on one ring for all of a CTA's items.
+
+  The per-tile pipeline of _tgmm_padded starts each tile's loads only once both consumers have
+  drained the last tile's wgmmas (_producer_waits_for_tile), so every tile begins with the
+  latency of its first load, and an expert of 256 rows has only 4 reduction steps to hide it
+  behind. Here the producer streams every step of every item through one ring and waits only for
+  a slot's release: the next tile's rows arrive while the consumers run this tile's last steps
+  and its epilogue. With epi_slots * epi_tile_n = tile_n a consumer stages its whole tile for
+  the TMA stores, so the stores drain during the next tile's steps rather than in its epilogue.
+  """
+  rows, k = lhs.shape
+  n = dout.shape[1]
+  num_experts = offsets.shape[0] - 1
+  tile_m, tile_n, tile_r, epi_tile_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
+  cta_n = 2 * tile_n
+  grid = (k // tile_m, n // cta_n)
+  slots = cfg.max_concurrent_steps
+  dtype = lhs.dtype
+  items = (num_experts * grid[0] * grid[1],)
+
+  def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
+    scratch = dict(
+        a_smem=plgpu.SMEM((slots, tile_r, tile_m), dtype, transforms=_transforms(tile_m, dtype)),
+        b_smem=plgpu.SMEM((slots, tile_r, cta_n), dtype, transforms=_transforms(cta_n, dtype)),
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # the A and B copies of a slot
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=slots),  # both consumers
+        out_smem=plgpu.SMEM((2, cfg.epi_slots, tile_m, epi_tile_n), out_dtype,
+                            transforms=_transforms(epi_tile_n, out_dtype)))
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
+    def _scope(a_smem, b_smem, full, consumed, out_smem):
+      wg_idx = lax.axis_index("wg")
+      tile = lambda step: _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, grid=grid, num_experts=num_experts,
+                                     num_sms=_num_sms(), block_m=block_m, cfg=cfg)
+
+      @pl.when(wg_idx == 2)
+      def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        @plgpu.nd_loop(items, collective_axes="sm", init_carry=(jnp.int32(0),))
+        def issued(info, carry):
+          (step0,) = carry
+          _, m_idx, n_idx, steps, _, row0 = tile(info.index[0])
+
+          @pl.loop(0, steps)
+          def _step(s):
+            slot = lax.rem(step0 + s, slots)
+
+            @pl.when(step0 + s >= slots)
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            rs = pl.ds((row0 + s) * tile_r, tile_r)
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[rs, pl.ds(m_idx * tile_m, tile_m)], a_smem.at[slot],
+                                    full.at[slot])
+            plgpu.copy_gmem_to_smem(dout_gmem.at[rs, pl.ds(n_idx * cta_n, cta_n)], b_smem.at[slot],
+                                    full.at[slot])
+
+          return (step0 + steps,)
+
+        observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
+
+      @pl.when(wg_idx < 2)
+      def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        wg_n = pl.ds(wg_idx * tile_n, tile_n)
+
+        @plgpu.nd_loop(items, collective_axes="sm", init_carry=(jnp.int32(0),))
+        def _done(info, carry):
+          (step0,) = carry
+          e, m_idx, n_idx, steps, tail, _ = tile(info.index[0])
+
+          # An expert with no rows runs zero steps: its gradient is the zero accumulator.
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def _acc(acc_ref):
+            def k_step(s, acc):
+              slot = lax.rem(step0 + s, slots)
+              plgpu.barrier_wait(full.at[slot])
+              b = b_smem.at[slot].at[:, wg_n]
+
+              @pl.when((s == steps - 1) & (tail < tile_r))
+              def _():
+                _zero_rows_from(b, tail)
+
+              plgpu.wgmma(acc, plgpu.transpose_ref(a_smem.at[slot], (1, 0)), b)
+              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+
+              @pl.when(s > 0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step0 + s - 1, slots)])
+              return acc
+
+            acc = lax.fori_loop(0, steps, k_step, acc_ref)
+            plgpu.wgmma_wait(0)
+
+            @pl.when(steps > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
+
+            out = out_gmem.at[e, pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * cta_n, cta_n)]
+            _store_tile((acc[...],), out_smem, [out.at[:, wg_n]], wg_idx, epi_tile_n)
+
+          return (step0 + steps,)
+
+        plgpu.wait_smem_to_gmem(0)
+
+  return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
+                 order, offsets, row_block_rows, lhs, dout)
+
+
 def tgmm(
     lhs: Float[Array, "rows k"],
     dout: Float[Array, "rows n"],
@@ -711,8 +918,7 @@ def tgmm(
   k, n = lhs.shape[1], dout.shape[1]
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
-  long = lhs.shape[0] >= LONG_ROWS * topo.num_experts
-  cfg = configs.tgmm_long if long else configs.tgmm
+  cfg = configs.tgmm_for(lhs.shape[0], topo.num_experts)
   if cfg.pingpong:
     from sparsejax.kernels.gmm import mosaic_pingpong
 
@@ -721,8 +927,8 @@ def tgmm(
   else:
     cfg = _fit(cfg, block_m, n,
                stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
-               out_bytes=lambda c: 2 * 2 * block_m * c.epi_tile_n * out_size)
-    padded, cta_n = _tgmm_padded, 2 * cfg.tile_n
+               out_bytes=lambda c: 2 * (c.epi_slots if c.streamed else 2) * block_m * c.epi_tile_n * out_size)
+    padded, cta_n = (_tgmm_streamed if cfg.streamed else _tgmm_padded), 2 * cfg.tile_n
   lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, cta_n)
   offsets = topo.expert_block_offsets
   order = (heaviest_first(offsets) if cfg.balance_experts

@@ -155,12 +155,7 @@ def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_
 
           return (step0 + steps,)
 
-        # Observe the last releases, so no barrier ends the kernel with an unobserved phase.
-        total = issued[0]
-
-        @pl.loop(jnp.maximum(total - slots, 0), total)
-        def _drain(step):
-          plgpu.barrier_wait(consumed.at[lax.rem(step, slots)])
+        mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
 
       @pl.when(wg_idx < 2)
       def _consumer():

@@ -46,11 +46,8 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax.kernels.gmm import mosaic
 
-# Three warpgroups share an SM's 64 K registers (512 a thread summed over the warpgroups): the
-# producer only issues copies, and each consumer holds a [128, tile_n] float32 accumulator (128
-# registers a thread at tile_n = 128) plus an epilogue piece. CUTLASS's ping-pong splits the same.
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
+# Registers: mosaic.PRODUCER_REGISTERS / CONSUMER_REGISTERS (one [128, tile_n] accumulator a consumer).
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = mosaic.PRODUCER_REGISTERS, mosaic.CONSUMER_REGISTERS
 
 # A [128, 256] float32 accumulator would be 256 registers a thread, more than a warpgroup has.
 MAX_TILE_N = 128
@@ -151,11 +148,9 @@ def tgmm_padded(
 
           return (carry[0] + jnp.where(ring == 0, steps, 0), carry[1] + jnp.where(ring == 1, steps, 0))
 
-        # Observe each ring's last releases, so no barrier ends the kernel with an unobserved phase.
         for ring in range(2):
-          @pl.loop(jnp.maximum(issued[ring] - slots, 0), issued[ring])
-          def _drain(step):
-            plgpu.barrier_wait(consumed.at[bar(ring, step)])
+          mosaic.observe_last_releases(functools.partial(lambda r, step: consumed.at[bar(r, step)], ring),
+                                       issued[ring], slots)
 
       @pl.when(wg_idx < 2)
       def _consumer():
