@@ -80,7 +80,9 @@ def router_logits(
   x32 = x.astype(jnp.float32)
   if rng is not None and jitter_eps > 0:
     x32 = x32 * jax.random.uniform(rng, x32.shape, jnp.float32, 1.0 - jitter_eps, 1.0 + jitter_eps)
-  return x32 @ w_router.astype(jnp.float32)
+  # HIGHEST: a GPU's default float32 dot reads its operands as TF32 (10-bit mantissas), which
+  # moved routing weights by 2e-4 relative on an H100; a float32 router is the point here.
+  return jnp.matmul(x32, w_router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
 
 
 @jax.named_scope("router")
