@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax._precision import full_precision
 
 IMPLS = ("auto", "reference", "ragged_dot", "pallas", "mosaic", "triton")
 # The Pallas kernels: "pallas" is the best of them for the GPU at hand (Mosaic GPU on Hopper,
@@ -32,20 +33,6 @@ def resolve_impl(impl: str) -> str:
 def kernel_backend(impl: str) -> str:
   """The sparsejax.kernels.gmm backend of a block-layout impl ("pallas" lets the GPU decide)."""
   return "auto" if impl == "pallas" else impl
-
-
-def full_precision(precision, *operands):
-  """precision, or where it is None, HIGHEST when the operands compute in float32 (or wider).
-
-  XLA's default for float32 dots on the GPU is TF32 (about 1e-3 relative error); float32 inputs
-  should get float32 answers on every backend. Half-precision inputs keep the backend default.
-  """
-  if precision is not None:
-    return tuple(precision) if isinstance(precision, list) else precision
-  dtype = jnp.result_type(*operands)
-  if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits >= 32:
-    return jax.lax.Precision.HIGHEST
-  return None
 
 
 def _is_concrete(x) -> bool:

@@ -14,6 +14,7 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from sparsejax import losses, parallel, routing
+from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
 from sparsejax.moe import expert_choice_mlp, moe_mlp
@@ -159,7 +160,9 @@ class MLP(nnx.Module):
     del rng, unused
     c = self.config
     x = x.astype(c.dtype)
-    matmul = lambda a, w: a @ w[...].astype(c.dtype)
+    # HIGHEST for float32 (a GPU's default float32 dot is TF32); bf16 keeps the default.
+    hi = dot_precision(c.dtype)
+    matmul = lambda a, w: jnp.matmul(a, w[...].astype(c.dtype), precision=hi)
     rows = x.size // c.d_model
     if decode and rows <= skinny_matmul.MAX_ROWS:
       matmul = lambda a, w: skinny_matmul.skinny_matmul(a, w[...]).astype(c.dtype)

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
-from sparsejax.grouped_matmul import (BLOCK_IMPLS, IMPLS, full_precision, grouped_matmul, kernel_backend,
-                                      resolve_impl)
+from sparsejax._precision import full_precision
+from sparsejax.grouped_matmul import BLOCK_IMPLS, IMPLS, grouped_matmul, kernel_backend, resolve_impl
 from sparsejax.routing import ExpertChoiceRouting
 from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
+from sparsejax._precision import dot_precision
 from sparsejax.kernels.skinny_matmul import skinny_matmul
 from sparsejax.moe import MoEStats, moe_mlp
 
@@ -102,6 +103,9 @@ def decode_moe_mlp(
   num_experts = w_in.shape[0]
   n = min(num_tokens * k, num_experts)
   dt = x.dtype
+  # The combine's products are float32 whatever dt; a float32 layer asks for HIGHEST in them (a GPU's
+  # default float32 dot is TF32), a bf16 one keeps the default its programs always had.
+  hi = dot_precision(dt)
 
   ids = expert_ids.reshape(-1).astype(jnp.int32)
   valid = ids >= 0
@@ -116,7 +120,7 @@ def decode_moe_mlp(
     picked = valid & jnp.any(hit, axis=1)
   c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
   combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
-                       jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n))
+                       jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n), precision=hi)
   experts = jnp.minimum(uniq, num_experts - 1)
 
   def product(a, name, w):
@@ -133,7 +137,7 @@ def decode_moe_mlp(
   else:
     h = activation(h)
   out = product(h, "w_out", w_out).astype(dt)  # rounded like moe_mlp's expert rows
-  y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32)).astype(dt)
+  y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
   zero = jnp.zeros((), jnp.int32)
   return y, MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from sparsejax._precision import dot_precision, dot_precision_scope
 from sparsejax.models.config import DTYPES, TransformerConfig
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
@@ -94,12 +95,15 @@ class Attention(nnx.Module):
     cfg, dt = self.cfg, self.cfg.compute_dtype
     b, t, d = x.shape
     h, dh = cfg.num_heads, cfg.head_dim
+    # Float32 models ask for HIGHEST in every product (a GPU's default float32 dot is TF32); bf16
+    # keeps the default. jax.nn.dot_product_attention takes no precision: it gets the scope.
+    hi = dot_precision(dt)
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
     if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
       w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
       qkv = skinny_matmul.skinny_matmul(x, w_qkv).astype(dt).reshape(b, t, 3, h, dh)
     else:
-      qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt))
+      qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt), precision=hi)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if cache is not None:  # decoding: write the new keys/values at cache.index, attend over the cache
       q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
@@ -109,20 +113,22 @@ class Attention(nnx.Module):
         o = decode_attention(q[:, 0], self.cached_key[...], self.cached_value[...], cache.start,
                              cache.index)[:, None]
       else:
-        o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
+        with dot_precision_scope(dt):
+          o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
       if few_rows:
         w_out = self.w_out[...].reshape(h * dh, d)
         return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), w_out).astype(dt)
-      return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
+      return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt), precision=hi)
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     impl = attention_impl(cfg)
-    try:
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
-    except Exception:  # cuDNN refuses some shapes/versions at trace time: fall back to XLA.
-      if impl is None:
-        raise
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt))
+    with dot_precision_scope(dt):
+      try:
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+      except Exception:  # cuDNN refuses some shapes/versions at trace time: fall back to XLA.
+        if impl is None:
+          raise
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt), precision=hi)
 
 
 class Block(nnx.Module):
@@ -214,7 +220,8 @@ class Transformer(nnx.Module):
         moe_stats.append(s)
     h = self.final_norm(h)
     with jax.named_scope("lm_head"):
-      logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(dt), preferred_element_type=jnp.float32)
+      logits = jnp.einsum("btd,dv->btv", h, self.head[...].astype(dt), preferred_element_type=jnp.float32,
+                          precision=dot_precision(dt))  # HIGHEST for float32: no TF32 on a GPU
     return logits, _collect(moe_stats, cfg.num_experts)
 
 

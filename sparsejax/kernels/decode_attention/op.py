@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax._precision import dot_precision
 from sparsejax.kernels.decode_attention import triton
 from sparsejax.kernels.decode_attention.reference import decode_attention_reference
 
@@ -51,7 +52,10 @@ def _merge(part, stats, dtype):
   """o = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c."""
   m, l = stats[..., 0], stats[..., 1]
   w = jnp.exp(m - jnp.max(m, axis=-1, keepdims=True))
-  return (jnp.einsum("bhc,bhcd->bhd", w, part) / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
+  # The partials are float32 whatever q's dtype: HIGHEST for a float32 q (a GPU's default float32
+  # dot is TF32), the default for bf16, as its programs always had.
+  o = jnp.einsum("bhc,bhcd->bhd", w, part, precision=dot_precision(dtype))
+  return (o / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
 
 
 @jax.custom_vjp
