@@ -55,7 +55,7 @@ CONFIG_SETS = {
     # tgmm's schedules: the per-tile pipeline (a 4-deep ring, 2 store slots of 32 columns), the
     # ping-pong one (mosaic_pingpong.py), one ring for all of a CTA's tiles (_tgmm_streamed: 3
     # deep, a consumer's whole tile staged for its stores; or 4 deep and 2 slots; or 64-wide slots).
-    "per_tile": _tgmm_set(streamed=False, pingpong=False, max_concurrent_steps=4, epi_slots=2),
+    "per_tile": _tgmm_set(streamed=False, pingpong=False),
     "pingpong": _tgmm_set(streamed=False, pingpong=True),
     "tgmm_streamed": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_slots=4),
     "tgmm_streamed_ring4": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=4, epi_slots=2),

@@ -812,6 +812,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
   slots = cfg.max_concurrent_steps
   dtype = lhs.dtype
   items = (num_experts * grid[0] * grid[1],)
+  num_sms = _num_sms()
 
   def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
     scratch = dict(
@@ -826,7 +827,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
     def _scope(a_smem, b_smem, full, consumed, out_smem):
       wg_idx = lax.axis_index("wg")
       tile = lambda step: _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, grid=grid, num_experts=num_experts,
-                                     num_sms=_num_sms(), block_m=block_m, cfg=cfg)
+                                     num_sms=num_sms, block_m=block_m, cfg=cfg)
 
       @pl.when(wg_idx == 2)
       def _producer():

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
+from sparsejax._precision import dot_precision
 from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.topology import Topology
 
@@ -69,11 +70,6 @@ def _compiler_params(num_warps, num_stages):
 def _tile(dim: int, preferred: int) -> int:
   """A power-of-two tile no larger than needed (and at least 16, Triton's smallest dot)."""
   return max(16, min(preferred, pl.next_power_of_2(dim)))
-
-
-def _precision(dtype):
-  # float32 operands: full-precision products, not TF32, so float32 users get float32 answers.
-  return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,7 +132,7 @@ def gmm(
   kernel = functools.partial(
       _gmm_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
       num_k_steps=lhs_p.shape[1] // block_k, transpose_rhs=transpose_rhs,
-      precision=_precision(lhs.dtype))
+      precision=dot_precision(lhs.dtype))
   out = pl.pallas_call(
       kernel,
       grid=(num_rows // block_m, n_p // block_n),
@@ -186,7 +182,7 @@ def tgmm(
   block_k, block_n = _tile(k, tiling.tgmm_block_k), _tile(n, tiling.tgmm_block_n)
   lhs_p, dout_p = pad_to(lhs, 1, block_k), pad_to(dout, 1, block_n)
   kernel = functools.partial(_tgmm_kernel, block_m=topo.block_size, block_k=block_k,
-                             block_n=block_n, precision=_precision(lhs.dtype))
+                             block_n=block_n, precision=dot_precision(lhs.dtype))
   out = pl.pallas_call(
       kernel,
       grid=(topo.num_experts, lhs_p.shape[1] // block_k, dout_p.shape[1] // block_n),

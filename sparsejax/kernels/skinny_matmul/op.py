@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
+from sparsejax._precision import dot_precision
 from sparsejax.kernels.skinny_matmul import triton
 from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
 
@@ -118,8 +119,7 @@ def skinny_matmul(
   if use_kernel:
     y = _kernel(x, w3, ids, cfg)
   elif dense:  # a plain dot: no gather of the one weight
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    y = jnp.dot(x, w.astype(x.dtype), precision=precision, preferred_element_type=jnp.float32)[None]
+    y = jnp.dot(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)[None]
   else:
     x3 = x if x.ndim == 3 else jnp.broadcast_to(x, (ids.shape[0],) + x.shape)
     y = skinny_matmul_reference(x3, w3, ids)

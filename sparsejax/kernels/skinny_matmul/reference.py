@@ -1,10 +1,10 @@
 """The plain-jnp skinny_matmul that every backend is tested against (and that XLA runs off the GPU)."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, Num
 
+from sparsejax._precision import dot_precision
 
 def skinny_matmul_reference(
     x: Float[Array, "slots m k"],
@@ -14,8 +14,7 @@ def skinny_matmul_reference(
 ) -> Float[Array, "slots m n"]:
   """y[s] = x[s] @ (w[experts[s]] * scale[experts[s]]) in float32 (int8 w enters as x's dtype)."""
   ws = jnp.take(w, experts, axis=0).astype(x.dtype)
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  y = jnp.einsum("smk,skn->smn", x, ws, precision=precision, preferred_element_type=jnp.float32)
+  y = jnp.einsum("smk,skn->smn", x, ws, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
   if scale is not None:
     y = y * jnp.take(scale, experts, axis=0).astype(jnp.float32)[:, None, :]
   return y

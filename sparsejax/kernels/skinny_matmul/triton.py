@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
+from sparsejax._precision import dot_precision
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -91,9 +92,8 @@ def skinny_matmul(
     pad = [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]
     x = jnp.pad(x, pad)
   splits = k // cfg.rows_per_program
-  precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
   kernel = functools.partial(_kernel, cfg=cfg, steps=cfg.rows_per_program // cfg.block_k,
-                             x_per_slot=x_per_slot, precision=precision)
+                             x_per_slot=x_per_slot, precision=dot_precision(x.dtype))
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
