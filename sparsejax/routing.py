@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Float, Int
 
-from sparsejax import _checks
+from sparsejax import _checks, _precision
 from sparsejax.top_k import top_k_small
 
 # An expert id of -1 marks a (token, slot) pair that goes to no expert. Token-choice routers
@@ -80,9 +80,9 @@ def router_logits(
   x32 = x.astype(jnp.float32)
   if rng is not None and jitter_eps > 0:
     x32 = x32 * jax.random.uniform(rng, x32.shape, jnp.float32, 1.0 - jitter_eps, 1.0 + jitter_eps)
-  # HIGHEST: a GPU's default float32 dot reads its operands as TF32 (10-bit mantissas), which
-  # moved routing weights by 2e-4 relative on an H100; a float32 router is the point here.
-  return jnp.matmul(x32, w_router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+  # Not the default precision: a GPU reads a float32 dot's operands as TF32 (10-bit mantissas),
+  # which moved routing weights by 2e-4 relative on an H100; a float32 router is the point here.
+  return jnp.matmul(x32, w_router.astype(jnp.float32), precision=_precision.FLOAT32_BY_BF16_PASSES)
 
 
 @jax.named_scope("router")

@@ -128,9 +128,17 @@ def dot_precisions(fn, *args):
   return found
 
 
+# Algorithms as accurate as a float32 dot (the router asks for six bf16 passes: _precision.py).
+FLOAT32_ALGORITHMS = (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                      jax.lax.DotAlgorithmPreset.F32_F32_F32)
+
+
 def is_highest(precision) -> bool:
-  """Whether a dot's precision parameter asks for full float32 on both operands."""
+  """Whether a dot's precision parameter asks for full float32 on both operands (HIGHEST, or an
+  algorithm of float32 accuracy)."""
   if precision is None:
     return False
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    return precision in FLOAT32_ALGORITHMS
   pair = precision if isinstance(precision, tuple) else (precision, precision)
   return all(p == jax.lax.Precision.HIGHEST for p in pair)

@@ -177,3 +177,16 @@ def test_expert_mlp_ab_traces_each_config_set_anew(monkeypatch):
   monkeypatch.setitem(parts.CONFIG_SETS, "k32", {})  # the same configs: flagged, not timed as a difference
   assert parts.ab("tiny", ["default", "k32"], rounds=1, names=("tgmm h^T dY",))["same_program_as_first"] == {
       "tgmm h^T dY k32": True}
+
+
+def test_router_precision_bench_checks_every_variant_against_float64(tmp_path):
+  """Each algorithm the backend has is timed and checked (a float32-accurate one near 1e-7 on the CPU,
+  which computes every one in float32); one it lacks is reported, not timed; the JSON is written."""
+  import bench_router_precision as brp
+  records = brp.main(["--smoke", "--out-dir", str(tmp_path)])
+  assert {r["variant"] for r in records} == set(brp.VARIANTS)
+  timed = [r for r in records if "unsupported" not in r]
+  assert {"highest", "bf16_x6"} <= {r["variant"] for r in timed}
+  assert all(r["ms"] > 0 and r["err_logits"] < 1e-5 and r["err_dw"] < 1e-5 for r in timed)
+  saved = json.loads(next(tmp_path.glob("router_precision_*.json")).read_text())
+  assert len(saved["records"]) == len(records)

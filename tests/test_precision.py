@@ -1,5 +1,6 @@
 """Float32 inputs give float32 answers on every backend: the dots of the library's float32 programs ask
-for HIGHEST, and its bf16 programs keep their dots' precision unset, as they always had.
+for HIGHEST (the router's for six bf16 passes, as accurate), and its bf16 programs keep their dots'
+precision unset, as they always had.
 
 A GPU runs a default-precision float32 dot as TF32 (10-bit mantissas), which the CPU cannot show in the
 numbers, so these tests read the precision each dot asks for in the traced program, forward and backward,
@@ -23,7 +24,8 @@ HALF = ("bfloat16", "float16")
 
 
 def assert_float32_dots_highest(found, at_least):
-  """Every dot of two float32 operands asks for HIGHEST; at_least of them, so the check is not empty."""
+  """Every dot of two float32 operands asks for float32 accuracy (moe_testing.is_highest); at_least of
+  them, so the check is not empty."""
   f32 = [(name, p) for name, p, dtypes in found if dtypes == ("float32", "float32")]
   assert len(f32) >= at_least, found
   assert all(is_highest(p) for _, p in f32), [f for f in found if not is_highest(f[1])]
@@ -82,7 +84,7 @@ def test_layers(name, dtype):
   found = _grad_dots(module, x)
   if dtype == "float32":
     assert_float32_dots_highest(found, 3 * products)
-  else:  # the router's float32 product stays HIGHEST (routing.py); the expert products stay unset
+  else:  # the router's float32 product keeps float32 accuracy (routing.py); the expert products stay unset
     assert_half_dots_unset(found, 3 * (products - (fields is not None)))
 
 

@@ -254,6 +254,8 @@ def test_router_logits_bf16_inputs_compute_in_float32():
   # A bf16 matmul would be off by ~1e-2 relative; float32 is off by ~1e-6.
   assert_close(out, exact, 1e-5, "router logits")
   # ... and on every backend: a GPU reads a default-precision float32 dot as TF32 (~1e-3), which
-  # the CPU cannot show, so the dot itself must ask for full float32.
-  dots = [e for e in jax.make_jaxpr(sj.router_logits)(x, w).eqns if e.primitive.name == "dot_general"]
-  assert [str(e.params["precision"]) for e in dots] == ["(Precision.HIGHEST, Precision.HIGHEST)"]
+  # the CPU cannot show, so the dot itself, forward and both transposes, must ask for float32
+  # accuracy: six bf16 passes (_precision.FLOAT32_BY_BF16_PASSES).
+  grads = jax.grad(lambda x, w: jnp.sum(sj.router_logits(x, w)), argnums=(0, 1))
+  dots = [e for e in jax.make_jaxpr(grads)(x, w).eqns if e.primitive.name == "dot_general"]
+  assert [e.params["precision"] for e in dots] == [jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6] * 3
