@@ -10,6 +10,8 @@ MoE benchmark's timer (peers.common.Timer) and checked against float64 on the ho
 - `highest`: Precision.HIGHEST, what `routing.router_logits` asks for: full float32.
 - `tf32_x3`, `bf16_x6`, `bf16_x3`: jax.lax.DotAlgorithmPreset, float32 products split into several
   tensor-core passes (3 TF32, 6 or 3 bf16). A backend without the algorithm is reported, not timed.
+- `sparsejax`: `routing.router_logits` (six bf16 passes for the logits and dW_r; x's gradient, rounded
+  to bf16, at the default).
 
 Prints a table; writes router_precision_<device>.json and .png under --out-dir.
 """
@@ -27,6 +29,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peers.common import Timer  # noqa: E402
 
+from sparsejax.routing import router_logits  # noqa: E402
+
 PRESET = jax.lax.DotAlgorithmPreset
 VARIANTS = {
     "default": None,
@@ -34,18 +38,22 @@ VARIANTS = {
     "tf32_x3": PRESET.TF32_TF32_F32_X3,
     "bf16_x6": PRESET.BF16_BF16_F32_X6,
     "bf16_x3": PRESET.BF16_BF16_F32_X3,
+    # What the library runs: the logits and dW_r in six bf16 passes, a bf16 x's gradient at the default.
+    "sparsejax": None,
 }
 # (tokens, d_model, experts): the MoE benchmark's E64 and E8 shapes, and MoE-XS at 128 x 1024 tokens.
 SHAPES = {"E64_top1": (16384, 1024, 64), "E8_top2": (16384, 2048, 8), "XS_b128": (131072, 512, 64)}
 SMOKE_SHAPES = {"tiny": (256, 64, 8)}  # --smoke: the CPU test of this script
 
 
-def router_fwd_bwd(precision):
-  """(logits, dx, dW) of x W at `precision`; x arrives in bf16 and is cast, as in router_logits."""
+def router_fwd_bwd(variant: str):
+  """(logits, dx, dW) of x W at the variant's precision (x arrives in bf16 and is cast, as in
+  router_logits), or of sparsejax.router_logits itself."""
+  def logits(x, w):
+    return jnp.matmul(x.astype(jnp.float32), w, precision=VARIANTS[variant])
+
   def f(x, w, g):
-    def logits(x, w):
-      return jnp.matmul(x.astype(jnp.float32), w, precision=precision)
-    y, vjp = jax.vjp(logits, x, w)
+    y, vjp = jax.vjp(router_logits if variant == "sparsejax" else logits, x, w)
     dx, dw = vjp(g)
     return y, dx, dw
   return jax.jit(f)
@@ -64,9 +72,9 @@ def bench_shape(name: str, T: int, d: int, E: int, timer: Timer) -> list[dict]:
   x64, w64, g64 = (np.asarray(a, np.float64) for a in (x.astype(jnp.float32), w, g))
   want = (x64 @ w64, g64 @ w64.T, x64.T @ g64)
   records = []
-  for variant, precision in VARIANTS.items():
+  for variant in VARIANTS:
     rec = {"shape": name, "T": T, "d": d, "E": E, "variant": variant}
-    fn = router_fwd_bwd(precision)
+    fn = router_fwd_bwd(variant)
     try:
       out = jax.block_until_ready(fn(x, w, g))
     except Exception as e:  # an algorithm the backend lacks: reported, not timed

@@ -5,6 +5,7 @@ softmax over experts is where bf16 rounding changes which expert wins.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -77,12 +78,41 @@ def router_logits(
     raise ValueError(f"x has d_model={x.shape[1]} but w_router expects {w_router.shape[0]}.")
   if jitter_eps < 0:
     raise ValueError(f"jitter_eps must be >= 0; got {jitter_eps}.")
-  x32 = x.astype(jnp.float32)
+  xin = x
   if rng is not None and jitter_eps > 0:
-    x32 = x32 * jax.random.uniform(rng, x32.shape, jnp.float32, 1.0 - jitter_eps, 1.0 + jitter_eps)
-  # Not the default precision: a GPU reads a float32 dot's operands as TF32 (10-bit mantissas),
-  # which moved routing weights by 2e-4 relative on an H100; a float32 router is the point here.
-  return jnp.matmul(x32, w_router.astype(jnp.float32), precision=_precision.FLOAT32_BY_BF16_PASSES)
+    xin = x.astype(jnp.float32) * jax.random.uniform(rng, x.shape, jnp.float32, 1.0 - jitter_eps, 1.0 + jitter_eps)
+  # x's gradient is rounded to x's dtype: for bf16 x the backend's default (TF32 on a GPU, 2e-4
+  # relative) is already far below bf16's rounding, so only a float32 x pays for full accuracy.
+  half = jnp.finfo(x.dtype).bits < 32
+  return _float32_product(xin, w_router.astype(jnp.float32), None if half else _precision.FLOAT32_BY_BF16_PASSES)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _float32_product(
+    x: Float[Array, "tokens d_model"], w: Float[Array, "d_model experts"], dx_precision
+) -> Float[Array, "tokens experts"]:
+  """float32(x) @ w to float32 accuracy; the gradients dW = x^T g likewise, dx = g W^T at dx_precision.
+
+  Not the default precision: a GPU reads a float32 dot's operands as TF32 (10-bit mantissas), which
+  moved routing weights by 2e-4 relative on an H100; a float32 router is the point here. Six bf16
+  passes are as accurate as a float32 dot and cheaper than HIGHEST (_precision.py). x is kept in
+  its own dtype for the backward, not as a float32 copy.
+  """
+  return jnp.matmul(x.astype(jnp.float32), w, precision=_precision.FLOAT32_BY_BF16_PASSES)
+
+
+def _float32_product_fwd(x, w, dx_precision):
+  return _float32_product(x, w, dx_precision), (x, w)
+
+
+def _float32_product_bwd(dx_precision, res, g):
+  x, w = res
+  dx = jnp.matmul(g, w.T, precision=dx_precision).astype(x.dtype)
+  dw = jnp.matmul(x.astype(jnp.float32).T, g, precision=_precision.FLOAT32_BY_BF16_PASSES)
+  return dx, dw
+
+
+_float32_product.defvjp(_float32_product_fwd, _float32_product_bwd)
 
 
 @jax.named_scope("router")

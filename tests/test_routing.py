@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import sparsejax as sj
-from moe_testing import IMPLS, assert_close, np_moe_loop, np_top_k_routing, rand, seed_of
+from moe_testing import IMPLS, assert_close, dot_precisions, np_moe_loop, np_top_k_routing, rand, seed_of
 
 
 def _logits(T, E, seed, scale=2.0):
@@ -253,9 +253,35 @@ def test_router_logits_bf16_inputs_compute_in_float32():
   exact = np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
   # A bf16 matmul would be off by ~1e-2 relative; float32 is off by ~1e-6.
   assert_close(out, exact, 1e-5, "router logits")
-  # ... and on every backend: a GPU reads a default-precision float32 dot as TF32 (~1e-3), which
-  # the CPU cannot show, so the dot itself, forward and both transposes, must ask for float32
-  # accuracy: six bf16 passes (_precision.FLOAT32_BY_BF16_PASSES).
-  grads = jax.grad(lambda x, w: jnp.sum(sj.router_logits(x, w)), argnums=(0, 1))
-  dots = [e for e in jax.make_jaxpr(grads)(x, w).eqns if e.primitive.name == "dot_general"]
-  assert [e.params["precision"] for e in dots] == [jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6] * 3
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_router_logits_ask_for_float32_accuracy_where_the_answer_is_float32(dtype):
+  """A GPU reads a default-precision float32 dot as TF32 (~1e-3), which the CPU cannot show, so the
+  jaxpr is read: the logits and dW_r ask for six bf16 passes (float32 accuracy); dx too for a float32
+  x, while a bf16 x's gradient, rounded to bf16, keeps the default. Values and gradients against
+  float64, and dx in x's dtype."""
+  rng = np.random.default_rng(seed_of("router_precision", dtype))
+  x = jnp.asarray(rand(rng, (48, 64)), dtype)
+  w = jnp.asarray(rand(rng, (64, 8)))
+  g = rand(rng, (48, 8))
+  loss = lambda x, w: jnp.sum(sj.router_logits(x, w) * g)
+  x6 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
+  found = [p for _, p, _ in dot_precisions(jax.grad(loss, argnums=(0, 1)), x, w)]
+  assert sorted(map(str, found)) == sorted(map(str, [x6, x6, x6 if dtype == "float32" else None])), found
+  dx, dw = jax.grad(loss, argnums=(0, 1))(x, w)
+  x64, w64 = np.asarray(x.astype(jnp.float32), np.float64), np.asarray(w, np.float64)
+  assert dx.dtype == x.dtype and dw.dtype == jnp.float32
+  assert_close(dw, x64.T @ g, 1e-5, "dW_r")
+  assert_close(dx.astype(jnp.float32), g @ w64.T, 1e-5 if dtype == "float32" else 1e-2, "dx")
+  assert_close(sj.router_logits(x, w), x64 @ w64, 1e-5, "logits")
+
+
+def test_router_logits_jitter_gradient_is_the_product_rule():
+  """With jitter the product's input is x * u: dx = u * (g W^T), in x's dtype."""
+  rng = np.random.default_rng(seed_of("router_jitter_grad"))
+  x, w, g = jnp.asarray(rand(rng, (32, 16))), jnp.asarray(rand(rng, (16, 4))), rand(rng, (32, 4))
+  key, eps = jax.random.key(3), 0.1
+  dx = jax.grad(lambda x: jnp.sum(sj.router_logits(x, w, jitter_eps=eps, rng=key) * g))(x)
+  u = np.asarray(jax.random.uniform(key, x.shape, jnp.float32, 1.0 - eps, 1.0 + eps), np.float64)
+  assert_close(dx, u * (g @ np.asarray(w, np.float64).T), 1e-5, "dx with jitter")
