@@ -3,7 +3,8 @@
 Times each of the six kernels of the fused expert MLP alone (gmm_act, gmm, gmm_dact, two tgmm,
 the transposed gmm), then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's
 activation), the balanced batched-matmul MLP (XLA, E equal groups) and a dense FFN of the same
-FLOPs (cuBLAS and XLA's GELU: what dense-XS runs). The timer is tune_gmm.timeit (median over
+FLOPs (cuBLAS and XLA's GELU: what dense-XS runs); each MLP returns y beside its gradients, so all
+six products run (`fwd_bwd`: until 2026-11-25 these rows timed five). The timer is tune_gmm.timeit (median over
 repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows only. The fused MLP's
 output is checked against the float32 reference (real rows) and its three gradients against the
 unfused path's; the balanced and dense peers are the same FLOPs on other data (plain XLA, bf16 in
@@ -65,6 +66,18 @@ CONFIG_SETS = {
 }
 
 
+def fwd_bwd(f, ct):
+  """(y, d<y, ct>/d args) of y = f(*args): y is returned beside the gradients. A jax.grad of
+  sum(y * ct) never needs y, so XLA drops the forward's last product as dead code and an "MLP
+  fwd+bwd" so timed runs five of its six products (as this script's MLP rows did until
+  2026-11-25). The barrier starts the backward after the forward, as in training."""
+  def run(*args):
+    y, vjp = jax.vjp(f, *args)
+    y, c = jax.lax.optimization_barrier((y, ct.astype(y.dtype)))
+    return y, vjp(c)
+  return run
+
+
 @contextlib.contextmanager
 def config_set(name: str):
   """mosaic.DEFAULT_CONFIGS with CONFIG_SETS[name] while the kernels are traced, then as it was."""
@@ -116,13 +129,11 @@ def config_set_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dic
   res["sum of the six kernels"] = dict(ms=sum(r["ms"] for r in res.values()))
 
   def mlp_grad(activation):
-    loss = lambda a, wi, wo: jnp.sum(
-        expert_mlp(a, wi, wo, topo, activation=activation, backend="mosaic").astype(jnp.float32) * dy)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(fwd_bwd(lambda a, wi, wo: expert_mlp(a, wi, wo, topo, activation=activation, backend="mosaic"), dy))
 
-  fused = rec("expert_mlp fused fwd+bwd", mlp_grad(act), (x, w_in, w_out), 6 * flops)
+  _, fused = rec("expert_mlp fused fwd+bwd", mlp_grad(act), (x, w_in, w_out), 6 * flops)
   # A lambda is not in mlp.FUSED: op.gmm products with XLA's activation between them.
-  unfused = rec("expert_mlp unfused fwd+bwd", mlp_grad(lambda v: jax.nn.gelu(v)), (x, w_in, w_out), 6 * flops)
+  _, unfused = rec("expert_mlp unfused fwd+bwd", mlp_grad(lambda v: jax.nn.gelu(v)), (x, w_in, w_out), 6 * flops)
   on_real = lambda v: jnp.where(real, v, 0)
   y_ref = jax.jit(lambda a, wi, wo: mlp_reference(a, wi, wo, topo, act))(x, w_in, w_out)
   res["fused_y_vs_reference_rel_err"] = rel_err(on_real(y), on_real(y_ref))
@@ -135,16 +146,15 @@ def config_set_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dic
   if not peers:
     return res, fused
   xb, dyb = x[:n].reshape(e, n // e, d), dy[:n].reshape(e, n // e, d)
-  bal = lambda a, wi, wo: jnp.sum(
-      jnp.einsum("ecf,efd->ecd", act(jnp.einsum("ecd,edf->ecf", a, wi)), wo).astype(jnp.float32) * dyb)
-  dense = lambda a, wi, wo: jnp.sum((act(a @ wi) @ wo).astype(jnp.float32) * dy[:n])
+  bal = fwd_bwd(lambda a, wi, wo: jnp.einsum("ecf,efd->ecd", act(jnp.einsum("ecd,edf->ecf", a, wi)), wo), dyb)
+  dense = fwd_bwd(lambda a, wi, wo: act(a @ wi) @ wo, dy[:n])
   f32 = lambda args: tuple(a.astype(jnp.float32) for a in args)
   for name, fn, args in (("balanced bmm MLP fwd+bwd", bal, (xb, w_in, w_out)),
                          ("dense FFN fwd+bwd (cuBLAS, XLA GELU)", dense, (x[:n], w_in[0], w_out[0]))):
-    grad = jax.jit(jax.grad(fn, argnums=(0, 1, 2)))
-    got = rec(name, grad, args, 6 * flops)
+    grad = jax.jit(fn)
+    _, got = rec(name, grad, args, 6 * flops)
     # Each peer's three gradients against the same function on float32 operands.
-    res[name]["grad_vs_float32_rel_err"] = [rel_err(g, w) for g, w in zip(got, grad(*f32(args)), strict=True)]
+    res[name]["grad_vs_float32_rel_err"] = [rel_err(g, w) for g, w in zip(got, grad(*f32(args))[1], strict=True)]
     print(f"{shape} {name} dx, dW_in, dW_out vs float32 rel err "
           f"{', '.join(f'{v:.1e}' for v in res[name]['grad_vs_float32_rel_err'])}", flush=True)
   return res, fused
@@ -178,9 +188,8 @@ def ab(shape: str, config_sets, rounds: int, names=AB_KERNELS) -> dict:
              "tgmm h^T dY": (tg, (h, dy)),
              "tgmm x^T dpre": (tg, (x, dpre)),
              "gmm_t dX": (lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype), (dpre, w_in)),
-             "expert_mlp fwd+bwd": (jax.grad(lambda a, wi, wo: jnp.sum(
-                 expert_mlp(a, wi, wo, topo, activation=act, backend="mosaic").astype(jnp.float32) * dy),
-                 argnums=(0, 1, 2)), (x, w_in, w_out))}
+             "expert_mlp fwd+bwd": (fwd_bwd(lambda a, wi, wo: expert_mlp(
+                 a, wi, wo, topo, activation=act, backend="mosaic"), dy), (x, w_in, w_out))}
     return {k: every[k] for k in names}
 
   compiled, outs, programs = {}, {}, {}

@@ -190,3 +190,23 @@ def test_router_precision_bench_checks_every_variant_against_float64(tmp_path):
   assert all(r["ms"] > 0 and r["err_logits"] < 1e-5 and r["err_dw"] < 1e-5 for r in timed)
   saved = json.loads(next(tmp_path.glob("router_precision_*.json")).read_text())
   assert len(saved["records"]) == len(records)
+
+
+def test_expert_mlp_parts_times_all_six_products():
+  """The parts bench's MLP fwd+bwd returns y with the gradients: a jax.grad of sum(y * ct) lets XLA
+  drop the forward's last product as dead code (five of six products timed, as until 2026-11-25)."""
+  import re
+
+  import bench_expert_mlp_parts as parts
+  import jax
+  import jax.numpy as jnp
+
+  f = lambda a, w1, w2: jnp.tanh(a @ w1) @ w2
+  a, w1, w2, ct = jnp.ones((8, 4)), jnp.ones((4, 6)), jnp.ones((6, 4)), jnp.ones((8, 4))
+
+  def dots(fn):
+    return len(re.findall(r"\bdot\(", jax.jit(fn).lower(a, w1, w2).compile().as_text()))
+
+  assert dots(jax.grad(lambda *x: jnp.sum(f(*x) * ct), argnums=(0, 1, 2))) == 5  # what the old timing ran
+  y, grads = jax.jit(parts.fwd_bwd(f, ct))(a, w1, w2)
+  assert dots(parts.fwd_bwd(f, ct)) == 6 and y.shape == (8, 4) and len(grads) == 3
