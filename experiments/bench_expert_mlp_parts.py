@@ -53,8 +53,10 @@ CONFIG_SETS = {
     # Every gmm kind in planar_snake order over all row blocks (before expert_band_order).
     "planar": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), expert_bands=False) for k in GMM_KINDS},
     "epilogue_wg": mosaic_epilogue.CONFIGS,
-    # gmm_act alone with the epilogue warpgroup: it was 4-5% faster at K = 2048, where gmm_dact lost 17%.
+    # gmm_act alone with the epilogue warpgroup at every row count (the default takes it from
+    # LONG_ROWS rows an expert: Configs.gmm_act_long), and the cooperative kernel at every count.
     "epilogue_wg_act": dict(gmm_act=mosaic_epilogue.CONFIGS["gmm_act"]),
+    "cooperative_act": dict(gmm_act_long=mosaic.DEFAULT_CONFIGS.gmm_act),
     # tgmm's schedules: the per-tile pipeline (a 4-deep ring, 2 store slots of 32 columns), the
     # ping-pong one (mosaic_pingpong.py), one ring for all of a CTA's tiles (_tgmm_streamed: 3
     # deep, a consumer's whole tile staged for its stores; or 4 deep and 2 slots; or 64-wide slots).

@@ -45,8 +45,8 @@ def main(argv=None):
   topo = on["topo"]
   act = jax.nn.gelu
   d = None if args.smoke else mosaic.DEFAULT_CONFIGS  # the smoke run takes the interpreter's tiles
-  wide_act = None if args.smoke else dataclasses.replace(
-      d, gmm_act=C(tile_n=256, max_concurrent_steps=4, epi_tile_n=32, epi_slots=4, grid_tile_width=8))
+  wide = C(tile_n=256, max_concurrent_steps=4, epi_tile_n=32, epi_slots=4, grid_tile_width=8)
+  wide_act = None if args.smoke else dataclasses.replace(d, gmm_act=wide, gmm_act_long=wide)
   kernels = [  # (name, function of arrays, its arrays): arguments, not constants captured by jit
       ("gmm_act x W_in (default: 128-wide tiles)", lambda a, b: mosaic.gmm_act(a, b, topo, act, d), ("x", "w_in")),
       ("gmm_act x W_in (256-wide tiles)", lambda a, b: mosaic.gmm_act(a, b, topo, act, wide_act), ("x", "w_in")),

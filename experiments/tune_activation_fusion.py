@@ -65,7 +65,7 @@ def shape_results(name):
                              x, w_in)}
   _variant(r, "gmm_act", jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, GELU)), (x, w_in), h, lambda o: o[1])
   for c in GMM_ACT_CONFIGS:
-    cf = mosaic.Configs(gmm_act=c)
+    cf = mosaic.Configs(gmm_act=c, gmm_act_long=c)  # c at every rows-per-expert count
     _variant(r, _tag("gmm_act", c), jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, GELU, configs=cf)),
              (x, w_in), h, lambda o: o[1])
   for c in GMM_CONFIGS:

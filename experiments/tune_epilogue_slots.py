@@ -23,15 +23,23 @@ R = dataclasses.replace
 # Variants change the current defaults. results/epilogue_slots_H100.log was measured when gmm_act's
 # default was 256-wide N tiles with 4 epilogue slots of 32 columns (now 128-wide, 6 stages).
 BASE = mosaic.Configs()
+
+
+def act(**changes) -> dict:
+  """gmm_act's tiles changed for every row count (gmm_act_long serves experts of LONG_ROWS rows or more)."""
+  cfg = R(BASE.gmm_act, **changes)
+  return dict(gmm_act=cfg, gmm_act_long=cfg)
+
+
 VARIANTS = {
     "default": BASE,
     "gmm s3e64x4": R(BASE, gmm=R(BASE.gmm, max_concurrent_steps=3, epi_slots=4)),
     "gmm s4e32x4": R(BASE, gmm=R(BASE.gmm, epi_tile_n=32, epi_slots=4)),
-    "act s3e64x4": R(BASE, gmm_act=R(BASE.gmm_act, max_concurrent_steps=3, epi_tile_n=64, epi_slots=4)),
-    "act s3e32x8": R(BASE, gmm_act=R(BASE.gmm_act, max_concurrent_steps=3, epi_tile_n=32, epi_slots=8)),
-    "act s2e64x8": R(BASE, gmm_act=R(BASE.gmm_act, max_concurrent_steps=2, epi_tile_n=64, epi_slots=8)),
+    "act s3e64x4": R(BASE, **act(max_concurrent_steps=3, epi_tile_n=64, epi_slots=4)),
+    "act s3e32x8": R(BASE, **act(max_concurrent_steps=3, epi_tile_n=32, epi_slots=8)),
+    "act s2e64x8": R(BASE, **act(max_concurrent_steps=2, epi_tile_n=64, epi_slots=8)),
     "both s3 x4": R(BASE, gmm=R(BASE.gmm, max_concurrent_steps=3, epi_slots=4),
-                    gmm_act=R(BASE.gmm_act, max_concurrent_steps=3, epi_tile_n=64, epi_slots=4)),
+                    **act(max_concurrent_steps=3, epi_tile_n=64, epi_slots=4)),
     "gmm_t s3e64x4": R(BASE, gmm_t=R(BASE.gmm_t, max_concurrent_steps=3, epi_slots=4)),
 }
 

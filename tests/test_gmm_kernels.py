@@ -458,3 +458,24 @@ def test_gmm_rejects_mismatched_topology():
     G.gmm(jnp.zeros((100, 16)), jnp.zeros((2, 16, 16)), topo)
   with pytest.raises(ValueError, match="experts"):
     G.gmm(jnp.zeros((topo.num_row_blocks * 128, 16)), jnp.zeros((3, 16, 16)), topo)
+
+
+@pytest.mark.parametrize("rows_per_expert,epilogue_wg", [(1152, False), (2176, True)])
+def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatch, rows_per_expert, epilogue_wg):
+  """gmm_act runs mosaic_epilogue's kernel (Configs.gmm_act_long) when experts average LONG_ROWS rows
+  or more, the cooperative kernel below; gmm_dact and the plain gmm never take it."""
+  seen = []
+  fake = lambda kernel: lambda lhs, weights, *a, cfg, **k: seen.append((kernel, cfg)) or (
+      jnp.zeros((lhs.shape[0], weights[0].shape[2]), lhs.dtype),) * 2
+  monkeypatch.setattr(mosaic, "_gmm_padded", fake("cooperative"))
+  monkeypatch.setattr(mosaic_epilogue, "gmm_padded", fake("epilogue_wg"))
+  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
+  lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
+  w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+  configs = mosaic.DEFAULT_CONFIGS
+  want = configs.gmm_act_long if epilogue_wg else configs.gmm_act
+  assert configs.gmm_for("gmm_act", lhs.shape[0], 2) == want
+  assert configs.gmm_for("gmm_dact", lhs.shape[0], 2) == configs.gmm_dact
+  assert configs.gmm_for("gmm", lhs.shape[0], 2) == configs.gmm
+  mosaic.gmm_act(lhs, w, topo, jax.nn.gelu, configs)
+  assert seen[0][0] == ("epilogue_wg" if epilogue_wg else "cooperative") and seen[0][1].epilogue_wg == epilogue_wg

@@ -152,6 +152,16 @@ def test_mosaic_epilogue_warpgroup_compiled_matches_reference(monkeypatch, act, 
   _check_expert_mlp_compiled("mosaic", act, shape, glu=False)
 
 
+@pytest.mark.parametrize("act", ["gelu", "silu"] if HOPPER else [])
+def test_expert_mlp_compiled_with_long_experts(act):
+  """Experts of LONG_ROWS rows or more: the defaults run gmm_act with the epilogue warpgroup
+  (Configs.gmm_act_long) and tgmm_long, through the expert MLP."""
+  shape = (8192, 256, 384, 2, 1, 0.0)
+  topo, _ = routed_topology(jax.random.key(0), *shape[:1], *shape[3:])
+  assert mosaic.DEFAULT_CONFIGS.gmm_for("gmm_act", topo.num_row_blocks * 128, topo.num_experts).epilogue_wg
+  _check_expert_mlp_compiled("mosaic", act, shape, glu=False)
+
+
 # tgmm's schedules: the per-tile pipeline, the ping-pong one (mosaic_pingpong.py), one ring for all
 # of a CTA's tiles with each consumer's whole tile staged for its stores (_tgmm_streamed).
 TGMM_SCHEDULES = {"per_tile": dict(streamed=False, pingpong=False),

@@ -33,8 +33,9 @@ stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows
 The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tanh or division),
 compiled with approximate math: a special-function instruction each, within a few float32 ulps.
 Config(epilogue_wg=True) runs gmm_act / gmm_dact from mosaic_epilogue.py instead, where a fourth
-warpgroup does the epilogue while the consumers go on to the next tile (opt-in: no faster in the
-expert MLP). tgmm has three schedules: a pipeline per output tile (_tgmm_padded, the default), one
+warpgroup does the epilogue while the consumers go on to the next tile: Configs.gmm_act_long, which
+gmm_for picks for gmm_act when experts average LONG_ROWS rows or more (there gmm_act ran 5-14%
+faster; gmm_dact's form lost 17% everywhere and stays opt-in). tgmm has three schedules: a pipeline per output tile (_tgmm_padded, the default), one
 TMA ring over all of a CTA's tiles (Config(streamed=True), _tgmm_streamed; opt-in, within the
 spread in the MLP), and ping-pong (Config(pingpong=True), mosaic_pingpong.py: each consumer owns
 whole 128 x tile_n tiles and the two alternate, so one's epilogue runs under the other's wgmmas),
@@ -111,6 +112,14 @@ class Configs:
   # tokens / E64 top-1; experiments/results/act_kernels_sweep_H100.log).
   gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8,
                            expert_bands=True)
+  # gmm_act when experts average LONG_ROWS rows or more: the epilogue in a fourth warpgroup
+  # (mosaic_epilogue.py) while the consumers go on to the next tile. In interleaved A/B rounds on an
+  # H100 gmm_act ran 11-14% faster at MoE-XS's 128 x 1024 tokens (2,048 rows an expert) and 5-13%
+  # at E8 top-2 (4,224), the MLP 0-3% faster; at 1,088 rows (E64 top-8) it tied, at 320 (E64 top-1)
+  # it lost 0-2% (experiments/results/expert_mlp_ab_epilogue_wg_act*_H100.log). Its gmm_dact
+  # counterpart lost 17% at every length, so gmm_dact keeps the cooperative kernel.
+  gmm_act_long: Config = Config(epilogue_wg=True, tile_n=128, max_concurrent_steps=4, epi_tile_n=64,
+                                grid_tile_width=8)
   # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
   # tile beside a 5-deep ring.
   gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8,
@@ -144,6 +153,13 @@ class Configs:
       return self.tgmm_long
     return self.tgmm_short if rows < SHORT_ROWS * num_experts else self.tgmm
 
+  def gmm_for(self, kind: str, rows: int, num_experts: int) -> Config:
+    """The config of gmm kernel `kind` (a field name) for `rows` padded rows over `num_experts`
+    experts: gmm_act_long for gmm_act at LONG_ROWS rows an expert or more, else the kind's own."""
+    if kind == "gmm_act" and rows >= LONG_ROWS * num_experts:
+      return self.gmm_act_long
+    return getattr(self, kind)
+
 
 LONG_ROWS = 2048
 SHORT_ROWS = 512
@@ -163,6 +179,9 @@ INTERPRET_CONFIGS = Configs(
     gmm=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
     gmm_t=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
     gmm_act=Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
+    # As gmm_act: no CPU test has LONG_ROWS rows an expert, and the epilogue-warpgroup kernel has
+    # its own tests (test_mosaic_epilogue_warpgroup_*).
+    gmm_act_long=Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
     gmm_dact=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32),
     gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
     gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
@@ -523,10 +542,9 @@ def _load_wgmma(ref):
   return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)  # jax 0.10 takes the index separately
 
 
-def _gmm_config(lhs, n, topo, kind, out_dtype, configs, num_w=1, pre=()):
-  """The fitted config of one gmm call; kind names its Configs field; num_w weights share each
-  lhs tile (GLU: 2); pre: the backward epilogue's extra tiles."""
-  cfg = getattr(_configs(configs), kind)
+def _gmm_config(lhs, n, topo, cfg, out_dtype, num_w=1, pre=()):
+  """cfg fitted to one gmm call; num_w weights share each lhs tile (GLU: 2); pre: the backward
+  epilogue's extra tiles."""
   k = lhs.shape[1]
   size, out_size = jnp.dtype(lhs.dtype).itemsize, jnp.dtype(out_dtype).itemsize
   block_m = topo.block_size
@@ -541,18 +559,18 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
-  if getattr(_configs(configs), kind).pingpong:
+  base = _configs(configs).gmm_for(kind, lhs.shape[0], topo.num_experts)
+  if base.pingpong:
     raise ValueError(f"Config.pingpong serves tgmm only; got it for {kind}")
-  if getattr(_configs(configs), kind).epilogue_wg:
+  if base.epilogue_wg:
     from sparsejax.kernels.gmm import mosaic_epilogue
 
     if kind not in ("gmm_act", "gmm_dact"):
       raise ValueError(f"Config.epilogue_wg serves gmm_act and gmm_dact; got it for {kind}")
-    cfg, n_buf = mosaic_epilogue.fit(getattr(_configs(configs), kind), lhs.shape[1], n,
-                                     topo.block_size, len(pre))
+    cfg, n_buf = mosaic_epilogue.fit(base, lhs.shape[1], n, topo.block_size, len(pre))
     padded = functools.partial(mosaic_epilogue.gmm_padded, n_buf=n_buf)
   else:
-    cfg = _gmm_config(lhs, n, topo, kind, out_dtype, configs, len(weights), pre)
+    cfg = _gmm_config(lhs, n, topo, base, out_dtype, len(weights), pre)
     padded = _gmm_padded
     if cfg.expert_bands:
       if cfg.grid_minor_dim != M_DIM:
