@@ -7,6 +7,7 @@ tgmm in both tile orders and on the ping-pong schedule) on shapes that cross sev
 by the Triton backend. tests_gpu/ runs the same kernels compiled, at full size.
 """
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -69,20 +70,25 @@ def _operands(groups, dtype, k, n, seed):
           jax.random.normal(keys[2], (e, n, k), dtype), jax.random.normal(keys[3], (rows, n), dtype))
 
 
+@jax.jit
+def _triton_products(lhs, rhs, rhs_t, dout, topo):
+  """gmm, the transposed gmm and tgmm on the Triton backend: one program, not op by op."""
+  return (G.gmm(lhs, rhs, topo, backend="triton"), G.gmm(lhs, rhs_t, topo, transpose_rhs=True, backend="triton"),
+          G.tgmm(lhs, dout, topo, backend="triton"))
+
+
 @pytest.mark.parametrize("groups", GROUPS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("k,n", [(32, 48), (300, 330)])  # one tile; several K and N tiles
 def test_triton_kernels_match_reference(groups, dtype, k, n):
   topo, lhs, rhs, rhs_t, dout = _operands(groups, dtype, k, n, hash((tuple(groups), k)) % 2**31)
   rows = lhs.shape[0]
-  out = G.gmm(lhs, rhs, topo, backend="triton")
+  out, out_t, dw = _triton_products(lhs, rhs, rhs_t, dout, topo)
   assert out.dtype == dtype and out.shape == (rows, n)
   check_rows(out, G.gmm_reference(lhs, rhs, topo), topo, TOL[dtype])
   # Beyond the shared contract, the Triton kernels write zeros in inactive blocks too (triton.py).
   assert np.all(np.asarray(out)[~np.asarray(G.reference.real_rows(topo))] == 0)
-  out_t = G.gmm(lhs, rhs_t, topo, transpose_rhs=True, backend="triton")
   check_rows(out_t, G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[dtype])
-  dw = G.tgmm(lhs, dout, topo, backend="triton")
   assert dw.shape == (len(groups), k, n)
   assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[dtype]
   empty = [i for i, g in enumerate(groups) if g == 0]
@@ -107,18 +113,46 @@ def _check_fused_expert_mlp(groups, activation, glu, seed):
   fused = lambda a, *ws: G.expert_mlp(a, ws[-2], ws[-1], topo, activation=activation, backend="mosaic",
                                       w_gate=gate(ws))
   ref = lambda a, *ws: G.mlp_reference(a, ws[-2], ws[-1], topo, activation, w_gate=gate(ws))
+
+  def ref_value_and_grads(*a):
+    y, vjp = jax.vjp(ref, *a)
+    return y, vjp(ct)
+
+  # The reference as one jitted program, finished before the kernels start: op by op, beside the
+  # interpreted kernels, it queued dozens of small computations on the device they run on.
+  y_ref, g_ref = jax.block_until_ready(jax.jit(ref_value_and_grads)(*args))
   # One forward serves the values and the gradients (interpreting a kernel is the test's cost).
   y, vjp = jax.vjp(fused, *args)
   assert y.dtype == jnp.bfloat16
-  check_rows(y, ref(*args), topo, TOL[jnp.bfloat16])
+  check_rows(y, y_ref, topo, TOL[jnp.bfloat16])
   g = vjp(ct)
-  g_ref = jax.vjp(ref, *args)[1](ct)
   assert all(a.dtype == jnp.bfloat16 for a in g)
   check_rows(g[0], g_ref[0], topo, TOL[jnp.bfloat16])
   for a, b in zip(g[1:], g_ref[1:], strict=True):
     assert rel_err(a, b) < TOL[jnp.bfloat16]
   empty = groups.index(0)
   assert all(np.all(np.asarray(w)[empty] == 0) for w in g[1:])
+
+
+def _by_reference(monkeypatch, *kernels):
+  """Sends expert_mlp's calls of mosaic's `kernels` ("gmm": plain and transposed; "tgmm") to their
+  references, in a test of the other kernels. Those keep their configs there, on which the fused
+  MLP tests (and tgmm's own) interpret them already; interpreting them again was half of such a
+  test's time. The kernels under test still feed every value and gradient the test checks."""
+  # Each jitted, so that a call is one computation, not a queue of small ones.
+  @functools.partial(jax.jit, static_argnums=3)
+  def tgmm(lhs, dout, topo, out_dtype):
+    # Only the real rows, as the kernel reads them: the rows of inactive blocks are unwritten (NaN
+    # in the interpreter), and the reference's einsum would carry them as NaN * 0.
+    real = G.reference.real_rows(topo)[:, None]
+    return G.tgmm_reference(jnp.where(real, lhs, 0), jnp.where(real, dout, 0), topo, out_dtype)
+
+  gmm = jax.jit(G.gmm_reference, static_argnums=(3, 4))
+  refs = {"gmm": lambda lhs, rhs, topo, transpose_rhs, out_dtype, configs=None: gmm(
+              lhs, rhs, topo, transpose_rhs, jnp.dtype(out_dtype)),
+          "tgmm": lambda lhs, dout, topo, out_dtype, configs=None: tgmm(lhs, dout, topo, jnp.dtype(out_dtype))}
+  for kernel in kernels:
+    monkeypatch.setattr(mosaic, kernel, refs[kernel])
 
 
 def test_mosaic_fused_expert_mlp_matches_reference():
@@ -155,6 +189,7 @@ def test_mosaic_epilogue_warpgroup_matches_reference(monkeypatch, activation):
   two staging buffers wrap across tiles; an empty expert, a block with rows in its first 64-row
   half only, and an inactive spare block."""
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", _interpret_epilogue_configs())
+  _by_reference(monkeypatch, "gmm", "tgmm")
   _check_fused_expert_mlp([130, 0, 70], activation, glu=False, seed=14)
 
 
@@ -247,6 +282,7 @@ def test_mosaic_expert_mlp_in_expert_band_order(monkeypatch, glu):
   with bands of 2 row blocks so that the expert of 3 blocks makes two bands (the second reversed),
   through the expert MLP's custom_vjp against the float32 reference."""
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", _with_expert_bands(mosaic.INTERPRET_CONFIGS, width=2))
+  _by_reference(monkeypatch, "tgmm")  # no gmm kind: tgmm walks its own order
   _check_fused_expert_mlp([300, 0, 70], jax.nn.silu if glu else jax.nn.gelu, glu=glu, seed=15 + glu)
 
 
@@ -414,16 +450,20 @@ def test_grouped_matmul_pallas_has_ragged_dot_semantics(group_sizes, m, dtype):
   gs = jnp.asarray(group_sizes, jnp.int32)
   lhs = jax.random.normal(keys[0], (m, 24), dtype)  # K=24: exercises padding to the tile
   rhs = jax.random.normal(keys[1], (len(group_sizes), 24, 40), dtype)
-  out = sj.grouped_matmul(lhs, rhs, gs, impl="triton")
-  ref = sj.grouped_matmul(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, impl="reference")
+  ct = jax.random.normal(keys[2], (m, 40))
+
+  def run(impl):  # the product and its gradients, one jitted program each (not op by op)
+    def loss(a, b):
+      out = sj.grouped_matmul(a, b, gs, impl=impl)
+      return jnp.sum(out.astype(jnp.float32) * ct), out
+    return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+
+  g, out = run("triton")(lhs, rhs)
+  g_ref, ref = run("reference")(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
   assert out.dtype == dtype
   assert rel_err(out, ref) < TOL[dtype]
   tail = int(gs.sum())
   assert np.all(np.asarray(out[tail:]) == 0)  # rows past the groups are zero
-  ct = jax.random.normal(keys[2], (m, 40))
-  loss = lambda impl: lambda a, b: jnp.sum(sj.grouped_matmul(a, b, gs, impl=impl).astype(jnp.float32) * ct)
-  g = jax.grad(loss("triton"), argnums=(0, 1))(lhs, rhs)
-  g_ref = jax.grad(loss("reference"), argnums=(0, 1))(lhs.astype(jnp.float32), rhs.astype(jnp.float32))
   for a, b in zip(g, g_ref):
     assert rel_err(a, b) < TOL[dtype]
 

@@ -72,13 +72,15 @@ def _single(x, ids, cw, w_in, w_out, w_gate, *, capacity_factor=None, shards=1):
 def _jitted_value_and_grads(layer):
   """jit(value and gradients of <layer(...), g>), cached so that cases of one shape compile once."""
   def loss(x, cw, w_in, w_out, w_gate, ids, g):
-    return jnp.sum(layer(x, ids, cw, w_in, w_out, w_gate)[0] * g)
+    out = layer(x, ids, cw, w_in, w_out, w_gate)
+    return jnp.sum(out[0] * g), out
 
   @jax.jit
   def run(x, ids, cw, w_in, w_out, w_gate, g):
     argnums = (0, 1, 2, 3) if w_gate is None else (0, 1, 2, 3, 4)
-    grads = jax.grad(loss, argnums)(x, cw, w_in, w_out, w_gate, ids, g)
-    return layer(x, ids, cw, w_in, w_out, w_gate), grads
+    # The layer's outputs ride along as aux: one trace of it serves the values and the gradients.
+    grads, out = jax.grad(loss, argnums, has_aux=True)(x, cw, w_in, w_out, w_gate, ids, g)
+    return out, grads
   return run
 
 
@@ -216,21 +218,25 @@ def test_pallas_kernels_inside_shard_map():
 
 
 def test_token_chunks_match_single_device():
-  # Each device's 8 tokens in chunks with their own placement, exchange and products.
-  chunked = ExpertParallelConfig(token_chunks=2)
+  # Each device's 8 tokens in chunks with their own placement, exchange and products. Four where
+  # the layer compiles one branch, two under the overflow fallback, whose cond compiles both (the
+  # chunks are unrolled, so a compile grows with their number).
+  chunked = ExpertParallelConfig(token_chunks=4)
   for kind in KINDS:
     _check_matches(meshlib.make_expert_mesh(2, 4), _problem(kind), config=chunked)
   # A small buffer that overflows: the exact fallback runs chunk by chunk too; and the ragged exchange.
   x, _, cw, w_in, w_out, _, g = _problem()
   ids = _ids_moe_mlp_accepts()["all_zero"]
   _, stats = _check_matches(meshlib.make_expert_mesh(1, 8), (x, ids, cw, w_in, w_out, None, g),
-                            config=ExpertParallelConfig(token_chunks=4, buffer_factor=1.0))
+                            config=ExpertParallelConfig(token_chunks=2, buffer_factor=1.0))
   assert int(stats.exchange_overflow) > 0 and int(stats.num_dropped) == 0
   _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed"),
                  config=ExpertParallelConfig(token_chunks=2, exchange="ragged"))
-  # The GPU path (block-padded rows and the Pallas kernels, interpreted) chunk by chunk.
+  # The GPU path (block-padded rows and the Pallas kernels, interpreted) chunk by chunk, on the
+  # default buffer: a small one would overflow here and run this same worst-case branch, after
+  # compiling a second that never runs (test_pallas_kernels_inside_shard_map has the fallback).
   _check_matches(meshlib.make_expert_mesh(2, 4), _problem("skewed"), impl="pallas",
-                 config=ExpertParallelConfig(token_chunks=2, buffer_factor=1.0))
+                 config=ExpertParallelConfig(token_chunks=2))
 
 
 def test_bad_token_chunks_are_refused():
