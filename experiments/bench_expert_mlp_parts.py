@@ -33,6 +33,7 @@ import sys
 sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from peers.common import fwd_bwd  # noqa: E402  (y returned beside the gradients: all six products run)
 from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
 from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epilogue  # noqa: E402
@@ -66,18 +67,6 @@ CONFIG_SETS = {
     "tgmm_streamed_ring4": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=4, epi_slots=2),
     "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
 }
-
-
-def fwd_bwd(f, ct):
-  """(y, d<y, ct>/d args) of y = f(*args): y is returned beside the gradients. A jax.grad of
-  sum(y * ct) never needs y, so XLA drops the forward's last product as dead code and an "MLP
-  fwd+bwd" so timed runs five of its six products (as this script's MLP rows did until
-  2026-11-25). The barrier starts the backward after the forward, as in training."""
-  def run(*args):
-    y, vjp = jax.vjp(f, *args)
-    y, c = jax.lax.optimization_barrier((y, ct.astype(y.dtype)))
-    return y, vjp(c)
-  return run
 
 
 @contextlib.contextmanager

@@ -7,7 +7,7 @@ cotangent g: the three products a training step runs for the router. Each varian
 MoE benchmark's timer (peers.common.Timer) and checked against float64 on the host:
 
 - `default`: precision None. A GPU reads float32 operands as TF32 (10-bit mantissas).
-- `highest`: Precision.HIGHEST, what `routing.router_logits` asks for: full float32.
+- `highest`: Precision.HIGHEST, full float32 on the float32 cores (what router_logits asked for before).
 - `tf32_x3`, `bf16_x6`, `bf16_x3`: jax.lax.DotAlgorithmPreset, float32 products split into several
   tensor-core passes (3 TF32, 6 or 3 bf16). A backend without the algorithm is reported, not timed.
 - `sparsejax`: `routing.router_logits` (six bf16 passes for the logits and dW_r; x's gradient, rounded

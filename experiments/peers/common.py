@@ -179,26 +179,32 @@ class Case:
   info: dict = dataclasses.field(default_factory=dict)
 
 
+def fwd_bwd(f: Callable, ct) -> Callable:
+  """args -> (y, d<y, ct>/d args) for y = f(*args): y is returned beside the gradients. A jax.grad
+  of sum(y * ct) never needs y, so XLA would drop the forward's last product as dead code and skip
+  a sixth of the FLOPs that torch's backward pass runs. In training the cotangent comes from y
+  (through the layers above), so the backward starts after the forward: without the barrier XLA
+  may start dY W_out^T first and merge the forward and backward activation passes into one,
+  which no training step can do."""
+  def run(*args):
+    y, vjp = jax.vjp(f, *args)
+    y, c = jax.lax.optimization_barrier((y, ct.astype(y.dtype)))
+    return y, vjp(c)
+  return run
+
+
 def jax_case(variant: str, f: Callable, args: tuple, ct, useful_rows: int, check_outputs: Callable,
              **info) -> Case:
   """A Case for a JAX function f(rows, *rest, w_in, w_out) differentiated in rows, w_in and w_out.
 
   check_outputs(y, (d_rows, d_w_in, d_w_out)) -> record entries (maps the variant's layout back).
-  The forward+backward is jax.vjp with the fixed cotangent ct (no extra loss reduction). It
-  returns y with the gradients: were y dropped, XLA would remove the second product's forward as
-  dead code, and the JAX variants would skip a sixth of the FLOPs that torch's backward pass runs.
-  The cotangent is released only once y exists, as in training."""
+  The forward+backward is fwd_bwd with the fixed cotangent ct (no extra loss reduction)."""
   rows, *rest, w_in, w_out = args
   rest = tuple(rest)  # layout operands (group sizes, topology): jit arguments, not constants
   fwd = jax.jit(f)
 
   def fwdbwd(rows, rest, w_in, w_out, ct):
-    y, vjp = jax.vjp(lambda r, wi, wo: f(r, *rest, wi, wo), rows, w_in, w_out)
-    # In training the cotangent comes from y (through the layers above), so the backward starts
-    # after the forward. Without this barrier XLA may start dY W_out^T first and merge the forward
-    # and backward activation passes into one, which no training step can do.
-    y, ct = jax.lax.optimization_barrier((y, ct))
-    return y, vjp(ct)
+    return fwd_bwd(lambda r, wi, wo: f(r, *rest, wi, wo), ct)(rows, w_in, w_out)
 
   fb = jax.jit(fwdbwd)
 

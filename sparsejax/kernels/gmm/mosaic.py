@@ -175,13 +175,14 @@ DEFAULT_CONFIGS = Configs()
 # ("'TransposeTransform' object has no attribute 'indices'"). Interpreting costs about a second a
 # pipeline step on two CPU cores, so deep K steps and two-deep rings keep the tests affordable.
 # Read at call time, as DEFAULT_CONFIGS.
+_INTERPRET_ACT = Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4)
 INTERPRET_CONFIGS = Configs(
     gmm=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
     gmm_t=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
-    gmm_act=Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
+    gmm_act=_INTERPRET_ACT,
     # As gmm_act: no CPU test has LONG_ROWS rows an expert, and the epilogue-warpgroup kernel has
     # its own tests (test_mosaic_epilogue_warpgroup_*).
-    gmm_act_long=Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4),
+    gmm_act_long=_INTERPRET_ACT,
     gmm_dact=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32),
     gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
     gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
