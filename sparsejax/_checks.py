@@ -30,6 +30,16 @@ def check_same_dtype(**arrays) -> None:
     raise TypeError(f"dtypes must match ({listed}); cast them first.")
 
 
+def check_router(x, w_router) -> None:
+  """x [tokens, d_model] and w_router [d_model, experts], both floating, of one d_model."""
+  check_rank("x", x, 2, "[tokens, d_model]")
+  check_rank("w_router", w_router, 2, "[d_model, experts]")
+  check_floating("x", x)
+  check_floating("w_router", w_router)
+  if x.shape[1] != w_router.shape[0]:
+    raise ValueError(f"x has d_model={x.shape[1]} but w_router expects {w_router.shape[0]}.")
+
+
 def check_top_k(k, num_experts: int) -> None:
   if not isinstance(k, int) or isinstance(k, bool):
     raise TypeError(f"k must be a Python int; got {k!r}.")

@@ -255,16 +255,18 @@ def test_router_logits_bf16_inputs_compute_in_float32():
   assert_close(out, exact, 1e-5, "router logits")
 
 
+@pytest.mark.parametrize("tokens,experts", [(48, 8), (1, 8), (48, 1)])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_router_logits_ask_for_float32_accuracy_where_the_answer_is_float32(dtype):
+def test_router_logits_ask_for_float32_accuracy_where_the_answer_is_float32(dtype, tokens, experts):
   """A GPU reads a default-precision float32 dot as TF32 (~1e-3), which the CPU cannot show, so the
   jaxpr is read: the logits and dW_r ask for six bf16 passes (float32 accuracy); dx too for a float32
   x, while a bf16 x's gradient, rounded to bf16, keeps the default. Values and gradients against
-  float64, and dx in x's dtype."""
-  rng = np.random.default_rng(seed_of("router_precision", dtype))
-  x = jnp.asarray(rand(rng, (48, 64)), dtype)
-  w = jnp.asarray(rand(rng, (64, 8)))
-  g = rand(rng, (48, 8))
+  float64, and dx in x's dtype. One token and one expert are the shapes XLA:GPU rewrites out of a dot
+  (routing._matmul); run compiled on a GPU, these cases check that the padding keeps them accurate."""
+  rng = np.random.default_rng(seed_of("router_precision", dtype, str(tokens), str(experts)))
+  x = jnp.asarray(rand(rng, (tokens, 64)), dtype)
+  w = jnp.asarray(rand(rng, (64, experts)))
+  g = rand(rng, (tokens, experts))
   loss = lambda x, w: jnp.sum(sj.router_logits(x, w) * g)
   x6 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
   found = [p for _, p, _ in dot_precisions(jax.grad(loss, argnums=(0, 1)), x, w)]
