@@ -50,6 +50,24 @@ def test_greedy_cached_decoding_equals_full_forward(variant):
   assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
 
 
+def test_greedy_decoding_with_the_router_kernel_equals_full_forward(monkeypatch):
+  """The decode step's one-kernel router (forced here, in interpret mode; "auto" takes it on a GPU)
+  routes as the full forward's XLA router does: the same greedy tokens."""
+  from sparsejax import modules
+  from sparsejax.kernels.decode_router import decode_router
+  traced = []
+
+  def forced(*args, **kwargs):
+    traced.append(args[0].shape)
+    return decode_router(*args, **kwargs, impl="triton")
+
+  monkeypatch.setattr(modules, "decode_router", forced)
+  model = _model(1)
+  got = np.asarray(generate(model, PROMPTS, 6, temperature=0.0))
+  assert (len(PROMPTS), BASE.d_model) in traced  # the one-token decode step took the kernel
+  np.testing.assert_array_equal(got, greedy_by_full_forward(model, PROMPTS, 6))
+
+
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

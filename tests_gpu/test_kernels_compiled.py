@@ -4,7 +4,9 @@ Run on a GPU machine after any kernel change, and keep the log:
   JAX_PLATFORMS=cuda python -m pytest -q tests_gpu tests/test_gmm_kernels.py \
       2>&1 | tee experiments/results/gpu_tests_<gpu>.log
 (tests/test_gmm_kernels.py then runs compiled too: off the CPU the kernels are not interpreted;
-JAX_PLATFORMS overrides the CPU default that tests/conftest.py sets.)
+JAX_PLATFORMS overrides the CPU default that tests/conftest.py sets. The decode kernels' tests,
+tests/test_skinny_matmul.py, test_decode_attention.py and test_decode_router.py, run compiled the
+same way.)
 These need a GPU, so the CPU suite (tests/) does not collect them.
 """
 import dataclasses

@@ -1,0 +1,9 @@
+"""Top-k routing of a few tokens (decoding) in one kernel: logits, softmax and the k largest.
+
+op.py: the contract, its custom_vjp and the dispatch; reference.py: the library's routing functions,
+which the kernel is tested against; triton.py: the Pallas Triton kernel.
+"""
+from sparsejax.kernels.decode_router.op import IMPLS, decode_router, kernel_fits
+from sparsejax.kernels.decode_router.reference import decode_router_reference
+
+__all__ = ["IMPLS", "decode_router", "decode_router_reference", "kernel_fits"]

@@ -1,0 +1,84 @@
+"""decode_router: top-k routing of a few tokens in one kernel (a decode step's router).
+
+  p = softmax(float32(x) W_r); ids = the k largest p per token, largest first, the lower expert first
+  among equal p (top_k_small's order); weights = p[ids], divided by their sum when renormalize
+This is routing.top_k_routing(routing.router_logits(x, W_r), k, renormalize) without jitter: the ids
+equal it wherever no two probabilities are within the logits' float32 rounding of each other, and
+the weights agree to float32 rounding. Backends: "triton" (triton.py; off the GPU in interpret mode)
+and "xla" (reference.py); "auto" takes triton on a GPU for at most MAX_TOKENS tokens when the kernel
+fits (kernel_fits) and W_r splits over several programs or is one tile (the one-program form of a
+longer W_r is not measured faster than XLA). Differentiable in x and W_r through the weights: the
+cotangents are the reference's.
+NaN logits are not supported: their order is unspecified.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from sparsejax import _checks
+from sparsejax.kernels.decode_router import triton
+from sparsejax.kernels.decode_router.reference import decode_router_reference
+from sparsejax.top_k import MAX_PASSES_K
+
+IMPLS = ("auto", "triton", "xla")
+# One program per token reads all of W_r: past a decode batch, XLA's product over all tokens is cheaper.
+MAX_TOKENS = 64
+
+
+def kernel_fits(d_model: int, num_experts: int, k: int) -> bool:
+  """The kernel's shapes: E a power of two (Triton blocks), k <= MAX_PASSES_K, d_model a multiple of 16."""
+  return (num_experts & (num_experts - 1) == 0 and k <= MAX_PASSES_K
+          and triton.default_config(d_model, num_experts) is not None)
+
+
+def _check(x, w_router, k, impl):
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  _checks.check_router(x, w_router)
+  _checks.check_top_k(k, w_router.shape[1])
+  if impl == "triton" and not kernel_fits(x.shape[1], w_router.shape[1], k):
+    raise ValueError(f"impl='triton' needs a power-of-two expert count, k <= {MAX_PASSES_K} and d_model a "
+                     f"multiple of 16; got {w_router.shape[1]} experts, k={k}, d_model={x.shape[1]} "
+                     "(use impl='auto').")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _kernel(x, w_router, k, renormalize):
+  cfg = triton.default_config(x.shape[1], w_router.shape[1])
+  return triton.decode_router(x, w_router, k, renormalize, cfg, interpret=jax.default_backend() != "gpu")
+
+
+def _kernel_fwd(x, w_router, k, renormalize):
+  return _kernel(x, w_router, k, renormalize), (x, w_router)
+
+
+def _kernel_bwd(k, renormalize, res, g):
+  _, vjp = jax.vjp(lambda x, w: decode_router_reference(x, w, k, renormalize)[1], *res)
+  return vjp(g[1])
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+def decode_router(
+    x: Float[Array, "tokens d_model"],
+    w_router: Float[Array, "d_model experts"],
+    k: int,
+    *,
+    renormalize: bool | None = None,
+    impl: str = "auto",
+) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+  """(expert ids int32, combine weights float32) of the k largest softmax(x W_r) per token (module doc).
+  renormalize=None means "k > 1", as in routing.top_k_routing."""
+  _check(x, w_router, k, impl)
+  renormalize = k > 1 if renormalize is None else bool(renormalize)
+  cfg = triton.default_config(x.shape[1], w_router.shape[1])
+  fits = kernel_fits(x.shape[1], w_router.shape[1], k) and (cfg.splits > 1 or cfg.block_k == x.shape[1])
+  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits
+                          and x.shape[0] <= MAX_TOKENS):
+    return _kernel(x, w_router, k, renormalize)
+  return decode_router_reference(x, w_router, k, renormalize)

@@ -1,0 +1,134 @@
+"""decode_router as Pallas Triton kernels: a decode step's router in two kernels instead of XLA's six.
+
+At decode time a token's routing is a [1, d] x [d, E] product and three reductions over E numbers.
+XLA ran it as six kernels a layer (the float32 product as a bf16 split and a multiply-reduce, the
+softmax, the argmax, its index, the weight), and its one-row product came out at bf16 accuracy
+(routing._matmul). Here programs (t, s) each read d / splits rows of W_r as [block_k, E] tiles into
+float32 partial logits (an elementwise multiply and a sum: exact products of bf16 operands, no TF32
+anywhere), and a second kernel, one program per token, sums them, takes the softmax and the k
+largest probabilities (the lower index first among equal ones, as top_k_small) in registers.
+With splits = 1 (an odd number of tiles) one kernel does both: one SM then pulls all of W_r, one
+tile's latency after another, which op.py's "auto" leaves to XLA unless W_r is a single tile. Measured on an H100 (medium MoE, batch 1): the
+decode step 1.03 -> 0.92 ms (experiments/notes_decode.md). Reference: reference.py. Off the GPU the
+kernels run in Pallas' interpret mode (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """W_r is read in [block_k, E] tiles. splits = 1: program t reads all of W_r and selects. splits > 1
+  (a power of two): programs (t, s) each read d / splits rows of W_r into partial logits, and a second
+  kernel, one program per token, sums the splits and selects: one SM pulling all of W_r waits on
+  one tile's latency after another, many SMs each pulling one tile do not."""
+  block_k: int
+  splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 3
+
+
+def default_config(d_model: int, num_experts: int) -> Config | None:
+  """The largest block_k of (128, 64, 32, 16) dividing d_model whose [block_k, E] float32 tile stays
+  within 8192 numbers (64 a thread at 4 warps); splits = the largest power of two up to 64 dividing
+  the d_model / block_k tiles. None when no block_k divides d_model."""
+  for bk in (128, 64, 32, 16):
+    if d_model % bk == 0 and bk * num_experts <= 8192:
+      tiles = d_model // bk
+      return Config(block_k=bk, splits=min(tiles & -tiles, 64))
+  return None
+
+
+def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int):
+  """[1, E] float32: sum over rows first .. first + steps * block_k of x[t, r] W_r[r, :]."""
+  e = w_ref.shape[1]
+
+  def step(i, acc):
+    ks = pl.ds(pl.multiple_of(first + i * block_k, block_k), block_k)
+    xs = x_ref[pl.ds(t, 1), ks].astype(jnp.float32)  # [1, block_k]
+    ws = w_ref[ks, :].astype(jnp.float32)  # [block_k, E]
+    return acc + jnp.sum(xs[:, :, None] * ws[None], axis=1)
+
+  return jax.lax.fori_loop(0, steps, step, jnp.zeros((1, e), jnp.float32))
+
+
+def _select(logits, ids_ref, wts_ref, *, k: int, renormalize: bool):
+  """softmax of [1, E] logits, then k argmax passes (the lower index first among equal p)."""
+  e = logits.shape[1]
+  kp = ids_ref.shape[-1]
+  z = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
+  p = z / jnp.sum(z, axis=1, keepdims=True)  # jax.nn.softmax's formula
+  col = jax.lax.broadcasted_iota(jnp.int32, (1, e), 1)
+  slot = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
+  ids = jnp.zeros((1, kp), jnp.int32)
+  wts = jnp.zeros((1, kp), jnp.float32)
+  for j in range(k):  # probabilities are >= 0, so -1 marks a taken expert
+    best = jnp.max(p, axis=1, keepdims=True)
+    idx = jnp.min(jnp.where(p == best, col, e), axis=1, keepdims=True)
+    ids = jnp.where(slot == j, idx, ids)
+    wts = jnp.where(slot == j, best, wts)
+    p = jnp.where(col == idx, -1.0, p)
+  if renormalize:
+    wts = wts / jnp.sum(wts, axis=1, keepdims=True)  # slots past k hold 0
+  ids_ref[...] = ids
+  wts_ref[...] = wts
+
+
+def _route_kernel(x_ref, w_ref, ids_ref, wts_ref, *, cfg: Config, k: int, renormalize: bool):
+  steps = w_ref.shape[0] // cfg.block_k
+  logits = _partial_logits(x_ref, w_ref, pl.program_id(0), 0, steps, cfg.block_k)
+  _select(logits, ids_ref, wts_ref, k=k, renormalize=renormalize)
+
+
+def _split_kernel(x_ref, w_ref, part_ref, *, cfg: Config):
+  steps = w_ref.shape[0] // (cfg.splits * cfg.block_k)
+  first = pl.program_id(1) * steps * cfg.block_k
+  part_ref[...] = _partial_logits(x_ref, w_ref, pl.program_id(0), first, steps, cfg.block_k)[None]
+
+
+def _select_kernel(part_ref, ids_ref, wts_ref, *, k: int, renormalize: bool):
+  _select(jnp.sum(part_ref[...], axis=1), ids_ref, wts_ref, k=k, renormalize=renormalize)
+
+
+def decode_router(
+    x: Float[Array, "tokens d_model"],
+    w_router: Float[Array, "d_model experts"],
+    k: int,
+    renormalize: bool,
+    cfg: Config,
+    *,
+    interpret: bool,
+) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+  """(ids, weights) of the k largest softmax(x W_r) per token; E a power of two (Triton's blocks)."""
+  t, e = x.shape[0], w_router.shape[1]
+  kp = pl.next_power_of_2(k)
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  outs = dict(out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
+              out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)])
+  if cfg.splits == 1:
+    ids, wts = pl.pallas_call(
+        functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize),
+        grid=(t,), in_specs=[pl.no_block_spec] * 2, interpret=interpret, compiler_params=params,
+        name="sparsejax_decode_router", **outs)(x, w_router)
+  else:
+    part = pl.pallas_call(
+        functools.partial(_split_kernel, cfg=cfg),
+        grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * 2,
+        out_specs=pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0)),
+        out_shape=jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32),
+        interpret=interpret, compiler_params=params, name="sparsejax_decode_router_logits")(x, w_router)
+    ids, wts = pl.pallas_call(
+        functools.partial(_select_kernel, k=k, renormalize=renormalize),
+        grid=(t,), in_specs=[pl.BlockSpec((1, cfg.splits, e), lambda i: (i, 0, 0))],
+        interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select", **outs)(part)
+  return ids[:, :k], wts[:, :k]

@@ -1,0 +1,125 @@
+"""decode_router: the one-kernel top-k router (interpret mode off the GPU) against a float64 oracle and
+the library's routing functions; its gradient; its errors."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsejax.kernels.decode_router import decode_router, decode_router_reference, kernel_fits
+from sparsejax.kernels.decode_router.triton import Config, default_config
+from tests.moe_testing import seed_of
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _oracle(x, w, k, renormalize):
+  """float64: p = softmax(x W), the k largest p (lower index first among equal), renormalized or not."""
+  logits = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  p = np.exp(logits - logits.max(axis=1, keepdims=True))
+  p /= p.sum(axis=1, keepdims=True)
+  ids = np.argsort(-p, axis=1, kind="stable")[:, :k]
+  wts = np.take_along_axis(p, ids, axis=1)
+  if renormalize:
+    wts /= wts.sum(axis=1, keepdims=True)
+  return ids, wts
+
+
+# (tokens, d_model, experts, k, renormalize): d_model crossing several [block_k, E] tiles (320 is 5 of
+# 64, in one program; 768 is 6 of 128, 3 in each of 2 programs), the medium preset's 1024 x 64 (8
+# programs of one tile), k = E, one expert, top-1 renormalized (weight 1).
+CASES = {
+    "decode_top1": (1, 1024, 64, 1, False),
+    "tiles_top2": (3, 320, 8, 2, True),
+    "k_equals_e": (5, 256, 8, 8, True),
+    "k_equals_e_unnormalized": (2, 96, 4, 4, False),
+    "one_expert": (2, 64, 1, 1, False),
+    "top1_renormalized": (4, 128, 16, 1, True),
+    "wide_router": (2, 512, 256, 2, True),
+    "splits_of_several_tiles": (2, 768, 16, 2, True),
+}
+
+
+def _case(name, dtype):
+  t, d, e, _, _ = CASES[name]
+  rng = np.random.default_rng(seed_of(name, str(dtype)))
+  x = jnp.asarray(rng.standard_normal((t, d)), dtype)
+  w = jnp.asarray(rng.standard_normal((d, e)) * 2.0 / np.sqrt(d), jnp.float32)  # logits of order 1
+  return x, w
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_equals_oracle_and_the_routing_functions(name, dtype):
+  _, _, e, k, renorm = CASES[name]
+  x, w = _case(name, dtype)
+  ids, wts = jax.jit(lambda x, w: decode_router(x, w, k, renormalize=renorm, impl="triton"))(x, w)
+  assert ids.dtype == jnp.int32 and wts.dtype == jnp.float32 and ids.shape == wts.shape == (x.shape[0], k)
+  want_ids, want_wts = _oracle(x.astype(jnp.float32), w, k, renorm)
+  np.testing.assert_array_equal(np.asarray(ids), want_ids)
+  np.testing.assert_allclose(np.asarray(wts), want_wts, **TOL)
+  ref_ids, ref_wts = decode_router_reference(x, w, k, renorm)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+  np.testing.assert_allclose(np.asarray(wts), np.asarray(ref_wts), **TOL)
+
+
+def test_equal_probabilities_take_the_lower_expert_first():
+  """Experts 1, 3 and 6 have identical router columns, so identical probabilities: top_k_small's order."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((64, 8)) * 0.01
+  w[:, [1, 3, 6]] = rng.standard_normal((64, 1)) * 0.5
+  x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  x = x * jnp.sign(x @ jnp.asarray(w[:, 1:2], jnp.float32))  # the shared column's logit is the largest
+  ids, wts = decode_router(x, jnp.asarray(w, jnp.float32), 3, impl="triton")
+  np.testing.assert_array_equal(np.asarray(ids), [[1, 3, 6]] * 3)
+  np.testing.assert_allclose(np.asarray(wts), 1 / 3, rtol=1e-6)
+
+
+def test_gradients_are_the_references():
+  x, w = _case("tiles_top2", jnp.float32)
+  r = jnp.asarray(np.random.default_rng(1).standard_normal((3, 2)), jnp.float32)
+  loss = lambda impl: lambda x, w: jnp.sum(decode_router(x, w, 2, impl=impl)[1] * r)
+  got = jax.grad(loss("triton"), argnums=(0, 1))(x, w)
+  want = jax.grad(loss("xla"), argnums=(0, 1))(x, w)
+  for g, h in zip(got, want):
+    assert float(jnp.max(jnp.abs(h))) > 0
+    np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-7)
+
+
+def test_auto_takes_the_reference_off_the_gpu():
+  x, w = _case("tiles_top2", jnp.float32)
+  text = str(jax.make_jaxpr(lambda x, w: decode_router(x, w, 2))(x, w))
+  assert ("pallas_call" in text) == (jax.default_backend() == "gpu")
+
+
+def test_config_splits_w_r_over_programs():
+  """One tile a program where the tiles are a power of two (the medium preset: 8 of [128, 64]), the
+  largest power of two dividing them otherwise, one program for an odd count; the cases above take
+  both forms."""
+  assert default_config(1024, 64) == Config(block_k=128, splits=8)
+  assert default_config(768, 64) == Config(block_k=128, splits=2)
+  assert default_config(512, 256) == Config(block_k=32, splits=16)
+  assert default_config(320, 8).splits == 1
+  forms = {default_config(d, e).splits > 1 for _, d, e, _, _ in CASES.values()}
+  assert forms == {True, False}
+
+
+def test_kernel_fits():
+  assert kernel_fits(1024, 64, 1) and kernel_fits(16, 1, 1)
+  assert not kernel_fits(1024, 60, 1)  # not a power of two
+  assert not kernel_fits(1024, 64, 9)  # past top_k_small's passes
+  assert not kernel_fits(1000, 64, 1)  # no block divides d_model
+
+
+@pytest.mark.parametrize("args,kwargs,err,msg", [
+    ((jnp.zeros((2, 8)), jnp.zeros((8, 4)), 1), dict(impl="cuda"), ValueError, "impl must be one of"),
+    ((jnp.zeros((2, 8)), jnp.zeros((6, 4)), 1), {}, ValueError, "d_model=8 but w_router expects 6"),
+    ((jnp.zeros((8,)), jnp.zeros((8, 4)), 1), {}, ValueError, "x must have rank 2"),
+    ((jnp.zeros((2, 8)), jnp.zeros((8, 4)), 5), {}, ValueError, "exceeds the number of experts"),
+    ((jnp.zeros((2, 8)), jnp.zeros((8, 4)), 1.0), {}, TypeError, "k must be a Python int"),
+    ((jnp.zeros((2, 16), jnp.int32), jnp.zeros((16, 4)), 1), {}, (TypeError, ValueError), "x"),
+    ((jnp.zeros((2, 16)), jnp.zeros((16, 6)), 1), dict(impl="triton"), ValueError, "power-of-two expert count"),
+])
+def test_bad_inputs_fail_with_one_line(args, kwargs, err, msg):
+  with pytest.raises(err, match=msg) as info:
+    decode_router(*args, **kwargs)
+  assert "\n" not in str(info.value)
