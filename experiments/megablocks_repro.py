@@ -238,9 +238,10 @@ def main(argv=None) -> dict:
        report["target_val_loss"])
   print("\n" + table(report))
   print(f"results in {results_path}, {stem}.md and {stem}_val_loss.png")
-  if os.environ.get("OUT"):  # the device machine hands back what lies under $OUT
+  dest = pathlib.Path(os.environ.get("OUT", out))  # the device machine hands back what lies under $OUT
+  if dest.resolve() != out.resolve():
     for name in (f"{stem}.json", f"{stem}.md", f"{stem}_val_loss.png"):
-      shutil.copy(out / name, pathlib.Path(os.environ["OUT"]) / name)
+      shutil.copy(out / name, dest / name)
   return report
 
 
