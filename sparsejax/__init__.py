@@ -42,6 +42,7 @@ _EXPORTS = {
     # The decode step's kernels (Pallas Triton on a GPU, their jnp references elsewhere).
     "sparsejax.kernels.skinny_matmul": ["skinny_matmul"],
     "sparsejax.kernels.decode_attention": ["decode_attention"],
+    "sparsejax.kernels.decode_router": ["decode_router"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports
   from sparsejax.config import MoEConfig
   from sparsejax.grouped_matmul import grouped_matmul, grouped_matmul_reference
   from sparsejax.kernels.decode_attention import decode_attention
+  from sparsejax.kernels.decode_router import decode_router
   from sparsejax.kernels.skinny_matmul import skinny_matmul
   from sparsejax.inference import (
       Decoder, Generation, Sampling, decode_moe_mlp, dequantize_model, generate, generate_timed,
