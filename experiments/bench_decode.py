@@ -35,6 +35,7 @@ from sparsejax.inference.generate import DECODE_CHUNK  # noqa: E402
 from sparsejax.inference.decode_moe import SMALL_BATCH_MAX_ASSIGNMENTS  # noqa: E402
 from sparsejax.modules import MoE  # noqa: E402
 from sparsejax.models import Transformer, get_preset  # noqa: E402
+from provenance import source_fingerprint  # noqa: E402
 
 PRESETS = ["xs-dense", "xs-moe", "small-dense", "small-moe", "medium-dense", "medium-moe"]
 EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
@@ -383,10 +384,11 @@ def main(argv=None) -> dict:
   args.tol = 2e-2 if args.dtype == "bfloat16" else 1e-3
   name = (dev.device_kind.replace(" ", "_").replace("/", "_") if dev.platform == "gpu" else dev.platform)
   name += "_smoke" if args.smoke else ""
-  log(f"jax {jax.__version__} on {dev.device_kind}")
+  log(f"jax {jax.__version__} on {dev.device_kind}; sparsejax source {source_fingerprint()}")
   bandwidth = copy_bandwidth(args.copy_mb << 20)
   log(f"copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write of {args.copy_mb} MiB)")
-  results = dict(device=dev.device_kind, jax=jax.__version__, dtype=args.dtype, prompt_len=args.prompt_len,
+  results = dict(device=dev.device_kind, jax=jax.__version__, sparsejax_source=source_fingerprint(),
+                 dtype=args.dtype, prompt_len=args.prompt_len,
                  steps=args.steps, chunk=args.chunk,
                  copy_GBps=bandwidth / 1e9, small_batch_max_assignments=SMALL_BATCH_MAX_ASSIGNMENTS, rows=[],
                  targets=[])

@@ -34,6 +34,7 @@ sys.path[:0] = [os.path.dirname(os.path.abspath(__file__))]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from peers.common import fwd_bwd  # noqa: E402  (y returned beside the gradients: all six products run)
+from provenance import source_fingerprint  # noqa: E402
 from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
 from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epilogue  # noqa: E402
@@ -236,7 +237,8 @@ def main(argv=None):
   config_sets = args.configs.split(",")
   if any(s not in CONFIG_SETS for s in config_sets):
     ap.error(f"--configs: each one of {', '.join(CONFIG_SETS)}")
-  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+  print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; sparsejax source {source_fingerprint()}",
+        flush=True)
   if args.ab_rounds:
     names = args.ab_kernels.split(",")
     if any(k not in AB_KERNELS for k in names):

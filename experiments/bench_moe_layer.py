@@ -65,6 +65,7 @@ from sparsejax.kernels.gmm import mosaic, resolve_backend, triton  # noqa: E402
 
 from peers import common, layer, ragged_dot_mgpu, sparsejax_variants, torch_grouped_mm, xla  # noqa: E402
 from peers.common import Shape  # noqa: E402
+from provenance import source_fingerprint  # noqa: E402
 
 SHAPES = [
     Shape("E64_top1", 16384, 1024, 4096, 64, 1, False),
@@ -424,7 +425,8 @@ def main(argv=None) -> dict:
   args = parse_args(argv)
   dev = jax.devices()[0]
   gpu = dev.device_kind.replace(" ", "_").replace("/", "_") if dev.platform == "gpu" else "cpu"
-  log(f"jax {jax.__version__} on {dev.device_kind}; pallas backend here: {resolve_backend('auto')}")
+  log(f"jax {jax.__version__} on {dev.device_kind}; pallas backend here: {resolve_backend('auto')}; "
+      f"sparsejax source {source_fingerprint()}")
   if args.profile:
     dest = os.environ.get("OUT") or args.out_dir
     for label in args.layer_variants:
@@ -439,6 +441,7 @@ def main(argv=None) -> dict:
     torch_version = None
   results = dict(
       gpu=gpu, device_kind=dev.device_kind, jax=jax.__version__, torch=torch_version,
+      sparsejax_source=source_fingerprint(),
       timer=dataclasses.asdict(timer),
       env={k: os.environ.get(k) for k in ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")},
       mosaic_configs=dataclasses.asdict(mosaic.DEFAULT_CONFIGS),

@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments"))
 
 import megablocks_repro  # noqa: E402
+import provenance  # noqa: E402
 import plot  # noqa: E402
 
 
@@ -150,6 +151,22 @@ def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypa
   (row,) = res["rows"]
   assert "error" not in row and row["step_ms"] > 0 and "rel_err_vs_full_forward" not in row
   assert "| unchecked |" in bench_decode._fmt_row(row)
+  assert res["sparsejax_source"] == provenance.source_fingerprint()  # which tree ran, for A/Bs
+
+
+def test_source_fingerprint_tells_two_trees_apart(tmp_path):
+  """The fingerprint in the benchmarks' headers: the same for a copy of the package, different once
+  one byte of one file differs, and of the sparsejax that Python imported by default."""
+  import shutil
+
+  src = ROOT / "sparsejax"
+  copy = tmp_path / "sparsejax"
+  shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+  fp = provenance.source_fingerprint(copy)
+  assert len(fp) == 12 and fp == provenance.source_fingerprint(src) == provenance.source_fingerprint()
+  routing = copy / "routing.py"
+  routing.write_text(routing.read_text() + "\n")
+  assert provenance.source_fingerprint(copy) != fp
 
 
 def test_expert_mlp_ab_traces_each_config_set_anew(monkeypatch):
