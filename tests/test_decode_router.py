@@ -85,6 +85,12 @@ def test_gradients_are_the_references():
     np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("impl", ["triton", "auto"])
+def test_no_tokens_give_empty_answers(impl):
+  ids, wts = decode_router(jnp.zeros((0, 64)), jnp.ones((64, 8)), 2, impl=impl)
+  assert ids.shape == wts.shape == (0, 2) and ids.dtype == jnp.int32 and wts.dtype == jnp.float32
+
+
 def test_auto_takes_the_reference_off_the_gpu():
   x, w = _case("tiles_top2", jnp.float32)
   text = str(jax.make_jaxpr(lambda x, w: decode_router(x, w, 2))(x, w))
