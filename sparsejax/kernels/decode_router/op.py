@@ -1,4 +1,4 @@
-"""decode_router: top-k routing of a few tokens in one kernel (a decode step's router).
+"""decode_router: top-k routing of a few tokens in Pallas kernels (a decode step's router).
 
   p = softmax(float32(x) W_r); ids = the k largest p per token, largest first, the lower expert first
   among equal p (top_k_small's order); weights = p[ids], divided by their sum when renormalize
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
@@ -25,7 +24,7 @@ from sparsejax.kernels.decode_router.reference import decode_router_reference
 from sparsejax.top_k import MAX_PASSES_K
 
 IMPLS = ("auto", "triton", "xla")
-# One program per token reads all of W_r: past a decode batch, XLA's product over all tokens is cheaper.
+# Each token's programs read all of W_r: past a decode batch, XLA's product over all tokens is cheaper.
 MAX_TOKENS = 64
 
 
