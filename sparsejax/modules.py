@@ -17,7 +17,7 @@ from sparsejax import losses, parallel, routing
 from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
-from sparsejax.kernels.decode_router import decode_router
+from sparsejax.kernels.decode_router import decode_router, runs_kernel
 from sparsejax.moe import expert_choice_mlp, moe_mlp
 
 
@@ -115,9 +115,10 @@ class MoE(nnx.Module):
     else:
       if c.router == "top_k":
         r = routing.top_k_routing(logits, c.top_k, renormalize=c.renormalize)
-        if decode and jitter_rng is None:
-          # A decode step's few tokens: ids and weights from one kernel instead of XLA's six. The
+        if decode and jitter_rng is None and runs_kernel(*x2.shape, c.num_experts, c.top_k):
+          # A decode step's few tokens: ids and weights from two kernels instead of XLA's six. The
           # probabilities and logits above then feed only the layer's losses, which XLA drops unless used.
+          # (Where the kernels do not run, r already is what decode_router's reference would compute.)
           ids, weights = decode_router(x2, self.router.w[...], c.top_k, renormalize=c.renormalize)
           r = r.replace(expert_ids=ids, combine_weights=weights)
       else:

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsejax.kernels.decode_router import decode_router, decode_router_reference, kernel_fits
+from sparsejax.kernels.decode_router import decode_router, decode_router_reference, kernel_fits, runs_kernel
 from sparsejax.kernels.decode_router.triton import Config, default_config
 from tests.moe_testing import seed_of
 
@@ -92,9 +92,19 @@ def test_no_tokens_give_empty_answers(impl):
 
 
 def test_auto_takes_the_reference_off_the_gpu():
-  x, w = _case("tiles_top2", jnp.float32)
-  text = str(jax.make_jaxpr(lambda x, w: decode_router(x, w, 2))(x, w))
-  assert ("pallas_call" in text) == (jax.default_backend() == "gpu")
+  x, w = _case("decode_top1", jnp.float32)
+  text = str(jax.make_jaxpr(lambda x, w: decode_router(x, w, 1))(x, w))
+  on_gpu = jax.default_backend() == "gpu"
+  assert ("pallas_call" in text) == on_gpu == runs_kernel(1, 1024, 64, 1)
+
+
+def test_runs_kernel():
+  assert runs_kernel(1, 320, 8, 2, impl="triton") and not runs_kernel(1, 1024, 64, 1, impl="xla")
+  assert not runs_kernel(0, 1024, 64, 1, impl="triton")  # no tokens: the reference
+  on_gpu = jax.default_backend() == "gpu"
+  assert runs_kernel(64, 1024, 64, 1) == on_gpu and not runs_kernel(65, 1024, 64, 1)  # past a decode batch
+  assert not runs_kernel(1, 320, 8, 2)  # 5 tiles of W_r in one program: left to XLA
+  assert not runs_kernel(1, 1024, 60, 1)  # the kernel does not fit
 
 
 def test_config_splits_w_r_over_programs():

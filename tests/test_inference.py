@@ -54,13 +54,14 @@ def test_greedy_decoding_with_the_router_kernel_equals_full_forward(monkeypatch)
   """The decode step's one-kernel router (forced here, in interpret mode; "auto" takes it on a GPU)
   routes as the full forward's XLA router does: the same greedy tokens."""
   from sparsejax import modules
-  from sparsejax.kernels.decode_router import decode_router
+  from sparsejax.kernels.decode_router import decode_router, runs_kernel
   traced = []
 
   def forced(*args, **kwargs):
     traced.append(args[0].shape)
     return decode_router(*args, **kwargs, impl="triton")
 
+  monkeypatch.setattr(modules, "runs_kernel", lambda *shape: runs_kernel(*shape, impl="triton"))
   monkeypatch.setattr(modules, "decode_router", forced)
   model = _model(1)
   got = np.asarray(generate(model, PROMPTS, 6, temperature=0.0))

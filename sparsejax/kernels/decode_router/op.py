@@ -63,6 +63,19 @@ def _kernel_bwd(k, renormalize, res, g):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
+def runs_kernel(num_tokens: int, d_model: int, num_experts: int, k: int, impl: str = "auto") -> bool:
+  """Whether decode_router runs the Pallas kernels for these shapes (else the reference): impl
+  "triton", or "auto" on a GPU for 1..MAX_TOKENS tokens when the kernel fits and W_r splits over
+  several programs or is one tile."""
+  if num_tokens == 0:  # no programs to launch; the reference returns the empty answer
+    return False
+  if impl == "triton":
+    return True
+  cfg = triton.default_config(d_model, num_experts)
+  return (impl == "auto" and jax.default_backend() == "gpu" and num_tokens <= MAX_TOKENS
+          and kernel_fits(d_model, num_experts, k) and (cfg.splits > 1 or cfg.block_k == d_model))
+
+
 def decode_router(
     x: Float[Array, "tokens d_model"],
     w_router: Float[Array, "d_model experts"],
@@ -75,11 +88,6 @@ def decode_router(
   renormalize=None means "k > 1", as in routing.top_k_routing."""
   _check(x, w_router, k, impl)
   renormalize = k > 1 if renormalize is None else bool(renormalize)
-  cfg = triton.default_config(x.shape[1], w_router.shape[1])
-  fits = kernel_fits(x.shape[1], w_router.shape[1], k) and (cfg.splits > 1 or cfg.block_k == x.shape[1])
-  if x.shape[0] == 0:  # no programs to launch; the reference returns the empty answer
-    return decode_router_reference(x, w_router, k, renormalize)
-  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits
-                          and x.shape[0] <= MAX_TOKENS):
+  if runs_kernel(x.shape[0], x.shape[1], w_router.shape[1], k, impl):
     return _kernel(x, w_router, k, renormalize)
   return decode_router_reference(x, w_router, k, renormalize)
