@@ -91,14 +91,26 @@ class MoE(nnx.Module):
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), names_out)
 
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
-               dts_temperature: float | jax.Array = 1.0, decode: bool = False):
-    """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts."""
+               dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None):
+    """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts.
+    norm (an RMSNorm): the layer's input is norm(x); a top-k decode step folds it into the router's
+    and the experts' first kernels (their `norm` argument) instead of running it on its own."""
     c = self.config
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).astype(c.dtype)
     jitter_rng = gate_rng = None
     if rng is not None:
       jitter_rng, gate_rng = jax.random.split(rng)
+    x_in = x.reshape(-1, x.shape[-1])
+    # Folded only where the expert products fold it too: if XLA normalizes x for them anyway, the
+    # router taking the norm again would only add work.
+    fold = (norm is not None and decode and c.router == "top_k" and jitter_rng is None
+            and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape))
+    folded = norm.folded() if fold else None
+    # x2, the layer's input, feeds whatever does not fold the norm (in a folded decode step only the
+    # losses, which XLA drops); x_in is what the folding kernels take.
+    x2 = (x_in if norm is None else norm(x_in)).astype(c.dtype)
+    if not fold:
+      x_in = x2
     logits = self.router(x2, rng=jitter_rng)
     cast = lambda p: None if p is None else p[...].astype(c.dtype)
     w_in, w_gate, w_out = cast(self.w_in), cast(self.w_gate), cast(self.w_out)
@@ -119,7 +131,8 @@ class MoE(nnx.Module):
           # A decode step's few tokens: ids and weights from two kernels instead of XLA's six. The
           # probabilities and logits above then feed only the layer's losses, which XLA drops unless used.
           # (Where the kernels do not run, r already is what decode_router's reference would compute.)
-          ids, weights = decode_router(x2, self.router.w[...], c.top_k, renormalize=c.renormalize)
+          ids, weights = decode_router(x_in, self.router.w[...], c.top_k, renormalize=c.renormalize,
+                                       norm=folded)
           r = r.replace(expert_ids=ids, combine_weights=weights)
       else:
         r = routing.dense_to_sparse_routing(logits, dts_temperature, c.dts_threshold,
@@ -130,9 +143,9 @@ class MoE(nnx.Module):
                                   parallel=self.parallel or parallel.ExpertParallelConfig())
       if decode:  # generation: the small-batch path of sparsejax.inference (reads int8 as stored)
         from sparsejax.inference import decode_moe
-        layer = functools.partial(decode_moe.moe_decode_layer, self)
+        layer = functools.partial(decode_moe.moe_decode_layer, self, norm=folded)
       # The combine weights stay float32: the combine is float32, and bf16 would round them.
-      y, stats = layer(x2, r.expert_ids, r.combine_weights, w_in, w_out,
+      y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,
                        w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
                        impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)
@@ -162,20 +175,27 @@ class MLP(nnx.Module):
 
   @jax.named_scope("dense_mlp")
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None, decode: bool = False,
-               **unused):
-    """decode=True (generation) runs the products of a few rows through skinny_matmul."""
+               norm=None, **unused):
+    """decode=True (generation) runs the products of a few rows through skinny_matmul. norm (an
+    RMSNorm): the input is norm(x), folded into the first products' kernels in a decode step."""
     del rng, unused
     c = self.config
-    x = x.astype(c.dtype)
     # HIGHEST for float32 (a GPU's default float32 dot is TF32); bf16 keeps the default.
     hi = dot_precision(c.dtype)
-    matmul = lambda a, w: jnp.matmul(a, w[...].astype(c.dtype), precision=hi)
+    matmul = lambda a, w, norm=None: jnp.matmul(a, w[...].astype(c.dtype), precision=hi)
     rows = x.size // c.d_model
-    if decode and rows <= skinny_matmul.MAX_ROWS:
-      matmul = lambda a, w: skinny_matmul.skinny_matmul(a, w[...]).astype(c.dtype)
-    h = matmul(x, self.w_in)
+    skinny = decode and rows <= skinny_matmul.MAX_ROWS
+    folded = None
+    if skinny:
+      matmul = lambda a, w, norm=None: skinny_matmul.skinny_matmul(a, w[...], norm=norm).astype(c.dtype)
+      if norm is not None and x.dtype == jnp.dtype(c.dtype):
+        folded, norm = norm.folded(), None
+    if norm is not None:
+      x = norm(x)
+    x = x.astype(c.dtype)
+    h = matmul(x, self.w_in, folded)
     if self.w_gate is not None:
-      h = c.activation_fn(matmul(x, self.w_gate)) * h
+      h = c.activation_fn(matmul(x, self.w_gate, folded)) * h
     else:
       h = c.activation_fn(h)
     y = matmul(h, self.w_out)

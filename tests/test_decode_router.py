@@ -139,3 +139,35 @@ def test_bad_inputs_fail_with_one_line(args, kwargs, err, msg):
   with pytest.raises(err, match=msg) as info:
     decode_router(*args, **kwargs)
   assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["decode_top1", "tiles_top2", "k_equals_e", "splits_of_several_tiles"])
+def test_folded_norm_routes_the_normalized_rows(name, dtype):
+  """norm=(g, eps) routes rms_norm(x, g, eps), rounded to x's dtype as the model's norm rounds it: the ids
+  of the float64 oracle on those rows, and the reference's weights. (320 is not a power of two: the op
+  takes the norm in XLA there.)"""
+  from sparsejax.kernels.decode_router.triton import norm_fits
+  from sparsejax.norm import rms_norm
+  _, d, e, k, renorm = CASES[name]
+  x, w = _case(name, dtype)
+  x = x * 3.0
+  g = jnp.asarray(1.0 + 0.3 * np.random.default_rng(seed_of("g", name)).standard_normal(d), jnp.float32)
+  ids, wts = jax.jit(lambda x, w, g: decode_router(x, w, k, renormalize=renorm, norm=(g, 1e-6),
+                                                   impl="triton"))(x, w, g)
+  xn = rms_norm(x, g, 1e-6)
+  want_ids, want_wts = _oracle(xn.astype(jnp.float32), w, k, renorm)
+  np.testing.assert_array_equal(np.asarray(ids), want_ids)
+  np.testing.assert_allclose(np.asarray(wts), want_wts, **TOL)
+  assert norm_fits(d) == (d & (d - 1) == 0)
+  # Its gradient is the reference's on the normalized rows, in x, W_r and g.
+  f = lambda impl: jax.grad(lambda x, w, g: jnp.sum(decode_router(
+      x.astype(dtype), w, k, renormalize=renorm, norm=(g, 1e-6), impl=impl)[1] ** 2), argnums=(0, 1, 2))
+  for a, b in zip(f("triton")(x.astype(jnp.float32), w, g), f("xla")(x.astype(jnp.float32), w, g)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_folded_norm_scale_of_the_wrong_width_is_an_error():
+  x, w = _case("tiles_top2", jnp.float32)
+  with pytest.raises(ValueError, match=r"scale must have shape \(320,\)"):
+    decode_router(x, w, 2, norm=(jnp.ones((32,)), 1e-6))

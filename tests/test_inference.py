@@ -69,6 +69,33 @@ def test_greedy_decoding_with_the_router_kernel_equals_full_forward(monkeypatch)
   np.testing.assert_array_equal(got, greedy_by_full_forward(model, PROMPTS, 6))
 
 
+@pytest.mark.parametrize("moe_every", [0, 1], ids=["dense", "moe"])
+def test_greedy_decoding_with_the_norms_folded_into_the_kernels(monkeypatch, moe_every):
+  """The decode step with every kernel forced (interpret mode; "auto" takes them on a GPU) takes each
+  layer's RMSNorms inside its first products (qkv, the router, the first expert or MLP products) and
+  decodes the full forward's greedy tokens."""
+  from sparsejax import modules
+  from sparsejax.inference import decode_moe
+  from sparsejax.kernels import skinny_matmul as sm
+  from sparsejax.kernels.decode_router import decode_router, runs_kernel
+  real, real_folds, folded = sm.skinny_matmul, sm.folds_norm, []
+
+  def forced_matmul(x, w, **kwargs):
+    folded.append(kwargs.get("norm") is not None)
+    return real(x, w, **kwargs, impl="triton")
+
+  monkeypatch.setattr(sm, "skinny_matmul", forced_matmul)
+  monkeypatch.setattr(sm, "folds_norm", lambda m, k: real_folds(m, k, "triton"))
+  monkeypatch.setattr(decode_moe, "skinny_matmul", forced_matmul)
+  monkeypatch.setattr(modules, "runs_kernel", lambda *shape: runs_kernel(*shape, impl="triton"))
+  monkeypatch.setattr(modules, "decode_router", lambda *a, **kw: decode_router(*a, **kw, impl="triton"))
+  model = _model(moe_every)
+  got = np.asarray(generate(model, PROMPTS, 5, temperature=0.0))
+  # per layer: qkv and the first FFN product fold their norm, the attention output and the last do not
+  assert sum(folded) >= 2 * BASE.num_layers and not all(folded)
+  np.testing.assert_array_equal(got, greedy_by_full_forward(model, PROMPTS, 5))
+
+
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

@@ -139,3 +139,77 @@ def test_bad_inputs_fail_with_clear_errors():
     skinny_matmul(jnp.ones((MAX_ROWS + 1, 64)), w, experts=ids, impl="triton")
   with pytest.raises(ValueError, match="multiples of 16"):
     skinny_matmul(jnp.ones((2, 40)), jnp.ones((3, 40, 32)), experts=ids, impl="triton")
+
+
+def _rms64(x, g, eps=1e-6):
+  """float64 RMSNorm (the oracle's)."""
+  x64 = np.asarray(x, np.float64)
+  return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * np.asarray(g, np.float64)
+
+
+# (x shape, w shape, slot ids or None): rows whose norm the kernel folds in (k a power of two: one
+# row, and 5 rows padded to 16 on the dot path), a dense weight with [b, t, k] rows, and k = 384,
+# where the op takes the norm in XLA first.
+NORM_CASES = {
+    "one_row": ((1, 256), (3, 256, 320), [2, 0]),
+    "few_rows": ((5, 256), (2, 256, 192), [1]),
+    "dense_rows": ((2, 3, 128), (128, 320), None),
+    "norm_not_folded": ((2, 384), (2, 384, 64), [0, 1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(NORM_CASES))
+def test_folded_norm_equals_norm_then_product(name, dtype):
+  """skinny_matmul(x, w, norm=(g, eps)) = rms_norm(x, g, eps) @ w: float32 to float32 rounding, bf16 to
+  bf16's (the kernel rounds x * g where the unfused norm rounds its output)."""
+  from sparsejax.kernels.skinny_matmul import triton
+  xs, ws, ids = NORM_CASES[name]
+  seed = seed_of("norm", name, str(dtype))
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal(xs) * 3.0, dtype)
+  w = _draw(seed + 1, ws, dtype)
+  g = jnp.asarray(1.0 + 0.3 * rng.standard_normal(xs[-1]), jnp.float32)
+  experts = None if ids is None else jnp.asarray(ids, jnp.int32)
+  got = jax.jit(lambda x, w, g: skinny_matmul(x, w, experts=experts, norm=(g, 1e-6), impl="triton"))(x, w, g)
+  xn = _rms64(x.astype(jnp.float32), g)
+  if ids is None:
+    want = xn @ np.asarray(w.astype(jnp.float32), np.float64)
+  else:
+    want = _oracle(jnp.asarray(xn, jnp.float32).astype(dtype), w, experts) if dtype == jnp.bfloat16 else \
+        np.einsum("mk,skn->smn", xn, np.asarray(w, np.float64)[np.asarray(ids)])
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
+  m = int(np.prod(xs[:-1]))
+  assert triton.norm_fits(m, xs[-1]) == (name != "norm_not_folded")
+
+
+def test_folded_norm_gradients_equal_the_reference():
+  from sparsejax.norm import rms_norm
+  rng = np.random.default_rng(21)
+  x = jnp.asarray(rng.standard_normal((2, 256)) * 2.0, jnp.float32)
+  w = _draw(22, (3, 256, 192), jnp.float32)
+  gn = jnp.asarray(1.0 + 0.3 * rng.standard_normal(256), jnp.float32)
+  experts = jnp.asarray([2, 0], jnp.int32)
+  ct = _draw(23, (2, 2, 192), jnp.float32)
+  got = jax.grad(lambda x, w, gn: jnp.sum(skinny_matmul(x, w, experts=experts, norm=(gn, 1e-6), impl="triton") * ct),
+                 argnums=(0, 1, 2))(x, w, gn)
+  want = jax.grad(lambda x, w, gn: jnp.sum(skinny_matmul_reference(
+      jnp.broadcast_to(rms_norm(x, gn, 1e-6), (2, 2, 256)), w, experts) * ct), argnums=(0, 1, 2))(x, w, gn)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_folded_norm_errors():
+  x, w, ids = jnp.ones((2, 64)), jnp.ones((3, 64, 32)), jnp.asarray([0, 1], jnp.int32)
+  with pytest.raises(ValueError, match=r"scale must have shape \(64,\)"):
+    skinny_matmul(x, w, experts=ids, norm=(jnp.ones((32,)), 1e-6))
+  with pytest.raises(ValueError, match="not to per-slot rows"):
+    skinny_matmul(jnp.ones((2, 2, 64)), w, experts=ids, norm=(jnp.ones((64,)), 1e-6))
+
+
+def test_folds_norm_where_the_kernel_runs_on_small_rows():
+  from sparsejax.kernels.skinny_matmul import folds_norm
+  assert folds_norm(1, 1024, "triton") and folds_norm(8, 256, "triton")  # one row; 16 padded rows of 256
+  assert not folds_norm(32, 512, "triton")  # 16,384 numbers a program: XLA normalizes first
+  assert not folds_norm(1, 384, "triton") and not folds_norm(1, 1024, "xla")
+  assert folds_norm(1, 1024) == (jax.default_backend() == "gpu")

@@ -19,6 +19,7 @@ from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.kernels.skinny_matmul import skinny_matmul
 from sparsejax.moe import MoEStats, moe_mlp
+from sparsejax.norm import rms_norm
 
 # MoE.__call__(decode=True) takes this path when T * k is at most this (a static shape decision).
 # Every token runs through every gathered expert: T * n expert FFNs for n = min(T k, E) experts read,
@@ -83,8 +84,10 @@ def decode_moe_mlp(
     w_in_scale: Float[Array, "experts d_ff"] | None = None,
     w_out_scale: Float[Array, "experts d_model"] | None = None,
     w_gate_scale: Float[Array, "experts d_ff"] | None = None,
+    norm: tuple[Float[Array, "d_model"], float] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
   """y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]), reading only the distinct chosen experts.
+  norm = (g, eps): of x's rms_norm(x, g, eps) (sparsejax.norm), taken inside the first products.
 
   With n = min(T k, E) (static): u = the distinct ids of e, padded to n; W_s = W[u_s];
   Y[s, t] = FFN_{W_s}(x[t]) for every slot s and token t; y[t] = sum_s C[t, s] Y[s, t] with
@@ -123,17 +126,17 @@ def decode_moe_mlp(
                        jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n), precision=hi)
   experts = jnp.minimum(uniq, num_experts - 1)
 
-  def product(a, name, w):
+  def product(a, name, w, norm=None):
     """[n, T, out] = a @ W[experts[s]] (times the int8 scale) for every slot s; a is [T, in] or [n, T, in].
 
     skinny_matmul reads each chosen expert's weight once (on a GPU, a split-K Pallas kernel; XLA's own
     one-row dot writes the broadcast product out before reducing it) and never gathers a copy of it.
     """
-    return skinny_matmul(a, w, experts=experts, scale=scales.get(name))
+    return skinny_matmul(a, w, experts=experts, scale=scales.get(name), norm=norm)
 
-  h = product(x, "w_in", w_in).astype(dt)
+  h = product(x, "w_in", w_in, norm).astype(dt)
   if w_gate is not None:
-    h = activation(product(x, "w_gate", w_gate).astype(dt)) * h
+    h = activation(product(x, "w_gate", w_gate, norm).astype(dt)) * h
   else:
     h = activation(h)
   out = product(h, "w_out", w_out).astype(dt)  # rounded like moe_mlp's expert rows
@@ -181,9 +184,11 @@ def moe_decode_layer(
     activation: Callable = jax.nn.gelu,
     capacity_factor: float | None = None,
     impl: str = "auto",
+    norm: tuple[Float[Array, "d_model"], float] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
   """The layer MoE.__call__(decode=True) runs, with moe_mlp's contract; always dropless (capacity_factor
-  is ignored: generation must not depend on which other prompts share the batch).
+  is ignored: generation must not depend on which other prompts share the batch). norm = (g, eps):
+  the layer's input is rms_norm(x, g, eps), folded into the first products on the small-batch path.
 
   T k <= SMALL_BATCH_MAX_ASSIGNMENTS (the decode step): decode_moe_mlp on the module's stored weights,
   int8 and scales as they are; the compute-dtype copies passed in are then unused and XLA drops them.
@@ -195,6 +200,8 @@ def moe_decode_layer(
   if expert_ids.shape[0] * expert_ids.shape[1] <= SMALL_BATCH_MAX_ASSIGNMENTS:
     w = expert_weights(moe, x.dtype, quantized=True)
     return decode_moe_mlp(x, expert_ids, combine_weights, w.pop("w_in"), w.pop("w_out"),
-                          activation=activation, **w)
+                          activation=activation, norm=norm, **w)
+  if norm is not None:
+    x = rms_norm(x, *norm)
   return moe_mlp(x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
                  capacity_factor=None, impl=impl)

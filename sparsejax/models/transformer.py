@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax._precision import dot_precision, dot_precision_scope
 from sparsejax.models.config import DTYPES, TransformerConfig
+from sparsejax.norm import rms_norm
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
 from sparsejax.modules import MLP, MoE
@@ -41,11 +42,12 @@ class RMSNorm(nnx.Module):
     self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
 
-  @jax.named_scope("rms_norm")
   def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+    return rms_norm(x, self.scale[...], self.eps)
+
+  def folded(self) -> tuple[Float[Array, "d"], float]:
+    """(scale, eps): the norm as the decode kernels take it, to apply it inside their products."""
+    return self.scale[...], self.eps
 
 
 def rotary(x: Float[Array, "b t h d"], base: float,
@@ -91,7 +93,9 @@ class Attention(nnx.Module):
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
 
   @jax.named_scope("attention")
-  def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None) -> Float[Array, "b t d"]:
+  def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None,
+               norm: "RMSNorm | None" = None) -> Float[Array, "b t d"]:
+    """Attention of norm(x) (of x when norm is None); a decode step folds the norm into the qkv product."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     b, t, d = x.shape
     h, dh = cfg.num_heads, cfg.head_dim
@@ -101,8 +105,11 @@ class Attention(nnx.Module):
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
     if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
       w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
-      qkv = skinny_matmul.skinny_matmul(x, w_qkv).astype(dt).reshape(b, t, 3, h, dh)
+      folded = None if norm is None else norm.folded()
+      qkv = skinny_matmul.skinny_matmul(x, w_qkv, norm=folded).astype(dt).reshape(b, t, 3, h, dh)
     else:
+      if norm is not None:
+        x = norm(x)
       qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt), precision=hi)
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if cache is not None:  # decoding: write the new keys/values at cache.index, attend over the cache
@@ -144,8 +151,12 @@ class Block(nnx.Module):
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
                cache: "DecodeView | None" = None):
-    x = x + self.attn(self.attn_norm(x), cache=cache)
-    y, stats = self.ffn(self.ffn_norm(x), rng=rng, decode=cache is not None)
+    if cache is None:
+      x = x + self.attn(self.attn_norm(x))
+      y, stats = self.ffn(self.ffn_norm(x), rng=rng)
+    else:  # decoding: each layer applies its norm where it can fold it into its first products
+      x = x + self.attn(x, cache=cache, norm=self.attn_norm)
+      y, stats = self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm)
     return x + y.astype(x.dtype), stats
 
 

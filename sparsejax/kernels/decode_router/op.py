@@ -9,6 +9,8 @@ and "xla" (reference.py); "auto" takes triton on a GPU for at most MAX_TOKENS to
 fits (kernel_fits) and W_r splits over several programs or is one tile (the one-program form of a
 longer W_r is not measured faster than XLA). Differentiable in x and W_r through the weights: the
 cotangents are the reference's.
+norm = (g, eps) routes rms_norm(x, g, eps) (sparsejax.norm) instead of x: a decode step's RMSNorm
+then runs inside the kernel's programs (triton.norm_fits) instead of as XLA kernels of its own.
 NaN logits are not supported: their order is unspecified.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from jaxtyping import Array, Float, Int
 from sparsejax import _checks
 from sparsejax.kernels.decode_router import triton
 from sparsejax.kernels.decode_router.reference import decode_router_reference
+from sparsejax.norm import rms_norm
 from sparsejax.top_k import MAX_PASSES_K
 
 IMPLS = ("auto", "triton", "xla")
@@ -34,10 +37,15 @@ def kernel_fits(d_model: int, num_experts: int, k: int) -> bool:
           and triton.default_config(d_model, num_experts) is not None)
 
 
-def _check(x, w_router, k, impl):
+def _check(x, w_router, k, impl, norm):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
   _checks.check_router(x, w_router)
+  if norm is not None:
+    _checks.check_floating("norm scale", norm[0])
+    if norm[0].shape != (x.shape[1],):
+      raise ValueError(f"the norm's scale must have shape ({x.shape[1]},) (one per column of x); "
+                       f"got {norm[0].shape}.")
   _checks.check_top_k(k, w_router.shape[1])
   if impl == "triton" and not kernel_fits(x.shape[1], w_router.shape[1], k):
     raise ValueError(f"impl='triton' needs a power-of-two expert count, k <= {MAX_PASSES_K} and d_model a "
@@ -45,18 +53,23 @@ def _check(x, w_router, k, impl):
                      "(use impl='auto').")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _kernel(x, w_router, k, renormalize):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _kernel(x, w_router, norm_scale, k, renormalize, eps):
   cfg = triton.default_config(x.shape[1], w_router.shape[1])
-  return triton.decode_router(x, w_router, k, renormalize, cfg, interpret=jax.default_backend() != "gpu")
+  norm = None if norm_scale is None else (norm_scale, eps)
+  return triton.decode_router(x, w_router, k, renormalize, cfg, interpret=jax.default_backend() != "gpu",
+                              norm=norm)
 
 
-def _kernel_fwd(x, w_router, k, renormalize):
-  return _kernel(x, w_router, k, renormalize), (x, w_router)
+def _kernel_fwd(x, w_router, norm_scale, k, renormalize, eps):
+  return _kernel(x, w_router, norm_scale, k, renormalize, eps), (x, w_router, norm_scale)
 
 
-def _kernel_bwd(k, renormalize, res, g):
-  _, vjp = jax.vjp(lambda x, w: decode_router_reference(x, w, k, renormalize)[1], *res)
+def _kernel_bwd(k, renormalize, eps, res, g):
+  def ref(x, w, ns):
+    return decode_router_reference(x if ns is None else rms_norm(x, ns, eps), w, k, renormalize)[1]
+
+  _, vjp = jax.vjp(ref, *res)
   return vjp(g[1])
 
 
@@ -82,12 +95,17 @@ def decode_router(
     k: int,
     *,
     renormalize: bool | None = None,
+    norm: tuple[Float[Array, "d_model"], float] | None = None,
     impl: str = "auto",
 ) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
   """(expert ids int32, combine weights float32) of the k largest softmax(x W_r) per token (module doc).
-  renormalize=None means "k > 1", as in routing.top_k_routing."""
-  _check(x, w_router, k, impl)
+  renormalize=None means "k > 1", as in routing.top_k_routing. norm = (g, eps): of rms_norm(x, g, eps)."""
+  _check(x, w_router, k, impl, norm)
   renormalize = k > 1 if renormalize is None else bool(renormalize)
-  if runs_kernel(x.shape[0], x.shape[1], w_router.shape[1], k, impl):
-    return _kernel(x, w_router, k, renormalize)
+  kernel = runs_kernel(x.shape[0], x.shape[1], w_router.shape[1], k, impl)
+  if norm is not None and not (kernel and triton.norm_fits(x.shape[1])):
+    x, norm = rms_norm(x, *norm), None
+  if kernel:
+    return _kernel(x, w_router, None if norm is None else norm[0], k, renormalize,
+                   None if norm is None else float(norm[1]))
   return decode_router_reference(x, w_router, k, renormalize)

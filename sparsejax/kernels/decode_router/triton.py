@@ -46,15 +46,44 @@ def default_config(d_model: int, num_experts: int) -> Config | None:
   return None
 
 
-def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int):
-  """[1, E] float32: sum over rows first .. first + steps * block_k of x[t, r] W_r[r, :]."""
+def norm_fits(d_model: int) -> bool:
+  """Whether a program can fold the RMSNorm of x's row in: it loads the whole row (a power of two of
+  at most 16,384 numbers) to take its root mean square."""
+  return d_model & (d_model - 1) == 0 and d_model <= 16384
+
+
+def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None, eps=None):
+  """[1, E] float32: sum over rows first .. first + steps * block_k of xn[t, r] W_r[r, :], with xn = x,
+  or with g_ref rms_norm(x, g, eps) rounded to x's dtype as the norm's module rounds it."""
   e = w_ref.shape[1]
+  x_row = x_ref[pl.ds(t, 1), :] if g_ref is not None else None  # [1, d]: the norm's whole row
+
+  def tile(i):
+    start = first + i * block_k
+    # A hint for a traced offset; the one-program form's single tile starts at the constant 0.
+    ks = pl.ds(start if isinstance(start, int) else pl.multiple_of(start, block_k), block_k)
+    return ks, w_ref[ks, :].astype(jnp.float32)  # [block_k, E]
+
+  def xs_of(ks, r):
+    xs = x_ref[pl.ds(t, 1), ks]  # [1, block_k]
+    if g_ref is not None:
+      xs = (xs.astype(jnp.float32) * r * g_ref[ks].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
+    return xs.astype(jnp.float32)
+
+  def rms_scale():
+    if g_ref is None:
+      return None
+    x32 = x_row.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + eps)
+
+  if steps == 1:  # the split form's one tile: its load is issued before the norm waits on the row
+    ks, ws = tile(0)
+    return jnp.sum(xs_of(ks, rms_scale())[:, :, None] * ws[None], axis=1)
+  r = rms_scale()
 
   def step(i, acc):
-    ks = pl.ds(pl.multiple_of(first + i * block_k, block_k), block_k)
-    xs = x_ref[pl.ds(t, 1), ks].astype(jnp.float32)  # [1, block_k]
-    ws = w_ref[ks, :].astype(jnp.float32)  # [block_k, E]
-    return acc + jnp.sum(xs[:, :, None] * ws[None], axis=1)
+    ks, ws = tile(i)
+    return acc + jnp.sum(xs_of(ks, r)[:, :, None] * ws[None], axis=1)
 
   return jax.lax.fori_loop(0, steps, step, jnp.zeros((1, e), jnp.float32))
 
@@ -81,16 +110,18 @@ def _select(logits, ids_ref, wts_ref, *, k: int, renormalize: bool):
   wts_ref[...] = wts
 
 
-def _route_kernel(x_ref, w_ref, ids_ref, wts_ref, *, cfg: Config, k: int, renormalize: bool):
+def _route_kernel(x_ref, w_ref, *refs, cfg: Config, k: int, renormalize: bool, eps):
+  g_ref, (ids_ref, wts_ref) = (refs[0], refs[1:]) if eps is not None else (None, refs)
   steps = w_ref.shape[0] // cfg.block_k
-  logits = _partial_logits(x_ref, w_ref, pl.program_id(0), 0, steps, cfg.block_k)
+  logits = _partial_logits(x_ref, w_ref, pl.program_id(0), 0, steps, cfg.block_k, g_ref, eps)
   _select(logits, ids_ref, wts_ref, k=k, renormalize=renormalize)
 
 
-def _split_kernel(x_ref, w_ref, part_ref, *, cfg: Config):
+def _split_kernel(x_ref, w_ref, *refs, cfg: Config, eps):
+  g_ref, part_ref = refs if eps is not None else (None, refs[0])
   steps = w_ref.shape[0] // (cfg.splits * cfg.block_k)
   first = pl.program_id(1) * steps * cfg.block_k
-  part_ref[...] = _partial_logits(x_ref, w_ref, pl.program_id(0), first, steps, cfg.block_k)[None]
+  part_ref[...] = _partial_logits(x_ref, w_ref, pl.program_id(0), first, steps, cfg.block_k, g_ref, eps)[None]
 
 
 def _select_kernel(part_ref, ids_ref, wts_ref, *, k: int, renormalize: bool):
@@ -105,8 +136,10 @@ def decode_router(
     cfg: Config,
     *,
     interpret: bool,
+    norm: tuple[Float[Array, "d_model"], float] | None = None,
 ) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
-  """(ids, weights) of the k largest softmax(x W_r) per token; E a power of two (Triton's blocks)."""
+  """(ids, weights) of the k largest softmax(x W_r) per token; E a power of two (Triton's blocks).
+  norm = (g, eps): of softmax(rms_norm(x, g, eps) W_r), the norm taken in every program (norm_fits)."""
   t, e = x.shape[0], w_router.shape[1]
   kp = pl.next_power_of_2(k)
   params = None
@@ -115,18 +148,20 @@ def decode_router(
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   outs = dict(out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
               out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)])
+  eps = None if norm is None else float(norm[1])
+  extra = () if norm is None else (norm[0],)
   if cfg.splits == 1:
     ids, wts = pl.pallas_call(
-        functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize),
-        grid=(t,), in_specs=[pl.no_block_spec] * 2, interpret=interpret, compiler_params=params,
-        name="sparsejax_decode_router", **outs)(x, w_router)
+        functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize, eps=eps),
+        grid=(t,), in_specs=[pl.no_block_spec] * (2 + len(extra)), interpret=interpret,
+        compiler_params=params, name="sparsejax_decode_router", **outs)(x, w_router, *extra)
   else:
     part = pl.pallas_call(
-        functools.partial(_split_kernel, cfg=cfg),
-        grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * 2,
+        functools.partial(_split_kernel, cfg=cfg, eps=eps),
+        grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * (2 + len(extra)),
         out_specs=pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0)),
         out_shape=jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32),
-        interpret=interpret, compiler_params=params, name="sparsejax_decode_router_logits")(x, w_router)
+        interpret=interpret, compiler_params=params, name="sparsejax_decode_router_logits")(x, w_router, *extra)
     ids, wts = pl.pallas_call(
         functools.partial(_select_kernel, k=k, renormalize=renormalize),
         grid=(t,), in_specs=[pl.BlockSpec((1, cfg.splits, e), lambda i: (i, 0, 0))],

@@ -55,15 +55,31 @@ def padded_rows(m: int, use_dot: bool) -> int:
   return max(16, pl.next_power_of_2(m)) if use_dot else 1
 
 
-def _kernel(experts_ref, x_ref, w_ref, out_ref, *, cfg: Config, steps: int, x_per_slot: bool, precision):
+def norm_fits(m: int, k: int) -> bool:
+  """Whether the kernel folds an RMSNorm of x's rows into the product: every program loads the whole
+  (padded) rows, a power-of-two k, so only where they are at most 4,096 numbers. At 32 rows of 512
+  (xs-moe at batch 32) the programs' copies of x made the step 18% slower on an H100
+  (experiments/notes_decode.md); at one row of 1,024 folding took 9% off medium-moe's step."""
+  return k & (k - 1) == 0 and padded_rows(m, m > 1 or k > 2048) * k <= 4096
+
+
+def _kernel(experts_ref, x_ref, w_ref, *refs, cfg: Config, steps: int, x_per_slot: bool, precision,
+            norm_eps: float | None):
+  g_ref, out_ref = refs if norm_eps is not None else (None, refs[0])
   s, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   expert = experts_ref[s]
   cols = pl.ds(pl.multiple_of(j * cfg.block_n, cfg.block_n), cfg.block_n)
   rows = out_ref.shape[-2]
+  # A folded RMSNorm: rms_norm(x) @ W = r * ((x * g) @ W), r = rsqrt(mean(x^2) + eps) per row. The
+  # whole rows are loaded before the loop but reduced after it, so their latency hides under the
+  # weight's loads instead of delaying the first of them.
+  x_rows = x_ref[...] if g_ref is not None else None
 
   def step(i, acc):
     ks = pl.ds(pl.multiple_of((p * steps + i) * cfg.block_k, cfg.block_k), cfg.block_k)
     xs = x_ref[s, :, ks] if x_per_slot else x_ref[:, ks]
+    if g_ref is not None:
+      xs = (xs.astype(jnp.float32) * g_ref[ks].astype(jnp.float32)[None, :]).astype(xs.dtype)
     ws = w_ref[expert, ks, cols]
     if cfg.use_dot:
       return acc + jax.lax.dot_general(xs, ws.astype(xs.dtype), (((1,), (0,)), ((), ())),
@@ -71,7 +87,11 @@ def _kernel(experts_ref, x_ref, w_ref, out_ref, *, cfg: Config, steps: int, x_pe
     # One row: a multiply-reduce in float32 (no tensor-core tile to fill; exact for int8 weights).
     return acc + jnp.sum(xs.astype(jnp.float32)[:, :, None] * ws.astype(jnp.float32)[None], axis=1)
 
-  out_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, cfg.block_n), jnp.float32))
+  acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, cfg.block_n), jnp.float32))
+  if g_ref is not None:
+    x32 = x_rows.astype(jnp.float32)
+    acc = acc * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + norm_eps)
+  out_ref[...] = acc
 
 
 def skinny_matmul(
@@ -81,8 +101,11 @@ def skinny_matmul(
     cfg: Config,
     *,
     interpret: bool,
+    norm: tuple[Float[Array, "k"], float] | None = None,
 ) -> Float[Array, "slots m n"]:
-  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here."""
+  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here.
+  norm = (g, eps): y[s] = rms_norm(x, g, eps) @ w[experts[s]] for a shared x (norm_fits), as
+  r * ((x * g) @ w): x * g rounded to x's dtype where the reference rounds rms_norm(x)."""
   x_per_slot = x.ndim == 3
   m, k = x.shape[-2:]
   n = w.shape[-1]
@@ -93,7 +116,8 @@ def skinny_matmul(
     x = jnp.pad(x, pad)
   splits = k // cfg.rows_per_program
   kernel = functools.partial(_kernel, cfg=cfg, steps=cfg.rows_per_program // cfg.block_k,
-                             x_per_slot=x_per_slot, precision=dot_precision(x.dtype))
+                             x_per_slot=x_per_slot, precision=dot_precision(x.dtype),
+                             norm_eps=None if norm is None else float(norm[1]))
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
@@ -101,11 +125,11 @@ def skinny_matmul(
   partial = pl.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
-      in_specs=[pl.no_block_spec] * 3,
+      in_specs=[pl.no_block_spec] * (3 if norm is None else 4),
       out_specs=pl.BlockSpec((None, None, mp, cfg.block_n), lambda s, j, p: (s, p, 0, j)),
       out_shape=jax.ShapeDtypeStruct((slots, splits, mp, n), jnp.float32),
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_skinny_matmul",
-  )(experts.astype(jnp.int32), x, w)
+  )(experts.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)))
   return partial.sum(axis=1)[:, :m]
