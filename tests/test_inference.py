@@ -69,8 +69,8 @@ def test_greedy_decoding_with_the_router_kernel_equals_full_forward(monkeypatch)
   np.testing.assert_array_equal(got, greedy_by_full_forward(model, PROMPTS, 6))
 
 
-@pytest.mark.parametrize("moe_every", [0, 1], ids=["dense", "moe"])
-def test_greedy_decoding_with_the_norms_folded_into_the_kernels(monkeypatch, moe_every):
+@pytest.mark.parametrize("variant", ["dense", "moe", "moe_int8"])
+def test_greedy_decoding_with_the_norms_folded_into_the_kernels(monkeypatch, variant):
   """The decode step with every kernel forced (interpret mode; "auto" takes them on a GPU) takes each
   layer's RMSNorms inside its first products (qkv, the router, the first expert or MLP products) and
   decodes the full forward's greedy tokens."""
@@ -89,11 +89,14 @@ def test_greedy_decoding_with_the_norms_folded_into_the_kernels(monkeypatch, moe
   monkeypatch.setattr(decode_moe, "skinny_matmul", forced_matmul)
   monkeypatch.setattr(modules, "runs_kernel", lambda *shape: runs_kernel(*shape, impl="triton"))
   monkeypatch.setattr(modules, "decode_router", lambda *a, **kw: decode_router(*a, **kw, impl="triton"))
-  model = _model(moe_every)
+  model = reference = _model(0 if variant == "dense" else 1)
+  if variant == "moe_int8":  # the int8 experts enter the same kernels, with their scales
+    model = quantize_model(model)
+    reference = dequantize_model(model)
   got = np.asarray(generate(model, PROMPTS, 5, temperature=0.0))
   # per layer: qkv and the first FFN product fold their norm, the attention output and the last do not
   assert sum(folded) >= 2 * BASE.num_layers and not all(folded)
-  np.testing.assert_array_equal(got, greedy_by_full_forward(model, PROMPTS, 5))
+  np.testing.assert_array_equal(got, greedy_by_full_forward(reference, PROMPTS, 5))
 
 
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
