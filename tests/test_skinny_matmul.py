@@ -191,8 +191,8 @@ def test_folded_norm_gradients_equal_the_reference():
   gn = jnp.asarray(1.0 + 0.3 * rng.standard_normal(256), jnp.float32)
   experts = jnp.asarray([2, 0], jnp.int32)
   ct = _draw(23, (2, 2, 192), jnp.float32)
-  got = jax.grad(lambda x, w, gn: jnp.sum(skinny_matmul(x, w, experts=experts, norm=(gn, 1e-6), impl="triton") * ct),
-                 argnums=(0, 1, 2))(x, w, gn)
+  folded = lambda x, w, gn: skinny_matmul(x, w, experts=experts, norm=(gn, 1e-6), impl="triton")
+  got = jax.grad(lambda x, w, gn: jnp.sum(folded(x, w, gn) * ct), argnums=(0, 1, 2))(x, w, gn)
   want = jax.grad(lambda x, w, gn: jnp.sum(skinny_matmul_reference(
       jnp.broadcast_to(rms_norm(x, gn, 1e-6), (2, 2, 256)), w, experts) * ct), argnums=(0, 1, 2))(x, w, gn)
   for a, b in zip(got, want):

@@ -161,7 +161,8 @@ def decode_router(
         grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * (2 + len(extra)),
         out_specs=pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0)),
         out_shape=jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32),
-        interpret=interpret, compiler_params=params, name="sparsejax_decode_router_logits")(x, w_router, *extra)
+        interpret=interpret, compiler_params=params,
+        name="sparsejax_decode_router_logits")(x, w_router, *extra)
     ids, wts = pl.pallas_call(
         functools.partial(_select_kernel, k=k, renormalize=renormalize),
         grid=(t,), in_specs=[pl.BlockSpec((1, cfg.splits, e), lambda i: (i, 0, 0))],

@@ -2,13 +2,13 @@
 
   w [k, n]:               y[r]    = x[r] @ w, r over x's leading axes          (* scale[n])
   w [e, k, n], experts:   y[s, m] = x_s[m] @ w[experts[s]]   (* scale[experts[s], n])
-with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. norm = (g, eps) puts
-sparsejax.norm.rms_norm(x, g, eps) in x's place (a shared x only): a decode step's RMSNorm runs inside
-the product's programs (triton.norm_fits) instead of as two kernels of its own, within x's dtype
-rounding of the reference (which rounds the normalized x, where the kernel rounds x * g). Weights enter the product
-as x's dtype, cast where they are loaded: int8 exactly (|q| <= 127), with the per-column scale on the
-float32 result, so no dequantized (or float32-to-bf16) copy of a weight is ever written. Only the
-chosen experts' weights are read.
+with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. Weights enter the
+product as x's dtype, cast where they are loaded: int8 exactly (|q| <= 127), with the per-column
+scale on the float32 result, so no dequantized (or float32-to-bf16) copy of a weight is ever
+written. Only the chosen experts' weights are read.
+norm = (g, eps) puts sparsejax.norm.rms_norm(x, g, eps) in x's place (a shared x only): a decode
+step's RMSNorm then runs inside the product's programs (folds_norm) instead of as kernels of its
+own, within x's dtype rounding of the reference (which rounds the normalized x; the kernel x * g).
 Backends: "triton" (triton.py; off the GPU in interpret mode) and "xla" (reference.py, an einsum);
 "auto" takes triton on a GPU when m <= MAX_ROWS and k, n are multiples of 16. Differentiable: the
 cotangents are the reference's.
