@@ -93,12 +93,13 @@ def test_dispatch():
   assert row_moves.gather_rows(x, jnp.zeros((0,), jnp.int32), impl="auto").shape == (0, 96)
 
 
-@pytest.mark.parametrize("args, impl, match", [
-    ((jnp.ones((3, 128)), jnp.zeros((2,), jnp.int32)), "cuda", "impl must be one of"),
-    ((jnp.ones((3, 128)), jnp.zeros((2, 1), jnp.int32)), "auto", r"x \[n, d\] and src \[rows\]"),
-    ((jnp.ones((3, 128)), jnp.zeros((2,), jnp.float32)), "auto", "integers"),
-    ((jnp.ones((3, 96)), jnp.zeros((2,), jnp.int32)), "triton", "d=96"),
+@pytest.mark.parametrize("args, impl, err, match", [
+    ((jnp.ones((3, 128)), jnp.zeros((2,), jnp.int32)), "cuda", ValueError, "impl must be one of"),
+    ((jnp.ones((3, 128)), jnp.zeros((2, 1), jnp.int32)), "auto", ValueError, r"src must have rank 1 \(\[rows\]\)"),
+    ((jnp.ones((3,)), jnp.zeros((2,), jnp.int32)), "auto", ValueError, r"x must have rank 2 \(\[n, d\]\)"),
+    ((jnp.ones((3, 128)), jnp.zeros((2,), jnp.float32)), "auto", TypeError, "src must be an integer array"),
+    ((jnp.ones((3, 96)), jnp.zeros((2,), jnp.int32)), "triton", ValueError, "d=96"),
 ])
-def test_errors(args, impl, match):
-  with pytest.raises(ValueError, match=match):
+def test_errors(args, impl, err, match):
+  with pytest.raises(err, match=match):
     row_moves.gather_rows(*args, impl=impl)

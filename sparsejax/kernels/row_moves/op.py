@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from sparsejax import _checks
 from sparsejax.kernels.row_moves import triton
 from sparsejax.kernels.row_moves.reference import gather_rows_reference
 
@@ -29,10 +30,9 @@ def runs_kernel(d: int, impl: str = "auto") -> bool:
 def _check(x, src, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
-  if x.ndim != 2 or src.ndim != 1:
-    raise ValueError(f"gather_rows takes x [n, d] and src [rows]; got x {x.shape} and src {src.shape}.")
-  if not jnp.issubdtype(src.dtype, jnp.integer):
-    raise ValueError(f"src holds row indices (integers); got {src.dtype}.")
+  _checks.check_rank("x", x, 2, "[n, d]")
+  _checks.check_rank("src", src, 1, "[rows]")
+  _checks.check_integer("src", src)
   if impl == "triton" and triton.block_d_for(x.shape[1]) is None:
     raise ValueError(f"impl='triton' needs d a multiple of {triton.Config().block_d} or a smaller power "
                      f"of two; got d={x.shape[1]} (use impl='auto').")
