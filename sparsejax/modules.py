@@ -104,7 +104,7 @@ class MoE(nnx.Module):
     # Folded only where the expert products fold it too: if XLA normalizes x for them anyway, the
     # router taking the norm again would only add work.
     fold = (norm is not None and decode and c.router == "top_k" and jitter_rng is None
-            and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape))
+            and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape, c.d_ff))
     folded = norm.folded() if fold else None
     # x2, the layer's input, feeds whatever does not fold the norm (in a folded decode step only the
     # losses, which XLA drops); x_in is what the folding kernels take.

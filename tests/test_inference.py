@@ -85,7 +85,7 @@ def test_greedy_decoding_with_the_norms_folded_into_the_kernels(monkeypatch, var
     return real(x, w, **kwargs, impl="triton")
 
   monkeypatch.setattr(sm, "skinny_matmul", forced_matmul)
-  monkeypatch.setattr(sm, "folds_norm", lambda m, k: real_folds(m, k, "triton"))
+  monkeypatch.setattr(sm, "folds_norm", lambda m, k, n: real_folds(m, k, n, "triton"))
   monkeypatch.setattr(decode_moe, "skinny_matmul", forced_matmul)
   monkeypatch.setattr(modules, "runs_kernel", lambda *shape: runs_kernel(*shape, impl="triton"))
   monkeypatch.setattr(modules, "decode_router", lambda *a, **kw: decode_router(*a, **kw, impl="triton"))

@@ -209,7 +209,9 @@ def test_folded_norm_errors():
 
 def test_folds_norm_where_the_kernel_runs_on_small_rows():
   from sparsejax.kernels.skinny_matmul import folds_norm
-  assert folds_norm(1, 1024, "triton") and folds_norm(8, 256, "triton")  # one row; 16 padded rows of 256
-  assert not folds_norm(32, 512, "triton")  # 16,384 numbers a program: XLA normalizes first
-  assert not folds_norm(1, 384, "triton") and not folds_norm(1, 1024, "xla")
-  assert folds_norm(1, 1024) == (jax.default_backend() == "gpu")
+  assert folds_norm(1, 1024, 4096, "triton")  # one row
+  assert folds_norm(8, 256, 64, "triton")  # 16 padded rows of 256
+  assert not folds_norm(32, 512, 2048, "triton")  # 16,384 numbers a program: XLA normalizes first
+  assert not folds_norm(1, 384, 64, "triton") and not folds_norm(1, 1024, 64, "xla")
+  assert folds_norm(1, 1024, 4096) == (jax.default_backend() == "gpu")
+  assert not folds_norm(1, 1024, 100)  # no tiles for n = 100: XLA runs the product, and the norm

@@ -107,12 +107,17 @@ def _kernel_bwd(cfg, eps, res, g):
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def folds_norm(m: int, k: int, impl: str = "auto") -> bool:
-  """Whether skinny_matmul(x [m, k], ..., norm=...) takes the norm inside its kernel (else XLA's
-  kernels normalize x first): where the kernel runs and the rows are small (triton.norm_fits)."""
-  runs = impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and m <= MAX_ROWS
-                              and triton.default_config(m, k, 16) is not None)
-  return runs and triton.norm_fits(m, k)
+def runs_kernel(m: int, k: int, n: int, impl: str = "auto") -> bool:
+  """Whether skinny_matmul of m rows by a [k, n] weight runs the Pallas kernel (else XLA): impl
+  "triton", or "auto" on a GPU for at most MAX_ROWS rows when the kernel has tiles for k and n."""
+  return impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and m <= MAX_ROWS
+                              and triton.default_config(m, k, n) is not None)
+
+
+def folds_norm(m: int, k: int, n: int, impl: str = "auto") -> bool:
+  """Whether skinny_matmul(x [m, k], w [.., k, n], norm=...) takes the norm inside its kernel (else
+  XLA's kernels normalize x first): where the kernel runs and the rows are small (triton.norm_fits)."""
+  return runs_kernel(m, k, n, impl) and triton.norm_fits(m, k)
 
 
 def skinny_matmul(
@@ -137,12 +142,10 @@ def skinny_matmul(
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   m, k = x.shape[-2:]
   n = w.shape[-1]
-  cfg = triton.default_config(m, k, n)
-  use_kernel = impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and cfg is not None
-                                    and m <= MAX_ROWS)
-  if norm is not None and not (use_kernel and triton.norm_fits(m, k)):
+  if norm is not None and not folds_norm(m, k, n, impl):
     x, norm = rms_norm(x, *norm), None  # XLA's two kernels for the norm, then the product
-  if use_kernel:
+  if runs_kernel(m, k, n, impl):
+    cfg = triton.default_config(m, k, n)
     y = _kernel(x, w3, ids, None if norm is None else norm[0], cfg, None if norm is None else float(norm[1]))
   elif dense:  # a plain dot: no gather of the one weight
     y = jnp.dot(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)[None]
