@@ -77,8 +77,9 @@ def sweep(shapes, chain: int, limit: int | None) -> list[dict]:
     for cfg in configs(k, n)[:limit]:
       name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
               f"_w{cfg.num_warps}")
-      variants[name] = (lambda cfg: lambda x, w: triton.skinny_matmul(
-          x, w[None], jnp.zeros((1,), jnp.int32), cfg, interpret=interpret)[0])(cfg)
+      variants[name] = (lambda cfg: lambda x, w: triton.skinny_matmul_parts(
+          (x,), triton.Plain(per_slot=False), w[None], jnp.zeros((1,), jnp.int32), 1, x.dtype, cfg,
+          interpret=interpret)[0].sum(axis=0)[:1])(cfg)
     for name, f in variants.items():
       g = jax.jit(lambda x, ws, f=f: jnp.stack([f(x, w)[0] for w in ws]))
       row = dict(k=k, n=n, variant=name)

@@ -182,23 +182,24 @@ class MLP(nnx.Module):
     c = self.config
     # HIGHEST for float32 (a GPU's default float32 dot is TF32); bf16 keeps the default.
     hi = dot_precision(c.dtype)
-    matmul = lambda a, w, norm=None: jnp.matmul(a, w[...].astype(c.dtype), precision=hi)
     rows = x.size // c.d_model
-    skinny = decode and rows <= skinny_matmul.MAX_ROWS
-    folded = None
-    if skinny:
-      matmul = lambda a, w, norm=None: skinny_matmul.skinny_matmul(a, w[...], norm=norm).astype(c.dtype)
+    gate = None if self.w_gate is None else self.w_gate[...]
+    if decode and rows <= skinny_matmul.MAX_ROWS:  # one call: the hidden layer may run inside W_out's kernel
+      folded = None
       if norm is not None and x.dtype == jnp.dtype(c.dtype):
         folded, norm = norm.folded(), None
-    if norm is not None:
-      x = norm(x)
-    x = x.astype(c.dtype)
-    h = matmul(x, self.w_in, folded)
-    if self.w_gate is not None:
-      h = c.activation_fn(matmul(x, self.w_gate, folded)) * h
+      if norm is not None:
+        x = norm(x)
+      y = skinny_matmul.skinny_ffn(x.astype(c.dtype), self.w_in[...], self.w_out[...], w_gate=gate,
+                                   activation=c.activation_fn, norm=folded).astype(c.dtype)
     else:
-      h = c.activation_fn(h)
-    y = matmul(h, self.w_out)
+      if norm is not None:
+        x = norm(x)
+      x = x.astype(c.dtype)
+      matmul = lambda a, w: jnp.matmul(a, w.astype(c.dtype), precision=hi)
+      h = matmul(x, self.w_in[...])
+      h = c.activation_fn(matmul(x, gate)) * h if gate is not None else c.activation_fn(h)
+      y = matmul(h, self.w_out[...])
     zero = jnp.zeros((), jnp.float32)
     n = jnp.asarray(x.size // c.d_model, jnp.int32)
     stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)

@@ -215,3 +215,154 @@ def test_folds_norm_where_the_kernel_runs_on_small_rows():
   assert not folds_norm(1, 384, 64, "triton") and not folds_norm(1, 1024, 64, "xla")
   assert folds_norm(1, 1024, 4096) == (jax.default_backend() == "gpu")
   assert not folds_norm(1, 1024, 100)  # no tiles for n = 100: XLA runs the product, and the norm
+
+
+def _gelu64(x):
+  return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _silu64(x):
+  return x / (1.0 + np.exp(-x))
+
+
+def _ffn_oracle(x, w_in, w_out, ids, act, w_gate=None, scales=(None, None, None), dtype=jnp.float32):
+  """float64 feed-forward per slot, with h rounded to dtype as the two-call form rounds it."""
+  s_in, s_gate, s_out = scales
+  u = _oracle(x, w_in, ids, s_in)
+  if w_gate is not None:
+    h = act(np.asarray(jnp.asarray(_oracle(x, w_gate, ids, s_gate), dtype), np.float64)) * np.asarray(
+        jnp.asarray(u, dtype), np.float64)
+  else:
+    h = act(np.asarray(jnp.asarray(u, dtype), np.float64))
+  h = np.asarray(jnp.asarray(h, dtype), np.float64)
+  y = np.einsum("smf,sfd->smd", h, np.asarray(jnp.asarray(w_out).astype(dtype), np.float64)[np.asarray(ids)])
+  if s_out is not None:
+    y = y * np.asarray(s_out, np.float64)[np.asarray(ids)][:, None, :]
+  return y
+
+
+# (m, d, f, E, ids): one row whose parts (no dot, one row) feed W_out's dot (f > 2048: 16 padded rows);
+# five rows (the parts already padded to 16); one row on both multiply-reduce paths; ids past [0, E)
+# (clamped: -1 reads expert 0, E reads E - 1).
+FFN_CASES = {
+    "one_row_into_a_dot": (1, 64, 4096, 3, [2, 0]),
+    "few_rows": (5, 256, 384, 4, [1, 3, 1]),
+    "one_row": (1, 256, 512, 3, [-1, 3, 1]),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(FFN_CASES))
+def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype):
+  """skinny_ffn: W_out's programs sum W_in's split-K parts and apply GELU as they load h; against float64."""
+  from sparsejax.kernels.skinny_matmul import fuses_hidden, skinny_ffn
+  m, d, f, e, ids = FFN_CASES[name]
+  seed = seed_of("ffn", name, str(dtype))
+  x, w_in, w_out = _draw(seed, (m, d), dtype), _draw(seed + 1, (e, d, f), dtype), _draw(seed + 2, (e, f, d), dtype)
+  experts = jnp.asarray(ids, jnp.int32)
+  assert fuses_hidden(m, d, f, jax.nn.gelu, "triton")
+  got = jax.jit(lambda x, a, b: skinny_ffn(x, a, b, experts=experts, impl="triton"))(x, w_in, w_out)
+  assert got.dtype == jnp.float32 and got.shape == (len(ids), m, d)
+  clamped = jnp.clip(experts, 0, e - 1)
+  np.testing.assert_allclose(np.asarray(got), _ffn_oracle(x, w_in, w_out, clamped, _gelu64, dtype=dtype),
+                             **TOL[dtype])
+  two_calls = skinny_ffn(x, w_in, w_out, experts=experts, impl="xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(two_calls), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_ffn_gated_int8_and_folded_norm_in_the_kernels(dtype):
+  """SiLU-GLU with int8 experts and their scales, the norm folded into W_in's and W_gate's programs."""
+  from sparsejax.kernels.skinny_matmul import skinny_ffn
+  seed = seed_of("ffn_glu", str(dtype))
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((1, 256)) * 2.0, dtype)
+  g = jnp.asarray(1.0 + 0.3 * rng.standard_normal(256), jnp.float32)
+  (qi, si), (qg, sg), (qo, so) = (quantize_weight(_draw(seed + i, shape, jnp.float32))
+                                  for i, shape in enumerate([(3, 256, 320), (3, 256, 320), (3, 320, 256)]))
+  experts = jnp.asarray([2, 0], jnp.int32)
+  got = skinny_ffn(x, qi, qo, experts=experts, w_gate=qg, activation=jax.nn.silu, w_in_scale=si, w_gate_scale=sg,
+                   w_out_scale=so, norm=(g, 1e-6), impl="triton")
+  xn = jnp.asarray(_rms64(x.astype(jnp.float32), g), jnp.float32).astype(dtype)
+  want = _ffn_oracle(xn, qi, qo, experts, _silu64, w_gate=qg, scales=(si, sg, so), dtype=dtype)
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
+
+
+def test_ffn_dense_weights_and_the_unfused_cases():
+  """A dense MLP ([d, f] weights, x [b, t, d]); exact GELU (no kernel body for erf) and hidden layers too
+  large for a program take the two-call form, with the same answer."""
+  from sparsejax.activations import gelu_exact
+  from sparsejax.kernels.skinny_matmul import fuses_hidden, skinny_ffn
+  x = _draw(31, (2, 3, 128), jnp.float32)
+  w_in, w_out = _draw(32, (128, 256), jnp.float32), _draw(33, (256, 128), jnp.float32)
+  got = skinny_ffn(x, w_in, w_out, impl="triton")
+  want = _ffn_oracle(x.reshape(6, 128), w_in[None], w_out[None], jnp.zeros(1, jnp.int32), _gelu64)[0]
+  np.testing.assert_allclose(np.asarray(got).reshape(6, 128), want, **TOL[jnp.float32])
+  assert not fuses_hidden(6, 128, 256, gelu_exact, "triton")
+  exact = skinny_ffn(x, w_in, w_out, activation=gelu_exact, impl="triton")
+  np.testing.assert_allclose(np.asarray(exact), np.asarray(skinny_ffn(x, w_in, w_out, activation=gelu_exact,
+                                                                      impl="xla")), rtol=1e-5, atol=1e-5)
+  assert fuses_hidden(1, 1024, 4096, jax.nn.gelu, "triton")  # medium-moe at batch 1: 8 parts x 512 rows
+  assert not fuses_hidden(32, 1024, 4096, jax.nn.gelu, "triton")  # 32 rows of parts: too many a program
+  assert not fuses_hidden(1, 1024, 4096, jax.nn.gelu, "xla")
+
+
+def test_ffn_gradients_equal_the_two_call_form():
+  from sparsejax.kernels.skinny_matmul import skinny_ffn
+  x = _draw(41, (2, 128), jnp.float32)
+  w_in, w_gate, w_out = _draw(42, (3, 128, 192), jnp.float32), _draw(43, (3, 128, 192), jnp.float32), \
+      _draw(44, (3, 192, 128), jnp.float32)
+  experts = jnp.asarray([2, 1], jnp.int32)
+  ct = _draw(45, (2, 2, 128), jnp.float32)
+  loss = lambda impl: lambda *a: jnp.sum(skinny_ffn(a[0], a[1], a[3], experts=experts, w_gate=a[2],
+                                                    activation=jax.nn.silu, impl=impl) * ct)
+  got = jax.grad(loss("triton"), argnums=(0, 1, 2, 3))(x, w_in, w_gate, w_out)
+  want = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(x, w_in, w_gate, w_out)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_ffn_bad_inputs_fail_with_clear_errors():
+  from sparsejax.kernels.skinny_matmul import skinny_ffn
+  x, w_in, w_out = jnp.ones((1, 64)), jnp.ones((3, 64, 32)), jnp.ones((3, 32, 64))
+  ids = jnp.asarray([0], jnp.int32)
+  with pytest.raises(ValueError, match=r"w_out must be \(3, 32, 64\)"):
+    skinny_ffn(x, w_in, jnp.ones((3, 64, 32)), experts=ids)
+  with pytest.raises(ValueError, match="w_gate must have w_in's shape"):
+    skinny_ffn(x, w_in, w_out, experts=ids, w_gate=jnp.ones((3, 64, 16)))
+  with pytest.raises(ValueError, match="w_gate_scale given without w_gate"):
+    skinny_ffn(x, w_in, w_out, experts=ids, w_gate_scale=jnp.ones((3, 32)))
+  with pytest.raises(ValueError, match=r"scale must have shape \(3, 64\)"):
+    skinny_ffn(x, w_in.astype(jnp.int8), w_out.astype(jnp.int8), experts=ids, w_in_scale=jnp.ones((3, 32)),
+               w_out_scale=jnp.ones((64,)))
+
+
+def test_ids_outside_the_experts_are_clamped():
+  """An id past [0, E) reads expert clip(id, 0, E - 1) on every backend (decode_moe relies on it)."""
+  x = _draw(51, (2, 128), jnp.float32)
+  w = _draw(52, (3, 128, 64), jnp.float32)
+  ids = jnp.asarray([-1, 3, 7, 1], jnp.int32)
+  want = _oracle(x, w, jnp.asarray([0, 2, 2, 1], jnp.int32))
+  for impl in ("triton", "xla"):
+    np.testing.assert_allclose(np.asarray(skinny_matmul(x, w, experts=ids, impl=impl)), want, **TOL[jnp.float32])
+
+
+@pytest.mark.parametrize("m,k", [(1, 256), (5, 512)])
+def test_split_k_parts_sum_to_the_product(m, k):
+  """The parts (several splits; rows padded on the dot path) sum to skinny_matmul; the gradients are the
+  product's."""
+  from sparsejax.kernels.skinny_matmul import split_k_parts
+  x, w = _draw(61 + m, (m, k), jnp.float32), _draw(62 + m, (k, 192), jnp.float32)
+  g = jnp.asarray(1.0 + 0.2 * np.random.default_rng(m).standard_normal(k), jnp.float32)
+  parts = split_k_parts(x, w, norm=(g, 1e-6), impl="triton")
+  assert parts.shape[0] > 1 and parts.shape[1] >= m
+  want = skinny_matmul(x, w, norm=(g, 1e-6), impl="xla")
+  np.testing.assert_allclose(np.asarray(parts.sum(0)[:m]), np.asarray(want), rtol=1e-5, atol=1e-5)
+  assert not np.any(np.asarray(parts[:, m:]))
+  ct = _draw(63, (m, 192), jnp.float32)
+  got = jax.grad(lambda x, w: jnp.sum(split_k_parts(x, w, impl="triton").sum(0)[:m] * ct), argnums=(0, 1))(x, w)
+  ref = jax.grad(lambda x, w: jnp.sum(skinny_matmul(x, w, impl="xla") * ct), argnums=(0, 1))(x, w)
+  for a, b in zip(got, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="dense w"):
+    split_k_parts(x, w[None], impl="triton")

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
-from sparsejax.kernels.skinny_matmul import skinny_matmul
+from sparsejax.kernels.skinny_matmul import skinny_ffn
 from sparsejax.moe import MoEStats, moe_mlp
 from sparsejax.norm import rms_norm
 
@@ -115,7 +115,7 @@ def decode_moe_mlp(
   # NO_EXPERT sorts last (as E), so when it does not fit in the n slots it is the one left out.
   key = jnp.where(valid, ids, num_experts)
   if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
-    uniq, slot, picked = key, jnp.arange(k), valid
+    uniq, slot, picked = ids, jnp.arange(k), valid  # -1 (NO_EXPERT) reads a clamped expert, weighted 0
   else:
     uniq = jnp.unique(key, size=n)  # sorted; padded with the smallest id (a duplicate, never matched)
     hit = key[:, None] == uniq[None, :]  # [T k, n]
@@ -124,22 +124,13 @@ def decode_moe_mlp(
   c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
   combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
                        jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n), precision=hi)
-  experts = jnp.minimum(uniq, num_experts - 1)
-
-  def product(a, name, w, norm=None):
-    """[n, T, out] = a @ W[experts[s]] (times the int8 scale) for every slot s; a is [T, in] or [n, T, in].
-
-    skinny_matmul reads each chosen expert's weight once (on a GPU, a split-K Pallas kernel; XLA's own
-    one-row dot writes the broadcast product out before reducing it) and never gathers a copy of it.
-    """
-    return skinny_matmul(a, w, experts=experts, scale=scales.get(name), norm=norm)
-
-  h = product(x, "w_in", w_in, norm).astype(dt)
-  if w_gate is not None:
-    h = activation(product(x, "w_gate", w_gate, norm).astype(dt)) * h
-  else:
-    h = activation(h)
-  out = product(h, "w_out", w_out).astype(dt)  # rounded like moe_mlp's expert rows
+  # uniq may hold NO_EXPERT (-1, one token) or its sort key E: skinny_ffn clamps ids into [0, E) in its
+  # kernels (no kernel of its own for that), and such a slot's combine weight is zero.
+  # skinny_ffn reads each chosen expert's weights once (on a GPU, split-K Pallas kernels; XLA's own
+  # one-row dot writes the broadcast product out before reducing it) and never gathers a copy of them.
+  out = skinny_ffn(x, w_in, w_out, experts=uniq, w_gate=w_gate, activation=activation,
+                   w_in_scale=scales.get("w_in"), w_gate_scale=scales.get("w_gate"),
+                   w_out_scale=scales.get("w_out"), norm=norm).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
   zero = jnp.zeros((), jnp.int32)

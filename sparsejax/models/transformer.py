@@ -19,8 +19,10 @@ from jaxtyping import Array, Float, Int
 from sparsejax._precision import dot_precision, dot_precision_scope
 from sparsejax.models.config import DTYPES, TransformerConfig
 from sparsejax.norm import rms_norm
+from sparsejax.rope import rotary
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
+from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
@@ -48,21 +50,6 @@ class RMSNorm(nnx.Module):
   def folded(self) -> tuple[Float[Array, "d"], float]:
     """(scale, eps): the norm as the decode kernels take it, to apply it inside their products."""
     return self.scale[...], self.eps
-
-
-def rotary(x: Float[Array, "b t h d"], base: float,
-           positions: Int[Array, "b t"] | None = None) -> Float[Array, "b t h d"]:
-  """RoPE (Su et al.): rotate pairs (x_i, x_{i+d/2}) by angle p * base^(-2i/d), in float32.
-
-  p is the token's position: positions[b, t] when given (cached decoding), else t.
-  """
-  t, d = x.shape[1], x.shape[-1]
-  inv_freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-  pos = jnp.arange(t, dtype=jnp.float32)[None, :] if positions is None else positions.astype(jnp.float32)
-  angles = pos[:, :, None] * inv_freq  # [b or 1, t, d/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def attention_impl(cfg: TransformerConfig) -> str | None:
@@ -103,9 +90,18 @@ class Attention(nnx.Module):
     # keeps the default. jax.nn.dot_product_attention takes no precision: it gets the scope.
     hi = dot_precision(dt)
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
+    folded = None if norm is None else norm.folded()
+    if few_rows and t == 1 and qkv_runs_kernel(dh):
+      # One token a row: the qkv product's split-K parts go straight to one kernel that sums them,
+      # applies RoPE and writes the cache slot (XLA would run three kernels for that glue).
+      parts = skinny_matmul.split_k_parts(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh), norm=folded)
+      q, keys, values = decode_qkv(parts, self.cached_key[...], self.cached_value[...], cache.index, cache.start,
+                                   rope_base=cfg.rope_base, dtype=dt)
+      self.cached_key[...], self.cached_value[...] = keys, values
+      o = decode_attention(q, keys, values, cache.start, cache.index)
+      return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), self.w_out[...].reshape(h * dh, d)).astype(dt)
     if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
       w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
-      folded = None if norm is None else norm.folded()
       qkv = skinny_matmul.skinny_matmul(x, w_qkv, norm=folded).astype(dt).reshape(b, t, 3, h, dh)
     else:
       if norm is not None:

@@ -15,7 +15,7 @@ cotangents are the reference's.
 """
 from __future__ import annotations
 
-import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
+from sparsejax.activations import PLAIN
 from sparsejax.kernels.skinny_matmul import triton
 from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
 from sparsejax.norm import rms_norm
@@ -80,31 +81,44 @@ def _check(x, w, experts, scale, norm, impl):
       raise ValueError(f"impl='triton' needs k and n multiples of 16; got k={k}, n={n} (use impl='auto').")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _kernel(x, w, experts, norm_scale, cfg, eps):
-  norm = None if norm_scale is None else (norm_scale, eps)
-  return triton.skinny_matmul(x, w, experts, cfg, interpret=jax.default_backend() != "gpu", norm=norm)
+def _differentiable(kernel, reference, *args):
+  """kernel(*args), with the cotangents of reference(*args): the kernels have no backward of their own."""
+  f = jax.custom_vjp(kernel)
+  f.defvjp(lambda *a: (kernel(*a), a), lambda a, g: jax.vjp(reference, *a)[1](g))
+  return f(*args)
 
 
-def _kernel_fwd(x, w, experts, norm_scale, cfg, eps):
-  return _kernel(x, w, experts, norm_scale, cfg, eps), (x, w, experts, norm_scale)
+def _interpret() -> bool:
+  return jax.default_backend() != "gpu"
 
 
-def _kernel_bwd(cfg, eps, res, g):
-  del cfg
-  x, w, experts, norm_scale = res
-
-  def ref(x, w, e, ns):
-    xn = x if ns is None else rms_norm(x, ns, eps)
-    x3 = xn if xn.ndim == 3 else jnp.broadcast_to(xn, (e.shape[0],) + xn.shape)
-    return skinny_matmul_reference(x3, w, e)
-
-  _, vjp = jax.vjp(ref, x, w, experts, norm_scale)
-  dx, dw, de, dns = vjp(g)
-  return dx.astype(x.dtype), dw, de, dns
+def _normed(x, norm_scale, eps):
+  return x if norm_scale is None else rms_norm(x, norm_scale, eps)
 
 
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
+def _slots(x, ids):
+  return x if x.ndim == 3 else jnp.broadcast_to(x, (ids.shape[0],) + x.shape)
+
+
+def _source(x, norm):
+  return triton.Plain(per_slot=x.ndim == 3) if norm is None else triton.Normed(eps=float(norm[1]))
+
+
+def _kernel_product(x, w3, ids, norm):
+  """[slots, m, n] float32 from the kernel (no scale), differentiable through the reference."""
+  m, k = x.shape[-2:]
+  cfg = triton.default_config(m, k, w3.shape[-1])
+  source, eps = _source(x, norm), None if norm is None else float(norm[1])
+
+  def kernel(x, w3, ids, ns):
+    operands = (x,) if ns is None else (x, ns)
+    parts = triton.skinny_matmul_parts(operands, source, w3, ids, m, x.dtype, cfg, interpret=_interpret())
+    return parts.sum(axis=1)[:, :m]
+
+  def reference(x, w3, ids, ns):
+    return skinny_matmul_reference(_slots(_normed(x, ns, eps), ids), w3, ids)
+
+  return _differentiable(kernel, reference, x, w3, ids, None if norm is None else norm[0])
 
 
 def runs_kernel(m: int, k: int, n: int, impl: str = "auto") -> bool:
@@ -145,14 +159,157 @@ def skinny_matmul(
   if norm is not None and not folds_norm(m, k, n, impl):
     x, norm = rms_norm(x, *norm), None  # XLA's two kernels for the norm, then the product
   if runs_kernel(m, k, n, impl):
-    cfg = triton.default_config(m, k, n)
-    y = _kernel(x, w3, ids, None if norm is None else norm[0], cfg, None if norm is None else float(norm[1]))
+    y = _kernel_product(x, w3, ids, norm)
   elif dense:  # a plain dot: no gather of the one weight
     y = jnp.dot(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)[None]
   else:
     x3 = x if x.ndim == 3 else jnp.broadcast_to(x, (ids.shape[0],) + x.shape)
     y = skinny_matmul_reference(x3, w3, ids)
   if scale is not None:
-    s = scale[None] if dense else jnp.take(scale, ids, axis=0)
+    s = scale[None] if dense else jnp.take(scale, ids, axis=0, mode="clip")
     y = y * s.astype(jnp.float32)[:, None, :]
   return y[0] if dense else y
+
+
+def _as3(w, scale):
+  """A dense weight [k, n] (and its scale [n]) as the one expert of [1, k, n] ([1, n])."""
+  if w is None or w.ndim == 3:
+    return w, scale
+  return w[None], None if scale is None else scale[None]
+
+
+def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto") -> bool:
+  """Whether skinny_ffn runs the hidden layer inside W_out's kernel (else as an XLA kernel between
+  the products): both products run the kernel, the activation is one a kernel body computes
+  (sparsejax.activations.PLAIN), and each program's share of the partials is small (hidden_fits)."""
+  if not (runs_kernel(m, d, f, impl) and runs_kernel(m, f, d, impl) and activation in PLAIN):
+    return False
+  cfg_in = triton.default_config(m, d, f)
+  parts_rows = triton.padded_rows(m, cfg_in.use_dot)
+  return triton.hidden_fits(parts_rows, d // cfg_in.rows_per_program, m, f, d)
+
+
+def _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl):
+  _check(x, w_in, experts, w_in_scale, norm, impl)
+  if w_gate is not None:
+    if w_gate.shape != w_in.shape:
+      raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
+    _check(x, w_gate, experts, w_gate_scale, norm, impl)
+  elif w_gate_scale is not None:
+    raise ValueError("w_gate_scale given without w_gate.")
+  want = w_in.shape[:-2] + (w_in.shape[-1], w_in.shape[-2])
+  if w_out.shape != want:
+    raise ValueError(f"w_out must be {want} (w_in {w_in.shape} transposed in its last two axes); got {w_out.shape}.")
+  # The second product's x: h [*m, f] for a dense weight, [slots, m, f] for experts.
+  lead = x.shape[:-1] if w_in.ndim == 2 or x.ndim == 3 else (experts.shape[0],) + x.shape[:-1]
+  _check(jax.ShapeDtypeStruct(lead + (w_in.shape[-1],), x.dtype), w_out, experts, w_out_scale, None, impl)
+
+
+def skinny_ffn(
+    x: Float[Array, "*m d"] | Float[Array, "slots m d"],
+    w_in: Num[Array, "d f"] | Num[Array, "experts d f"],
+    w_out: Num[Array, "f d"] | Num[Array, "experts f d"],
+    *,
+    experts: Int[Array, "slots"] | None = None,
+    w_gate: Num[Array, "d f"] | Num[Array, "experts d f"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    w_in_scale: Float[Array, "f"] | Float[Array, "experts f"] | None = None,
+    w_gate_scale: Float[Array, "f"] | Float[Array, "experts f"] | None = None,
+    w_out_scale: Float[Array, "d"] | Float[Array, "experts d"] | None = None,
+    norm: tuple[Float[Array, "d"], float] | None = None,
+    impl: str = "auto",
+) -> Float[Array, "*m d"] | Float[Array, "slots m d"]:
+  """y = h @ W_out with h = act(x W_in), or act(x W_gate) * (x W_in), per slot's expert; float32.
+
+  Each product is skinny_matmul's (the same experts, scales and norm), and h is rounded to x's dtype
+  as the two-call form rounds it. Where the kernels run (fuses_hidden), W_in's (and W_gate's) split-K
+  partials are left unsummed and W_out's programs sum them, scale, round and apply the activation as
+  they load their slab of h: no kernel of its own for the hidden layer. Differentiable: the
+  cotangents are the two-call form's.
+  """
+  _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
+  dense = w_in.ndim == 2
+  if dense and x.ndim != 2:
+    lead = x.shape[:-1]
+    y = skinny_ffn(x.reshape(-1, x.shape[-1]), w_in, w_out, w_gate=w_gate, activation=activation,
+                   w_in_scale=w_in_scale, w_gate_scale=w_gate_scale, w_out_scale=w_out_scale, norm=norm,
+                   impl=impl)
+    return y.reshape(*lead, w_out.shape[-1])
+  m, d = x.shape[-2:]
+  f = w_in.shape[-1]
+  dt = x.dtype
+  if not fuses_hidden(m, d, f, activation, impl):
+    first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl).astype(dt)
+    h = first(w_in, w_in_scale)
+    h = activation(first(w_gate, w_gate_scale)) * h if w_gate is not None else activation(h)
+    return skinny_matmul(h, w_out, experts=experts, scale=w_out_scale, impl=impl)
+  if norm is not None and not folds_norm(m, d, f, impl):
+    x, norm = rms_norm(x, *norm), None
+  ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
+  (w_in3, s_in), (w_gate3, s_gate), (w_out3, s_out) = (
+      _as3(w_in, w_in_scale), _as3(w_gate, w_gate_scale), _as3(w_out, w_out_scale))
+  cfg_in, cfg_out = triton.default_config(m, d, f), triton.default_config(m, f, d)
+  source, eps = _source(x, norm), None if norm is None else float(norm[1])
+  hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,
+                         up_scaled=s_in is not None, gated=w_gate is not None, gate_scaled=s_gate is not None)
+
+  def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+    first = lambda w: triton.skinny_matmul_parts((x,) if ns is None else (x, ns), source, w, ids, m, dt, cfg_in,
+                                                 interpret=_interpret())
+    operands = (first(w_in3),) + (() if s_in is None else (s_in,))
+    if w_gate3 is not None:
+      operands += (first(w_gate3),) + (() if s_gate is None else (s_gate,))
+    parts = triton.skinny_matmul_parts(operands, hidden, w_out3, ids, m, dt, cfg_out, interpret=_interpret())
+    return parts.sum(axis=1)[:, :m]
+
+  def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+    xs = _slots(_normed(x, ns, eps), ids)
+    h = skinny_matmul_reference(xs, w_in3, ids, s_in).astype(dt)
+    if w_gate3 is not None:
+      h = activation(skinny_matmul_reference(xs, w_gate3, ids, s_gate).astype(dt)) * h
+    else:
+      h = activation(h)
+    return skinny_matmul_reference(h, w_out3, ids)
+
+  y = _differentiable(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
+                      None if norm is None else norm[0], ids)
+  if s_out is not None:
+    y = y * jnp.take(s_out, ids, axis=0, mode="clip").astype(jnp.float32)[:, None, :]
+  return y[0] if dense else y
+
+
+def split_k_parts(
+    x: Float[Array, "m k"],
+    w: Num[Array, "k n"],
+    *,
+    norm: tuple[Float[Array, "k"], float] | None = None,
+    impl: str = "auto",
+) -> Float[Array, "splits rows n"]:
+  """skinny_matmul(x, w, norm=norm) left unsummed: sum_p parts[p, :m] is the product (rows past m are
+  padding), for a kernel that sums the parts as it loads them (decode_qkv). Where the product does not
+  run the kernel, the product itself is the one part. Differentiable (the reference's cotangents)."""
+  if x.ndim != 2 or w.ndim != 2:
+    raise ValueError(f"split_k_parts takes x [m, k] and a dense w [k, n]; got x {x.shape}, w {w.shape}.")
+  _check(x, w, None, None, norm, impl)
+  m, k = x.shape
+  n = w.shape[-1]
+  if norm is not None and not folds_norm(m, k, n, impl):
+    x, norm = rms_norm(x, *norm), None
+  if not runs_kernel(m, k, n, impl):
+    return skinny_matmul(x, w, norm=norm, impl="xla")[None]
+  cfg = triton.default_config(m, k, n)
+  source, eps = _source(x, norm), None if norm is None else float(norm[1])
+  splits, rows = k // cfg.rows_per_program, triton.padded_rows(m, cfg.use_dot)
+
+  def kernel(x, w, ns):
+    operands = (x,) if ns is None else (x, ns)
+    return triton.skinny_matmul_parts(operands, source, w[None], jnp.zeros((1,), jnp.int32), m, x.dtype, cfg,
+                                      interpret=_interpret())[0]
+
+  def reference(x, w, ns):
+    xs = _normed(x, ns, eps).reshape(m, splits, cfg.rows_per_program)
+    parts = jnp.einsum("msk,skn->smn", xs, w.astype(x.dtype).reshape(splits, cfg.rows_per_program, n),
+                       precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
+    return jnp.pad(parts, [(0, 0), (0, rows - m), (0, 0)])
+
+  return _differentiable(kernel, reference, x, w, None if norm is None else norm[0])

@@ -6,12 +6,18 @@ written out in between) moves them at a third of the card's bandwidth. Here prog
 the [rows, block_n] slab p of column block j of the slot's expert w[experts[s]] once and writes the
 float32 partial x[s][:, slab] @ slab; the caller sums the partials (XLA fuses that sum into whatever
 consumes it). Many small programs (the K dimension split into slabs) keep every SM loading.
+
+What a program multiplies, its rows of x, comes from one of three sources: x as given, x RMS-normalized
+(Normed: the norm's per-row factor applied after the loop), or the hidden layer of a feed-forward
+(Hidden: act(sum of the first product's partials) [* the gate's], rounded to x's dtype), so that
+neither the norm nor the first product's sum and activation runs as a kernel of its own.
 Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +25,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax._precision import dot_precision
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -63,23 +70,94 @@ def norm_fits(m: int, k: int) -> bool:
   return k & (k - 1) == 0 and padded_rows(m, m > 1 or k > 2048) * k <= 4096
 
 
-def _kernel(experts_ref, x_ref, w_ref, *refs, cfg: Config, steps: int, x_per_slot: bool, precision,
-            norm_eps: float | None):
-  g_ref, out_ref = refs if norm_eps is not None else (None, refs[0])
+def hidden_fits(parts_rows: int, splits: int, m: int, k: int, n: int) -> bool:
+  """Whether the kernel takes x as Hidden (the first product's [splits, parts_rows, k] partials): each
+  program loads splits x parts_rows x rows_per_program float32 numbers of them, allowed up to 4,096
+  (one row against medium-moe's 8 x 512); the parts come with one row or the kernel's own padded rows."""
+  cfg = default_config(m, k, n)
+  if cfg is None:
+    return False
+  return parts_rows in (1, padded_rows(m, cfg.use_dot)) and splits * parts_rows * cfg.rows_per_program <= 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+  """x [m, k] shared by every slot, or x [slots, m, k]."""
+  per_slot: bool
+  operands = 1
+
+  def slab(self, refs, s, expert, ks, rows):
+    (x_ref,) = refs
+    return x_ref[s, :, ks] if self.per_slot else x_ref[:, ks]
+
+
+@dataclasses.dataclass(frozen=True)
+class Normed:
+  """rms_norm(x, g, eps) for a shared x [m, k]: the program multiplies x * g (rounded to x's dtype, where
+  the reference rounds the normalized row) and scales its result by the row's r = rsqrt(mean(x^2) + eps)."""
+  eps: float
+  operands = 2
+
+  def slab(self, refs, s, expert, ks, rows):
+    x_ref, g_ref = refs
+    xs = x_ref[:, ks]
+    return (xs.astype(jnp.float32) * g_ref[ks].astype(jnp.float32)[None, :]).astype(xs.dtype)
+
+  def finish(self, refs, acc):
+    # The whole rows are loaded only now, after the weight loop, so their latency hides under the
+    # weight's loads instead of delaying the first of them.
+    x32 = refs[0][...].astype(jnp.float32)
+    return acc * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + self.eps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hidden:
+  """x[s] = act(g) * u, or act(u), rounded to dtype, where u = round(sum_p up[s, p] * up_scale[e_s]) and
+  g likewise from the gate's parts: the hidden layer of a feed-forward whose first product (per slot,
+  the same experts) left its split-K partials [slots, splits, parts_rows, k] unsummed."""
+  activation: Callable
+  dtype: jnp.dtype
+  splits: int
+  up_scaled: bool
+  gated: bool
+  gate_scaled: bool
+
+  @property
+  def operands(self):
+    return 1 + self.up_scaled + (1 + self.gate_scaled) * self.gated
+
+  def slab(self, refs, s, expert, ks, rows):
+    refs = list(refs)
+
+    def total(scaled):
+      parts_ref = refs.pop(0)
+      v = parts_ref[s, 0, :, ks]
+      for p in range(1, self.splits):  # static: Triton blocks need no power-of-two count of parts
+        v = v + parts_ref[s, p, :, ks]
+      if scaled:
+        v = v * refs.pop(0)[expert, ks].astype(jnp.float32)[None, :]
+      return v.astype(self.dtype).astype(jnp.float32)
+
+    u = total(self.up_scaled)
+    h = self.activation(total(self.gate_scaled)) * u if self.gated else self.activation(u)
+    h = h.astype(self.dtype)
+    if h.shape[0] != rows:  # one row of parts into a dot's padded rows: rows past the first are zero
+      first = jax.lax.broadcasted_iota(jnp.int32, (rows, h.shape[1]), 0) == 0
+      h = jnp.where(first, jnp.broadcast_to(h, (rows, h.shape[1])), jnp.zeros((), h.dtype))
+    return h
+
+
+def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
+  x_refs, (w_ref, out_ref) = refs[:source.operands], refs[source.operands:]
   s, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  expert = experts_ref[s]
+  # Ids outside [0, E) are clamped here (the op's contract), so the caller needs no kernel for it.
+  expert = jnp.clip(experts_ref[s], 0, w_ref.shape[0] - 1)
   cols = pl.ds(pl.multiple_of(j * cfg.block_n, cfg.block_n), cfg.block_n)
   rows = out_ref.shape[-2]
-  # A folded RMSNorm: rms_norm(x) @ W = r * ((x * g) @ W), r = rsqrt(mean(x^2) + eps) per row. The
-  # whole rows are loaded before the loop but reduced after it, so their latency hides under the
-  # weight's loads instead of delaying the first of them.
-  x_rows = x_ref[...] if g_ref is not None else None
 
   def step(i, acc):
     ks = pl.ds(pl.multiple_of((p * steps + i) * cfg.block_k, cfg.block_k), cfg.block_k)
-    xs = x_ref[s, :, ks] if x_per_slot else x_ref[:, ks]
-    if g_ref is not None:
-      xs = (xs.astype(jnp.float32) * g_ref[ks].astype(jnp.float32)[None, :]).astype(xs.dtype)
+    xs = source.slab(x_refs, s, expert, ks, rows)
     ws = w_ref[expert, ks, cols]
     if cfg.use_dot:
       return acc + jax.lax.dot_general(xs, ws.astype(xs.dtype), (((1,), (0,)), ((), ())),
@@ -88,48 +166,46 @@ def _kernel(experts_ref, x_ref, w_ref, *refs, cfg: Config, steps: int, x_per_slo
     return acc + jnp.sum(xs.astype(jnp.float32)[:, :, None] * ws.astype(jnp.float32)[None], axis=1)
 
   acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, cfg.block_n), jnp.float32))
-  if g_ref is not None:
-    x32 = x_rows.astype(jnp.float32)
-    acc = acc * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + norm_eps)
+  if isinstance(source, Normed):
+    acc = source.finish(x_refs, acc)
   out_ref[...] = acc
 
 
-def skinny_matmul(
-    x: Float[Array, "slots m k"] | Float[Array, "m k"],
+def skinny_matmul_parts(
+    x_operands: tuple,
+    source,
     w: Num[Array, "experts k n"],
     experts: Int[Array, "slots"],
+    m: int,
+    dtype,
     cfg: Config,
     *,
     interpret: bool,
-    norm: tuple[Float[Array, "k"], float] | None = None,
-) -> Float[Array, "slots m n"]:
-  """y[s] = x[s] @ w[experts[s]] (x [m, k] is shared by every slot), float32; no scale applied here.
-  norm = (g, eps): y[s] = rms_norm(x, g, eps) @ w[experts[s]] for a shared x (norm_fits), as
-  r * ((x * g) @ w): x * g rounded to x's dtype where the reference rounds rms_norm(x)."""
-  x_per_slot = x.ndim == 3
-  m, k = x.shape[-2:]
-  n = w.shape[-1]
+) -> Float[Array, "slots splits rows n"]:
+  """The split-K partials: y[s] = sum_p parts[s, p, :m] (rows past m are padding), float32, unscaled.
+
+  x_operands are what `source` reads: (x,) for Plain (x padded here), (x, g) for Normed, the parts and
+  scales for Hidden. m is x's row count and dtype its dtype (Hidden's rounding)."""
+  k, n = w.shape[-2:]
   slots = experts.shape[0]
   mp = padded_rows(m, cfg.use_dot)
-  if mp != m:
-    pad = [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]
-    x = jnp.pad(x, pad)
+  if not isinstance(source, Hidden) and mp != m:
+    x = x_operands[0]
+    x_operands = (jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]),) + tuple(x_operands[1:])
   splits = k // cfg.rows_per_program
-  kernel = functools.partial(_kernel, cfg=cfg, steps=cfg.rows_per_program // cfg.block_k,
-                             x_per_slot=x_per_slot, precision=dot_precision(x.dtype),
-                             norm_eps=None if norm is None else float(norm[1]))
+  kernel = functools.partial(_kernel, source=source, cfg=cfg, steps=cfg.rows_per_program // cfg.block_k,
+                             precision=dot_precision(dtype))
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  partial = pl.pallas_call(
+  return pl.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
-      in_specs=[pl.no_block_spec] * (3 if norm is None else 4),
+      in_specs=[pl.no_block_spec] * (2 + len(x_operands)),
       out_specs=pl.BlockSpec((None, None, mp, cfg.block_n), lambda s, j, p: (s, p, 0, j)),
       out_shape=jax.ShapeDtypeStruct((slots, splits, mp, n), jnp.float32),
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_skinny_matmul",
-  )(experts.astype(jnp.int32), x, w, *(() if norm is None else (norm[0],)))
-  return partial.sum(axis=1)[:, :m]
+  )(experts.astype(jnp.int32), *x_operands, w)
