@@ -79,6 +79,20 @@ class Attention(nnx.Module):
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
 
+  def _qkv(self, x, norm, folded, few_rows):
+    """q, k, v [b, t, h, dh] of norm(x), before RoPE; a few rows take skinny_matmul with the norm folded."""
+    cfg, dt = self.cfg, self.cfg.compute_dtype
+    b, t, d = x.shape
+    h, dh = cfg.num_heads, cfg.head_dim
+    if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
+      w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
+      qkv = skinny_matmul.skinny_matmul(x, w_qkv, norm=folded).astype(dt).reshape(b, t, 3, h, dh)
+    else:
+      if norm is not None:
+        x = norm(x)
+      qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt), precision=dot_precision(dt))
+    return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
   @jax.named_scope("attention")
   def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None,
                norm: "RMSNorm | None" = None) -> Float[Array, "b t d"]:
@@ -91,37 +105,30 @@ class Attention(nnx.Module):
     hi = dot_precision(dt)
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
     folded = None if norm is None else norm.folded()
-    if few_rows and t == 1 and qkv_runs_kernel(dh):
-      # One token a row: the qkv product's split-K parts go straight to one kernel that sums them,
-      # applies RoPE and writes the cache slot (XLA would run three kernels for that glue).
-      parts = skinny_matmul.split_k_parts(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh), norm=folded)
-      q, keys, values = decode_qkv(parts, self.cached_key[...], self.cached_value[...], cache.index, cache.start,
-                                   rope_base=cfg.rope_base, dtype=dt)
+    if cache is not None:
+      if few_rows and t == 1 and qkv_runs_kernel(dh):
+        # One token a row: the qkv product's split-K parts go straight to one kernel that sums them,
+        # applies RoPE and writes the cache slot (XLA would run three kernels for that glue).
+        parts = skinny_matmul.split_k_parts(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh), norm=folded)
+        q, keys, values = decode_qkv(parts, self.cached_key[...], self.cached_value[...], cache.index, cache.start,
+                                     rope_base=cfg.rope_base, dtype=dt)
+        q = q[:, None]
+      else:
+        q, k, v = self._qkv(x, norm, folded, few_rows)
+        q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
+        keys = kv_cache.write(self.cached_key[...], k, cache.index)
+        values = kv_cache.write(self.cached_value[...], v, cache.index)
       self.cached_key[...], self.cached_value[...] = keys, values
-      o = decode_attention(q, keys, values, cache.start, cache.index)
-      return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), self.w_out[...].reshape(h * dh, d)).astype(dt)
-    if few_rows:  # skinny_matmul reads each weight once; XLA's one-row dot writes x * W out, then sums it
-      w_qkv = self.w_qkv[...].reshape(d, 3 * h * dh)
-      qkv = skinny_matmul.skinny_matmul(x, w_qkv, norm=folded).astype(dt).reshape(b, t, 3, h, dh)
-    else:
-      if norm is not None:
-        x = norm(x)
-      qkv = jnp.einsum("btd,dchk->btchk", x, self.w_qkv[...].astype(dt), precision=hi)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    if cache is not None:  # decoding: write the new keys/values at cache.index, attend over the cache
-      q, k = rotary(q, cfg.rope_base, cache.positions), rotary(k, cfg.rope_base, cache.positions)
-      self.cached_key[...] = kv_cache.write(self.cached_key[...], k, cache.index)
-      self.cached_value[...] = kv_cache.write(self.cached_value[...], v, cache.index)
       if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
-        o = decode_attention(q[:, 0], self.cached_key[...], self.cached_value[...], cache.start,
-                             cache.index)[:, None]
+        o = decode_attention(q[:, 0], keys, values, cache.start, cache.index)[:, None]
       else:
         with dot_precision_scope(dt):
-          o = jax.nn.dot_product_attention(q, self.cached_key[...], self.cached_value[...], mask=cache.mask)
+          o = jax.nn.dot_product_attention(q, keys, values, mask=cache.mask)
       if few_rows:
         w_out = self.w_out[...].reshape(h * dh, d)
         return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), w_out).astype(dt)
       return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt), precision=hi)
+    q, k, v = self._qkv(x, norm, folded, few_rows)
     q, k = rotary(q, cfg.rope_base), rotary(k, cfg.rope_base)
     impl = attention_impl(cfg)
     with dot_precision_scope(dt):
