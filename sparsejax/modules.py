@@ -184,18 +184,17 @@ class MLP(nnx.Module):
     hi = dot_precision(c.dtype)
     rows = x.size // c.d_model
     gate = None if self.w_gate is None else self.w_gate[...]
-    if decode and rows <= skinny_matmul.MAX_ROWS:  # one call: the hidden layer may run inside W_out's kernel
-      folded = None
-      if norm is not None and x.dtype == jnp.dtype(c.dtype):
-        folded, norm = norm.folded(), None
-      if norm is not None:
-        x = norm(x)
-      y = skinny_matmul.skinny_ffn(x.astype(c.dtype), self.w_in[...], self.w_out[...], w_gate=gate,
-                                   activation=c.activation_fn, norm=folded).astype(c.dtype)
+    skinny = decode and rows <= skinny_matmul.MAX_ROWS
+    folded = None
+    if skinny and norm is not None and x.dtype == jnp.dtype(c.dtype):
+      folded, norm = norm.folded(), None
+    if norm is not None:
+      x = norm(x)
+    x = x.astype(c.dtype)
+    if skinny:  # one call: the hidden layer may run inside W_out's kernel
+      y = skinny_matmul.skinny_ffn(x, self.w_in[...], self.w_out[...], w_gate=gate, activation=c.activation_fn,
+                                   norm=folded).astype(c.dtype)
     else:
-      if norm is not None:
-        x = norm(x)
-      x = x.astype(c.dtype)
       matmul = lambda a, w: jnp.matmul(a, w.astype(c.dtype), precision=hi)
       h = matmul(x, self.w_in[...])
       h = c.activation_fn(matmul(x, gate)) * h if gate is not None else c.activation_fn(h)

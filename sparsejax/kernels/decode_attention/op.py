@@ -8,14 +8,13 @@ GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a GPU wh
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
+from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_attention import triton
 from sparsejax.kernels.decode_attention.reference import decode_attention_reference
 
@@ -58,23 +57,10 @@ def _merge(part, stats, dtype):
   return (o / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
 
 
-@jax.custom_vjp
 def _kernel(q, k_cache, v_cache, start, index):
   part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index,
                                        interpret=jax.default_backend() != "gpu")
   return _merge(part, stats, q.dtype)
-
-
-def _kernel_fwd(q, k_cache, v_cache, start, index):
-  return _kernel(q, k_cache, v_cache, start, index), (q, k_cache, v_cache, start, index)
-
-
-def _kernel_bwd(res, g):
-  _, vjp = jax.vjp(decode_attention_reference, *res)
-  return vjp(g)
-
-
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
 def decode_attention(
@@ -91,5 +77,5 @@ def decode_attention(
   _check(q, k_cache, v_cache, start, index, impl)
   fits = _kernel_fits(q.shape[-1], k_cache.shape[1])
   if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
-    return _kernel(q, k_cache, v_cache, start, index)
+    return with_reference_vjp(_kernel, decode_attention_reference, q, k_cache, v_cache, start, index)
   return decode_attention_reference(q, k_cache, v_cache, start, index)

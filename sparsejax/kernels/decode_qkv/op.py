@@ -9,13 +9,12 @@ GPU when dh / 2 is a power of two. Differentiable: the cotangents are the refere
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_qkv import triton
 from sparsejax.kernels.decode_qkv.reference import decode_qkv_reference
 from sparsejax.rope import inverse_frequencies
@@ -56,25 +55,6 @@ def _check(parts, k_cache, v_cache, index, start, impl):
     raise ValueError(f"impl='triton' needs head_dim / 2 a power of two; got head_dim {dh} (use impl='auto').")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _kernel(parts, k_cache, v_cache, index, start, rope_base, dtype):
-  inv_freq = inverse_frequencies(k_cache.shape[-1], rope_base)
-  return triton.decode_qkv(parts, k_cache, v_cache, index, start, inv_freq, dtype,
-                           interpret=jax.default_backend() != "gpu")
-
-
-def _kernel_fwd(parts, k_cache, v_cache, index, start, rope_base, dtype):
-  return _kernel(parts, k_cache, v_cache, index, start, rope_base, dtype), (parts, k_cache, v_cache, index, start)
-
-
-def _kernel_bwd(rope_base, dtype, res, g):
-  _, vjp = jax.vjp(lambda *a: decode_qkv_reference(*a, rope_base, dtype), *res)
-  return vjp(g)
-
-
-_kernel.defvjp(_kernel_fwd, _kernel_bwd)
-
-
 def decode_qkv(
     parts: Float[Array, "splits rows three_h_dh"],
     k_cache: Float[Array, "b s h dh"],
@@ -89,6 +69,13 @@ def decode_qkv(
   """(q [b, h, dh] in dtype, k_cache, v_cache with slot `index` written): the module doc's math."""
   index = jnp.asarray(index)
   _check(parts, k_cache, v_cache, index, start, impl)
-  if runs_kernel(k_cache.shape[-1], impl):
-    return _kernel(parts, k_cache, v_cache, index, start, float(rope_base), jnp.dtype(dtype))
-  return decode_qkv_reference(parts, k_cache, v_cache, index, start, rope_base, dtype)
+  reference = lambda *a: decode_qkv_reference(*a, rope_base, dtype)
+  if not runs_kernel(k_cache.shape[-1], impl):
+    return reference(parts, k_cache, v_cache, index, start)
+
+  def kernel(parts, k_cache, v_cache, index, start):
+    inv_freq = inverse_frequencies(k_cache.shape[-1], float(rope_base))
+    return triton.decode_qkv(parts, k_cache, v_cache, index, start, inv_freq, jnp.dtype(dtype),
+                             interpret=jax.default_backend() != "gpu")
+
+  return with_reference_vjp(kernel, reference, parts, k_cache, v_cache, index, start)

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.activations import PLAIN
+from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.skinny_matmul import triton
 from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
 from sparsejax.norm import rms_norm
@@ -81,13 +82,6 @@ def _check(x, w, experts, scale, norm, impl):
       raise ValueError(f"impl='triton' needs k and n multiples of 16; got k={k}, n={n} (use impl='auto').")
 
 
-def _differentiable(kernel, reference, *args):
-  """kernel(*args), with the cotangents of reference(*args): the kernels have no backward of their own."""
-  f = jax.custom_vjp(kernel)
-  f.defvjp(lambda *a: (kernel(*a), a), lambda a, g: jax.vjp(reference, *a)[1](g))
-  return f(*args)
-
-
 def _interpret() -> bool:
   return jax.default_backend() != "gpu"
 
@@ -118,7 +112,7 @@ def _kernel_product(x, w3, ids, norm):
   def reference(x, w3, ids, ns):
     return skinny_matmul_reference(_slots(_normed(x, ns, eps), ids), w3, ids)
 
-  return _differentiable(kernel, reference, x, w3, ids, None if norm is None else norm[0])
+  return with_reference_vjp(kernel, reference, x, w3, ids, None if norm is None else norm[0])
 
 
 def runs_kernel(m: int, k: int, n: int, impl: str = "auto") -> bool:
@@ -132,6 +126,14 @@ def folds_norm(m: int, k: int, n: int, impl: str = "auto") -> bool:
   """Whether skinny_matmul(x [m, k], w [.., k, n], norm=...) takes the norm inside its kernel (else
   XLA's kernels normalize x first): where the kernel runs and the rows are small (triton.norm_fits)."""
   return runs_kernel(m, k, n, impl) and triton.norm_fits(m, k)
+
+
+def _norm_unless_folded(x, norm, m, k, n, impl):
+  """(x, norm) for a product that folds the norm into its kernel, else (rms_norm(x), None): XLA's two
+  kernels for the norm, then the product."""
+  if norm is None or folds_norm(m, k, n, impl):
+    return x, norm
+  return rms_norm(x, *norm), None
 
 
 def skinny_matmul(
@@ -156,15 +158,13 @@ def skinny_matmul(
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   m, k = x.shape[-2:]
   n = w.shape[-1]
-  if norm is not None and not folds_norm(m, k, n, impl):
-    x, norm = rms_norm(x, *norm), None  # XLA's two kernels for the norm, then the product
+  x, norm = _norm_unless_folded(x, norm, m, k, n, impl)
   if runs_kernel(m, k, n, impl):
     y = _kernel_product(x, w3, ids, norm)
   elif dense:  # a plain dot: no gather of the one weight
     y = jnp.dot(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)[None]
   else:
-    x3 = x if x.ndim == 3 else jnp.broadcast_to(x, (ids.shape[0],) + x.shape)
-    y = skinny_matmul_reference(x3, w3, ids)
+    y = skinny_matmul_reference(_slots(x, ids), w3, ids)
   if scale is not None:
     s = scale[None] if dense else jnp.take(scale, ids, axis=0, mode="clip")
     y = y * s.astype(jnp.float32)[:, None, :]
@@ -243,8 +243,7 @@ def skinny_ffn(
     h = first(w_in, w_in_scale)
     h = activation(first(w_gate, w_gate_scale)) * h if w_gate is not None else activation(h)
     return skinny_matmul(h, w_out, experts=experts, scale=w_out_scale, impl=impl)
-  if norm is not None and not folds_norm(m, d, f, impl):
-    x, norm = rms_norm(x, *norm), None
+  x, norm = _norm_unless_folded(x, norm, m, d, f, impl)
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   (w_in3, s_in), (w_gate3, s_gate), (w_out3, s_out) = (
       _as3(w_in, w_in_scale), _as3(w_gate, w_gate_scale), _as3(w_out, w_out_scale))
@@ -271,7 +270,7 @@ def skinny_ffn(
       h = activation(h)
     return skinny_matmul_reference(h, w_out3, ids)
 
-  y = _differentiable(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
+  y = with_reference_vjp(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
                       None if norm is None else norm[0], ids)
   if s_out is not None:
     y = y * jnp.take(s_out, ids, axis=0, mode="clip").astype(jnp.float32)[:, None, :]
@@ -293,8 +292,7 @@ def split_k_parts(
   _check(x, w, None, None, norm, impl)
   m, k = x.shape
   n = w.shape[-1]
-  if norm is not None and not folds_norm(m, k, n, impl):
-    x, norm = rms_norm(x, *norm), None
+  x, norm = _norm_unless_folded(x, norm, m, k, n, impl)
   if not runs_kernel(m, k, n, impl):
     return skinny_matmul(x, w, norm=norm, impl="xla")[None]
   cfg = triton.default_config(m, k, n)
@@ -312,4 +310,4 @@ def split_k_parts(
                        precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)
     return jnp.pad(parts, [(0, 0), (0, rows - m), (0, 0)])
 
-  return _differentiable(kernel, reference, x, w, None if norm is None else norm[0])
+  return with_reference_vjp(kernel, reference, x, w, None if norm is None else norm[0])
