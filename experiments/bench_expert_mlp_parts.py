@@ -50,6 +50,12 @@ def _tgmm_set(**changes) -> dict:
   return dict(tgmm=c.tgmm, tgmm_long=c.tgmm_long, tgmm_short=c.tgmm_short)
 
 
+def _pingpong_act_set(**changes) -> dict:
+  """gmm_act and gmm_dact (their _long configs too) on the ping-pong schedule, 128 x 128 tiles, `changes`."""
+  c = mosaic.Config(pingpong=True, tile_n=128, epi_tile_n=32, grid_tile_width=8, expert_bands=True, **changes)
+  return dict(gmm_act=c, gmm_act_long=c, gmm_dact=c, gmm_dact_long=c)
+
+
 CONFIG_SETS = {
     "default": {},
     # Every gmm kind in planar_snake order over all row blocks (before expert_band_order).
@@ -58,7 +64,10 @@ CONFIG_SETS = {
     # gmm_act alone with the epilogue warpgroup at every row count (the default takes it from
     # LONG_ROWS rows an expert: Configs.gmm_act_long), and the cooperative kernel at every count.
     "epilogue_wg_act": dict(gmm_act=mosaic_epilogue.CONFIGS["gmm_act"]),
-    "cooperative_act": dict(gmm_act_long=mosaic.DEFAULT_CONFIGS.gmm_act),
+    "cooperative_act": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_act_long=mosaic.COOPERATIVE_ACT),
+    # gmm_act and gmm_dact on mosaic._gmm_padded's cooperative schedule below LONG_ROWS rows an
+    # expert: the defaults before the ping-pong kernel.
+    "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT),
     # tgmm's schedules: the per-tile pipeline (a 4-deep ring, 2 store slots of 32 columns), the
     # ping-pong one (mosaic_pingpong.py), one ring for all of a CTA's tiles (_tgmm_streamed: 3
     # deep, a consumer's whole tile staged for its stores; or 4 deep and 2 slots; or 64-wide slots).
@@ -66,6 +75,8 @@ CONFIG_SETS = {
     "pingpong": _tgmm_set(streamed=False, pingpong=True),
     "tgmm_streamed": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_slots=4),
     "tgmm_streamed_ring4": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=4, epi_slots=2),
+    # gmm_act and gmm_dact (their _long configs too) on the ping-pong schedule (mosaic_pingpong.gmm_padded).
+    "pingpong_act": _pingpong_act_set(tile_k=64, max_concurrent_steps=6),
     "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
 }
 

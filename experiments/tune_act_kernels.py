@@ -10,6 +10,7 @@ Writes act_kernels_sweep.json under $OUT (or the current directory); shapes are 
 """
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -23,9 +24,17 @@ from sparsejax.kernels.gmm import gmm_reference, mosaic  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 C, M, N = mosaic.Config, mosaic.M_DIM, mosaic.N_DIM
+PP = functools.partial(C, pingpong=True, tile_n=128, grid_tile_width=8, expert_bands=True)
+# One ring for both consumers, as deep as fit_gmm allows (gmm_dact's pre tiles leave room for 4).
+PINGPONG = [PP(tile_k=64, max_concurrent_steps=6, epi_tile_n=32),
+            PP(tile_k=64, max_concurrent_steps=5, epi_tile_n=32),
+            PP(tile_k=64, max_concurrent_steps=4, epi_tile_n=32),
+            PP(tile_k=64, max_concurrent_steps=6, epi_tile_n=16),
+            PP(tile_k=64, max_concurrent_steps=6, epi_tile_n=32, grid_tile_width=4)]
 SWEEP = {
     "gmm_act": [
         mosaic.DEFAULT_CONFIGS.gmm_act,
+        mosaic.COOPERATIVE_ACT,
         C(grid_tile_width=8, epi_slots=4, epi_tile_n=32),  # the default before this sweep
         C(grid_tile_width=8, epi_slots=2, epi_tile_n=64),
         C(grid_tile_width=8, epi_slots=4, epi_tile_n=64, max_concurrent_steps=3),
@@ -33,19 +42,24 @@ SWEEP = {
         C(tile_n=128, grid_tile_width=8, epi_slots=4, epi_tile_n=64),
         C(tile_n=128, tile_k=128, grid_tile_width=8, epi_slots=4, epi_tile_n=64, max_concurrent_steps=3),
         C(grid_tile_width=8, epi_slots=4, epi_tile_n=32, grid_minor_dim=N),
-        C(grid_tile_width=8, epi_slots=4, epi_tile_n=32, delay_release=0)],
+        C(grid_tile_width=8, epi_slots=4, epi_tile_n=32, delay_release=0),
+        # The ping-pong schedule (mosaic_pingpong.gmm_padded): 128 x 128 tiles a consumer, a ring
+        # each, as deep as shared memory allows (fit_gmm shrinks max_concurrent_steps).
+        *PINGPONG],
     "gmm_dact": [
         mosaic.DEFAULT_CONFIGS.gmm_dact,
+        mosaic.COOPERATIVE_DACT,
         C(tile_n=128, max_concurrent_steps=4, epi_tile_n=64, grid_tile_width=8),
         C(tile_n=128, max_concurrent_steps=5, epi_tile_n=32, grid_tile_width=8, epi_slots=4),
         C(tile_n=128, tile_k=128, max_concurrent_steps=3, epi_tile_n=64, grid_tile_width=8),
         C(tile_n=256, max_concurrent_steps=3, epi_tile_n=64, grid_tile_width=8),
         C(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8, grid_minor_dim=N),
-        C(tile_n=64, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8)],
+        C(tile_n=64, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8),
+        *PINGPONG],
 }
 
 
-def sweep(shape: str) -> list[dict]:
+def sweep(shape: str, pingpong_only: bool = False) -> list[dict]:
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   flops = 2 * p["N"] * p["d"] * p["f"]
@@ -61,8 +75,10 @@ def sweep(shape: str) -> list[dict]:
 
   out = []
   for kind, cfgs in SWEEP.items():
-    for cfg in cfgs:
-      configs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **{kind: cfg})
+    for cfg in ([*cfgs[:2], *PINGPONG] if pingpong_only else cfgs):
+      # The _long config too: gmm_for picks it at LONG_ROWS rows an expert.
+      configs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **{kind: cfg},
+                                    **{f"{kind}_long": cfg})
       if kind == "gmm_act":
         fn, args = jax.jit(lambda a, b, c=configs: mosaic.gmm_act(a, b, topo, act, c)[1]), (x, w_in)
       else:
@@ -83,9 +99,11 @@ def sweep(shape: str) -> list[dict]:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--shapes", default="XS_b128,E64_top1")
+  ap.add_argument("--pingpong-only", action="store_true",
+                  help="each kind's default and cooperative configs and the ping-pong ones only")
   args = ap.parse_args(argv)
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-  records = [r for s in args.shapes.split(",") for r in sweep(s)]
+  records = [r for s in args.shapes.split(",") for r in sweep(s, args.pingpong_only)]
   with open(os.path.join(os.environ.get("OUT", "."), "act_kernels_sweep.json"), "w") as fh:
     json.dump(records, fh, indent=1)
 

@@ -155,11 +155,17 @@ def _by_reference(monkeypatch, *kernels):
     monkeypatch.setattr(mosaic, kernel, refs[kernel])
 
 
-def test_mosaic_fused_expert_mlp_matches_reference():
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative"])
+def test_mosaic_fused_expert_mlp_matches_reference(monkeypatch, schedule):
   """Every Hopper kernel through expert_mlp's custom_vjp: gmm_act (gelu in the epilogue, writing
   pre and act(pre)), gmm (h W_out), gmm_dact (its derivative in the dH = dY W_out^T epilogue, pre
   arriving by TMA), tgmm (both weight gradients) and the transposed gmm (dX). An empty expert, a
-  mostly-padding last block and an inactive spare block."""
+  mostly-padding last block and an inactive spare block. gmm_act and gmm_dact on the ping-pong
+  schedule (the default) and on the cooperative one."""
+  if schedule == "cooperative":
+    monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(
+        mosaic.INTERPRET_CONFIGS, **mosaic.INTERPRET_COOPERATIVE))
+    _by_reference(monkeypatch, "gmm", "tgmm")  # the pingpong case runs them
   _check_fused_expert_mlp([130, 0, 70], jax.nn.gelu, glu=False, seed=11)
 
 
@@ -193,13 +199,14 @@ def test_mosaic_epilogue_warpgroup_matches_reference(monkeypatch, activation):
   _check_fused_expert_mlp([130, 0, 70], activation, glu=False, seed=14)
 
 
-@pytest.mark.parametrize("epilogue_wg", [False, True])
-def test_mosaic_gmm_act_outputs_follow_the_contract(epilogue_wg):
-  """gmm_act alone (mosaic.py's, and with the epilogue warpgroup), lhs random on every row: pre and
-  act(pre) match the reference on the real rows and are exactly zero on the rows of active blocks
-  that hold no token (expert_mlp never reads those, so only a direct call sees them)."""
+@pytest.mark.parametrize("schedule", ["pingpong", "cooperative", "epilogue_wg"])
+def test_mosaic_gmm_act_outputs_follow_the_contract(schedule):
+  """gmm_act alone (ping-pong, cooperative, with the epilogue warpgroup), lhs random on every row:
+  pre and act(pre) match the reference on the real rows and are exactly zero on the rows of active
+  blocks that hold no token (expert_mlp never reads those, so only a direct call sees them)."""
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 5)
-  cfgs = _interpret_epilogue_configs() if epilogue_wg else None
+  cfgs = {"pingpong": None, "epilogue_wg": _interpret_epilogue_configs(),
+          "cooperative": dataclasses.replace(mosaic.INTERPRET_CONFIGS, **mosaic.INTERPRET_COOPERATIVE)}[schedule]
   pre, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
   want = G.gmm_reference(lhs, rhs, topo)
   check_rows(pre, want, topo, TOL[jnp.bfloat16])
@@ -385,11 +392,73 @@ def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
-def test_mosaic_pingpong_serves_tgmm_only():
+def test_mosaic_pingpong_rejects_the_glu_kernels_and_a_second_schedule():
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
-  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=mosaic.Config(pingpong=True))
-  with pytest.raises(ValueError, match="pingpong serves tgmm only; got it for gmm"):
-    mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
+  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_glu=mosaic.Config(pingpong=True))
+  with pytest.raises(ValueError, match="pingpong serves tgmm and the one-weight gmm kinds; got it for gmm_glu"):
+    mosaic.gmm_glu(lhs, rhs, rhs, topo, jax.nn.silu, bad)
+  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_act=mosaic.Config(pingpong=True, epilogue_wg=True))
+  with pytest.raises(ValueError, match="two schedules; gmm_act got both"):
+    mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, bad)
+
+
+def _pingpong_gmm_configs(slots=2):
+  """INTERPRET_CONFIGS with every one-weight gmm kind on the ping-pong schedule: 128 x 128 tiles,
+  64-deep K steps and a `slots`-deep ring, so the ring wraps within a tile and across tiles and
+  consumers."""
+  pp = mosaic.Config(pingpong=True, tile_n=128, tile_k=64, max_concurrent_steps=slots, epi_tile_n=32)
+  return dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=pp, gmm_t=pp, gmm_act=pp, gmm_dact=pp)
+
+
+@pytest.mark.parametrize("groups,slots,bands,rows_bound", [
+    # An empty expert, an expert whose rows fit the first 64-row half (its wgmmas run on those
+    # only), tails, an inactive spare block; 3 N tiles (300 padded to 384) and 4 K steps a tile.
+    ([130, 0, 40, 70], 2, False, None),
+    ([130, 0, 40, 70], 3, True, None),  # expert_band_order; a ring depth that divides no tile
+    ([5], 2, False, 128),  # one block, one N tile with n = 100: the second interpreted SM has no tile
+])
+def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bound):
+  """gmm, the transposed gmm, gmm_act and gmm_dact on the ping-pong schedule (mosaic_pingpong.py:
+  one ring for both consumers, each waiting on its own steps' barriers, the K loops taking turns)
+  against the reference: lhs random on every row, gmm_dact's pre NaN on the rows without a token,
+  and those rows of active blocks exactly zero in every output."""
+  from sparsejax.activations import DERIVATIVES
+  n = 100 if rows_bound else 300
+  keys = jax.random.split(jax.random.key(len(groups) + slots), 4)
+  topo = topology_for(groups, num_rows_bound=rows_bound)
+  rows = topo.num_row_blocks * 128
+  lhs = jax.random.normal(keys[0], (rows, 256), jnp.bfloat16)
+  rhs = jax.random.normal(keys[1], (len(groups), 256, n), jnp.bfloat16)
+  rhs_t = jax.random.normal(keys[2], (len(groups), n, 256), jnp.bfloat16)
+  real = G.reference.real_rows(topo)[:, None]
+  pre = jnp.where(real, jax.random.normal(keys[3], (rows, n), jnp.bfloat16), jnp.nan)
+  cfgs = _pingpong_gmm_configs(slots)
+  if bands:
+    cfgs = _with_expert_bands(cfgs, width=2)
+  want = G.gmm_reference(lhs, rhs, topo)
+  check_rows(mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, cfgs), want, topo, TOL[jnp.bfloat16])
+  check_rows(mosaic.gmm(lhs, rhs_t, topo, True, jnp.bfloat16, cfgs),
+             G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[jnp.bfloat16])
+  p, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
+  check_rows(p, want, topo, TOL[jnp.bfloat16])
+  check_rows(h, jax.nn.gelu(want.astype(jnp.float32)), topo, TOL[jnp.bfloat16])
+  d = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, cfgs)
+  want_d = (G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
+            * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
+  check_rows(d, jnp.where(real, want_d, 0.0), topo, TOL[jnp.bfloat16])
+
+
+def test_mosaic_pingpong_gmm_fit_shrinks_to_shared_memory():
+  """One ring of 32 KiB stages: gmm_act's 6 slots and two consumers' store slots of 32 columns fit;
+  gmm_dact's pre tiles (32 KiB a consumer) leave room for 4; 256-wide tiles come down to 128."""
+  from sparsejax.kernels.gmm import mosaic_pingpong
+  cfg = mosaic.Config(pingpong=True, tile_n=256, tile_k=64, max_concurrent_steps=6, epi_tile_n=32)
+  act = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 0, jnp.bfloat16, jnp.bfloat16)
+  assert (act.tile_n, act.max_concurrent_steps, act.epi_tile_n) == (128, 6, 32)
+  dact = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 1, jnp.bfloat16, jnp.bfloat16)
+  assert (dact.tile_n, dact.max_concurrent_steps, dact.epi_tile_n) == (128, 4, 32)
+  with pytest.raises(ValueError, match="no tiles of"):
+    mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 1, jnp.float32, jnp.float32)
 
 
 def test_mosaic_pingpong_fit_shrinks_to_shared_memory():
@@ -503,11 +572,14 @@ def test_gmm_rejects_mismatched_topology():
 @pytest.mark.parametrize("rows_per_expert,epilogue_wg", [(1152, False), (2176, True)])
 def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatch, rows_per_expert, epilogue_wg):
   """gmm_act runs mosaic_epilogue's kernel (Configs.gmm_act_long) when experts average LONG_ROWS rows
-  or more, the cooperative kernel below; gmm_dact and the plain gmm never take it."""
+  or more, the ping-pong kernel below; gmm_dact takes gmm_dact_long (the cooperative kernel) there,
+  and the plain gmm its own config at every length."""
   seen = []
   fake = lambda kernel: lambda lhs, weights, *a, cfg, **k: seen.append((kernel, cfg)) or (
       jnp.zeros((lhs.shape[0], weights[0].shape[2]), lhs.dtype),) * 2
+  from sparsejax.kernels.gmm import mosaic_pingpong
   monkeypatch.setattr(mosaic, "_gmm_padded", fake("cooperative"))
+  monkeypatch.setattr(mosaic_pingpong, "gmm_padded", fake("pingpong"))
   monkeypatch.setattr(mosaic_epilogue, "gmm_padded", fake("epilogue_wg"))
   topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
   lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
@@ -515,7 +587,7 @@ def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatc
   configs = mosaic.DEFAULT_CONFIGS
   want = configs.gmm_act_long if epilogue_wg else configs.gmm_act
   assert configs.gmm_for("gmm_act", lhs.shape[0], 2) == want
-  assert configs.gmm_for("gmm_dact", lhs.shape[0], 2) == configs.gmm_dact
+  assert configs.gmm_for("gmm_dact", lhs.shape[0], 2) == (configs.gmm_dact_long if epilogue_wg else configs.gmm_dact)
   assert configs.gmm_for("gmm", lhs.shape[0], 2) == configs.gmm
   mosaic.gmm_act(lhs, w, topo, jax.nn.gelu, configs)
-  assert seen[0][0] == ("epilogue_wg" if epilogue_wg else "cooperative") and seen[0][1].epilogue_wg == epilogue_wg
+  assert seen[0][0] == ("epilogue_wg" if epilogue_wg else "pingpong") and seen[0][1].epilogue_wg == epilogue_wg

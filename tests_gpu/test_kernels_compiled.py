@@ -204,3 +204,22 @@ def test_expert_mlp_compiled_in_either_tile_order(monkeypatch, shape, expert_ban
       k: dataclasses.replace(getattr(d, k), expert_bands=expert_bands) for k in kinds}))
   _check_expert_mlp_compiled("mosaic", "gelu", shape, glu=False)
   _check_expert_mlp_compiled("mosaic", "silu", shape, glu=True)
+
+
+# The one-weight gmm kinds on the ping-pong schedule (mosaic_pingpong.gmm_padded: gmm_act's and
+# gmm_dact's default; gmm and gmm_t too here) and gmm_act / gmm_dact on the cooperative one.
+_PINGPONG = mosaic.Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
+                          grid_tile_width=8, expert_bands=True)
+GMM_SCHEDULES = {"pingpong": dict(gmm=_PINGPONG, gmm_t=_PINGPONG, gmm_act=_PINGPONG, gmm_dact=_PINGPONG),
+                 "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT)}
+
+
+@pytest.mark.parametrize("schedule", list(GMM_SCHEDULES) if HOPPER else [])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gmm_schedules_compiled_match_reference(monkeypatch, shape, schedule):
+  """Each gmm schedule through the expert MLP (values and gradients against the float32
+  reference) and the plain gmm with its gradients (test_kernels_compiled_match_reference)."""
+  monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS",
+                      dataclasses.replace(mosaic.DEFAULT_CONFIGS, **GMM_SCHEDULES[schedule]))
+  _check_expert_mlp_compiled("mosaic", "gelu", shape, glu=False)
+  test_kernels_compiled_match_reference("mosaic", shape)

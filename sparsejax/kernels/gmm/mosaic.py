@@ -35,7 +35,12 @@ compiled with approximate math: a special-function instruction each, within a fe
 Config(epilogue_wg=True) runs gmm_act / gmm_dact from mosaic_epilogue.py instead, where a fourth
 warpgroup does the epilogue while the consumers go on to the next tile: Configs.gmm_act_long, which
 gmm_for picks for gmm_act when experts average LONG_ROWS rows or more (there gmm_act ran 5-14%
-faster; gmm_dact's form lost 17% everywhere and stays opt-in). tgmm has three schedules: a pipeline per output tile (_tgmm_padded, the default), one
+faster; gmm_dact's form lost 17% everywhere and stays opt-in). Below that, gmm_act and gmm_dact
+run on the ping-pong schedule (Config(pingpong=True), mosaic_pingpong.gmm_padded: each consumer
+owns whole 128 x 128 tiles and one's epilogue runs under the other's wgmmas); _gmm_padded's
+cooperative form of them stays (COOPERATIVE_ACT / COOPERATIVE_DACT; gmm_dact_long).
+
+tgmm has three schedules: a pipeline per output tile (_tgmm_padded, the default), one
 TMA ring over all of a CTA's tiles (Config(streamed=True), _tgmm_streamed; opt-in, within the
 spread in the MLP), and ping-pong (Config(pingpong=True), mosaic_pingpong.py: each consumer owns
 whole 128 x tile_n tiles and the two alternate, so one's epilogue runs under the other's wgmmas),
@@ -75,6 +80,8 @@ class Config:
   and tile_k rows of the reduction (64 or 128: it divides the row block) are one step.
   tgmm with pingpong: the CTA tile is block_m x tile_n (at most 128), each consumer owns whole
   tiles in turn, and max_concurrent_steps is the depth of each consumer's ring.
+  gmm with pingpong: the same tiles in turn (block_m rows, tile_n at most 128 columns), one ring of
+  max_concurrent_steps slots for both consumers.
   """
   tile_n: int = 256
   tile_k: int = 64
@@ -90,8 +97,8 @@ class Config:
   # tgmm: walk the experts heaviest first, every second wave of num_sms tiles backwards (see
   # _tgmm_item). False: experts in index order, as before (kept for A/B runs).
   balance_experts: bool = True
-  # tgmm, tgmm_long, tgmm_short: the ping-pong schedule (mosaic_pingpong.py): each consumer owns whole tiles
-  # and the two alternate, one's epilogue under the other's wgmmas (see the module docstring).
+  # tgmm and the one-weight gmm kinds: the ping-pong schedule (mosaic_pingpong.py): each consumer
+  # owns whole tiles and the two alternate, one's epilogue under the other's wgmmas.
   pingpong: bool = False
   # gmm: walk the output tiles in expert_band_order (planar-snake bands of at most grid_tile_width
   # row blocks that never straddle two experts, so each expert's weight tiles are read from DRAM
@@ -103,27 +110,40 @@ class Config:
   streamed: bool = False
 
 
+# mosaic._gmm_padded's (the cooperative kernel's) best configs for gmm_act and gmm_dact, the
+# defaults before the ping-pong kernel. gmm_act: 128-wide N tiles with a 6-deep ring ran 0.759 /
+# 0.406 ms against 0.834 / 0.427 for 256-wide tiles with 4 slots (MoE-XS at 128 x 1024 tokens /
+# E64 top-1; experiments/results/act_kernels_sweep_H100.log). gmm_dact: a 128-wide N tile leaves
+# room for the pre tile beside a 5-deep ring.
+COOPERATIVE_ACT = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8, expert_bands=True)
+COOPERATIVE_DACT = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8, expert_bands=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Configs:
   gmm: Config = Config(grid_tile_width=8, expert_bands=True)
   gmm_t: Config = Config(expert_bands=True)
-  # x W_in writing (pre, act(pre)): twice the stores. 128-wide N tiles with a 6-deep ring ran
-  # 0.759 / 0.406 ms against 0.834 / 0.427 for 256-wide tiles with 4 slots (MoE-XS at 128 x 1024
-  # tokens / E64 top-1; experiments/results/act_kernels_sweep_H100.log).
-  gmm_act: Config = Config(tile_n=128, max_concurrent_steps=6, epi_tile_n=64, grid_tile_width=8,
-                           expert_bands=True)
+  # x W_in writing (pre, act(pre)) and dY W_out^T * act'(pre): the ping-pong schedule
+  # (mosaic_pingpong.gmm_padded), one consumer's epilogue under the other's wgmmas, one 6-deep ring
+  # (gmm_dact's pre tiles leave room for 4). On an H200, gmm_act ran 0.308-0.322 ms against 0.364
+  # for the cooperative kernel (COOPERATIVE_ACT) at E64 top-1 and 0.462 against 0.492 at E64 top-8, gmm_dact
+  # 0.349-0.368 against 0.389 and 0.502-0.518 against 0.520; the expert MLP fwd+bwd 3.3% and 1.8%
+  # faster in 5 interleaved rounds (experiments/results/act_kernels_pingpong_H200.log).
+  gmm_act: Config = Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
+                           grid_tile_width=8, expert_bands=True)
   # gmm_act when experts average LONG_ROWS rows or more: the epilogue in a fourth warpgroup
   # (mosaic_epilogue.py) while the consumers go on to the next tile. In interleaved A/B rounds on an
   # H100 gmm_act ran 11-14% faster at MoE-XS's 128 x 1024 tokens (2,048 rows an expert) and 5-13%
   # at E8 top-2 (4,224), the MLP 0-3% faster; at 1,088 rows (E64 top-8) it tied, at 320 (E64 top-1)
   # it lost 0-2% (experiments/results/expert_mlp_ab_epilogue_wg_act*_H100.log). Its gmm_dact
-  # counterpart lost 17% at every length, so gmm_dact keeps the cooperative kernel.
+  # counterpart lost 17% at every length. Below LONG_ROWS the ping-pong kernel (gmm_act) won.
   gmm_act_long: Config = Config(epilogue_wg=True, tile_n=128, max_concurrent_steps=4, epi_tile_n=64,
                                 grid_tile_width=8)
-  # dH = dY W_out^T with act'(pre) in the epilogue: a 128-wide N tile leaves room for the pre
-  # tile beside a 5-deep ring.
-  gmm_dact: Config = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, grid_tile_width=8,
-                            expert_bands=True)
+  gmm_dact: Config = Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
+                            grid_tile_width=8, expert_bands=True)
+  # gmm_dact at LONG_ROWS rows an expert or more (E8 top-2, MoE-XS): the cooperative kernel, as
+  # before the ping-pong one, which is not measured there yet.
+  gmm_dact_long: Config = COOPERATIVE_DACT
   # GLU: two weight tiles per stage and two accumulators per consumer, so 128-wide tiles (two
   # 64x256 float32 accumulators would not fit the registers). Untuned.
   gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32, expert_bands=True)
@@ -155,9 +175,10 @@ class Configs:
 
   def gmm_for(self, kind: str, rows: int, num_experts: int) -> Config:
     """The config of gmm kernel `kind` (a field name) for `rows` padded rows over `num_experts`
-    experts: gmm_act_long for gmm_act at LONG_ROWS rows an expert or more, else the kind's own."""
-    if kind == "gmm_act" and rows >= LONG_ROWS * num_experts:
-      return self.gmm_act_long
+    experts: gmm_act_long / gmm_dact_long for gmm_act / gmm_dact at LONG_ROWS rows an expert or
+    more, else the kind's own."""
+    if kind in ("gmm_act", "gmm_dact") and rows >= LONG_ROWS * num_experts:
+      return getattr(self, f"{kind}_long")
     return getattr(self, kind)
 
 
@@ -176,14 +197,20 @@ DEFAULT_CONFIGS = Configs()
 # pipeline step on two CPU cores, so deep K steps and two-deep rings keep the tests affordable.
 # Read at call time, as DEFAULT_CONFIGS.
 _INTERPRET_ACT = Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=4)
+# gmm_act and gmm_dact on the ping-pong schedule, as compiled; the cooperative kernel's forms have
+# their own tests (INTERPRET_COOPERATIVE).
+_INTERPRET_PINGPONG = Config(pingpong=True, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32)
+INTERPRET_COOPERATIVE_DACT = Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32)
+INTERPRET_COOPERATIVE = dict(gmm_act=_INTERPRET_ACT, gmm_dact=INTERPRET_COOPERATIVE_DACT)
 INTERPRET_CONFIGS = Configs(
     gmm=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
     gmm_t=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
-    gmm_act=_INTERPRET_ACT,
-    # As gmm_act: no CPU test has LONG_ROWS rows an expert, and the epilogue-warpgroup kernel has
-    # its own tests (test_mosaic_epilogue_warpgroup_*).
+    gmm_act=_INTERPRET_PINGPONG,
+    # No CPU test has LONG_ROWS rows an expert, and the epilogue-warpgroup kernel has its own tests
+    # (test_mosaic_epilogue_warpgroup_*).
     gmm_act_long=_INTERPRET_ACT,
-    gmm_dact=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32),
+    gmm_dact=_INTERPRET_PINGPONG,
+    gmm_dact_long=INTERPRET_COOPERATIVE_DACT,
     gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
     gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
     tgmm=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32),
@@ -474,35 +501,14 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
             accs = tuple(jnp.where(real, a[...], 0.0) for a in accs)
             _consumer_done(steps, tile_done)
             piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
-            fn = PLAIN.get(activation, activation)
-            epilogue = None
             if num_pre:
               @pl.when(has_rows)
               def _():
                 for i in range(num_pre):
                   plgpu.barrier_wait(ready(i))
 
-              # A consumer without rows never loaded pre_smem: select, so stale bits stay out.
-              if num_pre == 1:
-                def epilogue(pieces, j):
-                  d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
-                  return (jnp.where(piece_real(j), d, 0.0),)
-              else:
-                def epilogue(pieces, j):
-                  g, u = pre_tile(0, j), pre_tile(1, j)
-                  dg = pieces[0] * u * DERIVATIVES[activation](g)
-                  du = pieces[0] * fn(g)
-                  return jnp.where(piece_real(j), dg, 0.0), jnp.where(piece_real(j), du, 0.0)
-            elif num_w == 2:
-              def epilogue(pieces, j):
-                g, u = pieces
-                return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
-            elif activation in PLAIN:  # each maps the zeroed padding rows to zero: no second select
-              def epilogue(pieces, j):
-                return pieces[0], fn(pieces[0])
-            elif activation is not None:
-              def epilogue(pieces, j):
-                return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
+            # A consumer without rows never loaded pre_smem: the epilogue selects, so stale bits stay out.
+            epilogue = gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real)
             # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
             # kernels run zero steps on them), so they are left unwritten: under expert
             # parallelism about half the worst-case receive buffer is inactive.
@@ -536,6 +542,37 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
   return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
 
 
+def gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real):
+  """The epilogue(pieces, j) of _store_tile for a gmm variant (the table in _gmm_padded), or None
+  for a plain product. pieces: the float32 accumulators' j-th epi_tile_n-wide pieces, zero on the
+  rows without a token; pre_tile(i, j): pre[i]'s matching piece as float32; piece_real(j): the
+  piece's mask of rows with a token (pre is whatever the caller passed on the others)."""
+  fn = PLAIN.get(activation, activation)
+  if num_pre == 1:
+    def epilogue(pieces, j):
+      d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
+      return (jnp.where(piece_real(j), d, 0.0),)
+  elif num_pre == 2:
+    def epilogue(pieces, j):
+      g, u = pre_tile(0, j), pre_tile(1, j)
+      dg = pieces[0] * u * DERIVATIVES[activation](g)
+      du = pieces[0] * fn(g)
+      return jnp.where(piece_real(j), dg, 0.0), jnp.where(piece_real(j), du, 0.0)
+  elif num_w == 2:
+    def epilogue(pieces, j):
+      g, u = pieces
+      return g, u, fn(g) * u  # u is zero past the real rows, and so is the product
+  elif activation in PLAIN:  # each maps the zeroed padding rows to zero: no second select
+    def epilogue(pieces, j):
+      return pieces[0], fn(pieces[0])
+  elif activation is not None:
+    def epilogue(pieces, j):
+      return pieces[0], jnp.where(piece_real(j), fn(pieces[0]), 0.0)
+  else:
+    epilogue = None
+  return epilogue
+
+
 def _load_wgmma(ref):
   """A shared-memory tile read into registers in the accumulator's (wgmma) layout."""
   if _interpret() is not None:
@@ -561,8 +598,10 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
   base = _configs(configs).gmm_for(kind, lhs.shape[0], topo.num_experts)
-  if base.pingpong:
-    raise ValueError(f"Config.pingpong serves tgmm only; got it for {kind}")
+  if base.pingpong and kind in ("gmm_glu", "gmm_dglu"):
+    raise ValueError(f"Config.pingpong serves tgmm and the one-weight gmm kinds; got it for {kind}")
+  if base.pingpong and base.epilogue_wg:
+    raise ValueError(f"Config.pingpong and Config.epilogue_wg are two schedules; {kind} got both")
   if base.epilogue_wg:
     from sparsejax.kernels.gmm import mosaic_epilogue
 
@@ -571,14 +610,20 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
     cfg, n_buf = mosaic_epilogue.fit(base, lhs.shape[1], n, topo.block_size, len(pre))
     padded = functools.partial(mosaic_epilogue.gmm_padded, n_buf=n_buf)
   else:
-    cfg = _gmm_config(lhs, n, topo, base, out_dtype, len(weights), pre)
-    padded = _gmm_padded
+    if base.pingpong:
+      from sparsejax.kernels.gmm import mosaic_pingpong
+
+      cfg = mosaic_pingpong.fit_gmm(base, lhs.shape[1], n, topo.block_size, len(pre), lhs.dtype, out_dtype)
+      padded = mosaic_pingpong.gmm_padded
+    else:
+      cfg = _gmm_config(lhs, n, topo, base, out_dtype, len(weights), pre)
+      padded = _gmm_padded
     if cfg.expert_bands:
       if cfg.grid_minor_dim != M_DIM:
         raise ValueError(f"Config.expert_bands orders row blocks within column tiles: it needs "
                          f"grid_minor_dim=M_DIM; got {cfg.grid_minor_dim} for {kind}")
       n_iters = -(-n // cfg.tile_n)
-      padded = functools.partial(_gmm_padded, order=expert_band_order(
+      padded = functools.partial(padded, order=expert_band_order(
           topo.row_block_expert, topo.expert_block_offsets, n_iters, cfg.grid_tile_width))
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
@@ -801,6 +846,29 @@ def observe_last_releases(consumed_at, total, slots):
   @pl.loop(jnp.maximum(total - slots, 0), total)
   def _observe(step):
     plgpu.barrier_wait(consumed_at(step))
+
+
+def issue_gmm_tile(lhs_gmem, w_e, a_smem, b_smem, consumed, ready, *, m_idx, n_idx, step0, steps,
+                   block_m, tile_n, tile_k, transpose_rhs):
+  """The producer's loads of one gmm tile (row block m_idx, column tile n_idx) into a hand-written
+  TMA ring (mosaic_epilogue.py, mosaic_pingpong.py): step s of the tile is the ring's step0 + s, in
+  slot (step0 + s) % slots, loaded once that slot's previous step is released on consumed[slot];
+  ready(slot) is the barrier its A and B copies signal. w_e: the expert's weight."""
+  slots = a_smem.shape[0]
+  rows, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
+
+  @pl.loop(0, steps)
+  def _step(s):
+    slot = lax.rem(step0 + s, slots)
+
+    @pl.when(step0 + s >= slots)
+    def _():
+      plgpu.barrier_wait(consumed.at[slot])
+
+    ks = pl.ds(s * tile_k, tile_k)
+    plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], a_smem.at[slot], ready(slot))
+    plgpu.copy_gmem_to_smem(w_e.at[cols, ks] if transpose_rhs else w_e.at[ks, cols], b_smem.at[slot],
+                            ready(slot))
 
 
 # Registers per thread of the hand-written three-warpgroup kernels (_tgmm_streamed and

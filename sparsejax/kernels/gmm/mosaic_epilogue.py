@@ -137,22 +137,10 @@ def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_
         def issued(info, carry):
           (step0,) = carry
           m_idx, n_idx, _, steps = tile(info.index[0])
-          w_e = w_gmem.at[rbe_gmem[m_idx]]
-          rows_, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
-
-          @pl.loop(0, steps)
-          def _step(s):
-            slot = lax.rem(step0 + s, slots)
-
-            @pl.when(step0 + s >= slots)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            ks = pl.ds(s * tile_k, tile_k)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows_, ks], a_smem.at[slot], full.at[slot])
-            plgpu.copy_gmem_to_smem(w_e.at[cols, ks] if transpose_rhs else w_e.at[ks, cols],
-                                    b_smem.at[slot], full.at[slot])
-
+          mosaic.issue_gmm_tile(lhs_gmem, w_gmem.at[rbe_gmem[m_idx]], a_smem, b_smem, consumed,
+                                lambda slot: full.at[slot], m_idx=m_idx, n_idx=n_idx, step0=step0,
+                                steps=steps, block_m=block_m, tile_n=tile_n, tile_k=tile_k,
+                                transpose_rhs=transpose_rhs)
           return (step0 + steps,)
 
         mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)

@@ -1,36 +1,50 @@
-"""tgmm with a ping-pong schedule, in Pallas Mosaic GPU (Hopper, sm_90).
+"""gmm and tgmm with a ping-pong schedule, in Pallas Mosaic GPU (Hopper, sm_90).
 
-    out[e] = sum over the real rows r of expert e of lhs[r]^T dout[r]      (the weight gradient)
+    tgmm:  out[e] = sum over the real rows r of expert e of lhs[r]^T dout[r]   (the weight gradient)
+    gmm:   out[r] = epilogue(lhs[r] @ W[e(r)])                                  (and its variants)
 
-mosaic.py's tgmm splits each 128 x 256 CTA tile between its two consumer warpgroups, so both run
-their epilogue (convert, shared-memory writes and TMA stores of a [128, 128] float32 accumulator)
-at the same time and the tensor cores idle meanwhile. At ~256 rows an expert (4 reduction steps
-of 64 rows) half of tgmm's time is that per-tile cost (experiments/notes_hopper_kernels.md).
-cuBLAS runs this case with a "ping-pong" kernel, and so does this file: output tiles are
-128 (of K) x tile_n (of N), each consumer owns whole tiles, and the two take turns, so one's
-epilogue runs under the other's wgmmas.
+mosaic.py's kernels split each CTA tile between their two consumer warpgroups, so both run their
+epilogue (the activation or its derivative, convert, shared-memory writes and TMA stores) at the
+same time and the tensor cores idle meanwhile. cuBLAS and CUTLASS run such cases with a "ping-pong"
+kernel, and so does this file: each consumer owns whole output tiles and the two take turns, so
+one's epilogue runs under the other's wgmmas.
 
-Schedule. The CTA's j-th tile of its persistent loop (counting every tile, empty experts' too:
-their zero gradient is stored like any other tile) belongs to consumer j % 2. One producer
-warpgroup issues the tiles' steps in order, tile j's into ring j % 2, so the operands of tile
-j + 1 arrive after tile j's and the consumers fall into alternation without a barrier between
-them. Two rings, because Mosaic GPU tracks a barrier's phase per waiting thread: a consumer must
-wait on every phase of every barrier it waits on, in order, and cannot skip the phases of the
-other consumer's steps. Ring c holds only consumer c's steps, with its own `full` (the A and B
-copies of a slot) and `consumed` (its consumer's release) barriers. The producer waits on a
-slot's `consumed` before reusing it, and at the end on the last phases of both rings.
+Schedule. The CTA's j-th tile of its persistent loop (counting every tile: empty experts' in tgmm,
+whose zero gradient is stored like any other tile; inactive row blocks' in gmm, which run zero
+steps and store nothing) belongs to consumer j % 2. One producer warpgroup issues the tiles' steps
+in order, so the operands of tile j + 1 arrive after tile j's and the consumers fall into
+alternation. Mosaic GPU tracks a barrier's phase per waiting thread: a consumer must wait on every
+phase of every barrier it waits on, in order, and cannot skip the phases of the other consumer's
+steps. tgmm_padded meets that with a ring per consumer (ring c holds only consumer c's steps, with
+its own `full` and `consumed` barriers); gmm_padded with one ring whose slots signal the `full`
+barrier of the step's owner, which doubles the depth in the same shared memory (its docstring).
+The producer waits on a slot's `consumed` before reusing it, and at the end on the last phases.
 
-Same contract as mosaic._tgmm_padded, the same arguments and tile order (heaviest_first experts,
-reversed waves, planar_snake): an expert with no rows gets a zero gradient, and the padding rows
-of an expert's last 64-row step are zeroed in its B tile (mosaic._zero_rows_from) before the
-wgmma. Chosen by Config(pingpong=True) for tgmm. Measured on an H100 (experiments/probe_tgmm_tiles.py,
-results/tgmm_pingpong_probe_H100.log, medians of 3 interleaved rounds): on E64 top-1's random
-routing (~256 +- 16 rows an expert, about half the experts with a 5th, partial step) both weight
-gradients 10% faster than mosaic.py's tgmm (0.418 against 0.467 ms, 0.407 against 0.450); on
-exactly 256 rows an expert 3% slower, on 1,024 14% slower (a 128-wide tile loads its A tile for
-half the columns, a third more operand bytes per output). Not the default until the expert MLP
-is measured with it (experiments/bench_expert_mlp_parts.py --configs default,pingpong).
-Reference: reference.py; contract and custom_vjp: op.py.
+tgmm: output tiles are 128 (of K) x tile_n (of N). Same contract as mosaic._tgmm_padded, the same
+arguments and tile order (heaviest_first experts, reversed waves, planar_snake): an expert with no
+rows gets a zero gradient, and the padding rows of an expert's last 64-row step are zeroed in its
+B tile (mosaic._zero_rows_from) before the wgmma. Chosen by Config(pingpong=True) for tgmm.
+Measured on an H100 (experiments/probe_tgmm_tiles.py, results/tgmm_pingpong_probe_H100.log,
+medians of 3 interleaved rounds): on E64 top-1's random routing (~256 +- 16 rows an expert, about
+half the experts with a 5th, partial step) both weight gradients 10% faster than mosaic.py's tgmm
+(0.418 against 0.467 ms, 0.407 against 0.450); on exactly 256 rows an expert 3% slower, on 1,024
+14% slower (a 128-wide tile loads its A tile for half the columns, a third more operand bytes per
+output). Configs.tgmm_short picks it below SHORT_ROWS rows an expert.
+
+gmm: output tiles are one 128-row block x tile_n (at most 128: a consumer holds a [128, tile_n]
+float32 accumulator), walked in mosaic._gmm_padded's order (expert_band_order or planar_snake),
+with its epilogues (mosaic.gmm_epilogue: plain, act, dact; not the GLU forms, whose two
+accumulators would not fit). A block whose real rows fit in its first 64 runs its wgmmas on those
+rows only. Same contract as mosaic._gmm_padded: zero on the rows of active blocks that hold no
+token, inactive blocks unwritten. Chosen by Config(pingpong=True) for a one-weight gmm kind:
+Configs.gmm_act and gmm_dact (below LONG_ROWS rows an expert). Measured on an H200
+(results/act_kernels_pingpong_H200.log; tune_act_kernels.py and bench_expert_mlp_parts.py
+--ab-rounds 5) against the cooperative kernel's best configs: gmm_act 0.308-0.322 ms against 0.364
+on E64 top-1 and 0.462 against 0.492 on E64 top-8, gmm_dact 0.349-0.368 against 0.389 and
+0.502-0.518 against 0.520, the expert MLP fwd+bwd -3.3% and -1.8%. A ring per consumer, as
+tgmm's, ran slower than the cooperative kernel on an H100: gmm_act 12-29% (rings of 3), gmm_dact
+30-97% (rings of 2 beside its pre tiles). The ring's depth is what sharing it buys.
+Reference: reference.py; contract and custom_vjp: op.py (mlp.py for the fused MLP).
 """
 from __future__ import annotations
 
@@ -202,3 +216,193 @@ def tgmm_padded(
 
   return mosaic._launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
                         order, offsets, row_block_rows, lhs, dout)
+
+
+def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, operand_dtype,
+            out_dtype) -> mosaic.Config:
+  """cfg with gmm tiles that fit shared memory: the ring of max_concurrent_steps slots (each an A
+  tile [block_m, tile_k] and a B tile of [tile_k, tile_n]), each consumer's pre tiles [block_m,
+  tile_n] and its epi_slots store slots of [block_m, epi_tile_n]. The deepest ring first (down to
+  2), with the widest store pieces that fit beside it (down to 16 columns)."""
+  tile_n = min(cfg.tile_n, MAX_TILE_N, max(64, pl.next_power_of_2(n)))
+  tile_k = min(cfg.tile_k, max(64, pl.next_power_of_2(k)))
+  size, out_size = jnp.dtype(operand_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+  pre = 2 * num_pre * block_m * tile_n * size
+  for slots in range(cfg.max_concurrent_steps, 1, -1):
+    epi = min(cfg.epi_tile_n, tile_n)
+    while epi >= 16:
+      ring = slots * (block_m + tile_n) * tile_k * size
+      stores = 2 * cfg.epi_slots * block_m * epi * out_size
+      if ring + pre + stores + 1024 <= mosaic._SMEM_BYTES:
+        return dataclasses.replace(cfg, tile_n=tile_n, tile_k=tile_k, epi_tile_n=epi,
+                                   max_concurrent_steps=slots)
+      epi //= 2
+  raise ValueError(f"the ping-pong gmm needs a ring of at least 2 slots, {num_pre} pre tiles "
+                   f"and the stores in {mosaic._SMEM_BYTES} bytes of shared memory; no tiles of "
+                   f"{cfg} fit")
+
+
+def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
+               out_dtype, cfg: mosaic.Config, activation=None, order=None):
+  """mosaic._gmm_padded's products and epilogues (one weight: plain, act, dact) on the ping-pong
+  schedule, with its arguments; see the module docstring.
+
+  Both consumers read one ring of max_concurrent_steps slots, as CUTLASS's ping-pong kernels do
+  (twice tgmm_padded's depth in the same shared memory). A slot's fill signals the `full` barrier
+  of the step's owner (full[c, slot]), so each consumer waits on every phase of its own barriers
+  and on none of the other's: the per-thread phase tracking that makes tgmm_padded keep a ring
+  per consumer is satisfied. Only the producer waits on `consumed`, every phase in order. The
+  `turn` barriers make the K loops alternate strictly: a consumer starts a tile's loop once the
+  other has issued its previous tile's wgmmas, and runs its epilogue under the other's loop.
+  """
+  if len(weights) != 1 or len(pre) > 1:
+    raise ValueError("the ping-pong gmm takes one weight and at most one pre (not the GLU forms)")
+  (w,) = weights
+  rows, k = lhs.shape
+  n = w.shape[1] if transpose_rhs else w.shape[2]
+  tile_n, tile_k, epi_n, slots = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n, cfg.max_concurrent_steps
+  half = block_m // 2  # one wgmma M: a block with at most this many real rows computes these only
+  m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
+  total = m_iters * n_iters
+  num_pre = len(pre)
+  num_out = num_pre if num_pre else 2 if activation is not None else 1
+  num_sms = mosaic._num_sms()
+  dtype = lhs.dtype
+  b_shape = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
+
+  def body(*refs):
+    order_gmem = refs[0] if order is not None else None
+    rbe_gmem, rbr_gmem, lhs_gmem, w_gmem, *rest = refs[order is not None:]
+    pre_gmems, out_gmems = rest[:num_pre], rest[num_pre:]
+    scratch = dict(
+        a_smem=plgpu.SMEM((slots, block_m, tile_k), dtype, transforms=mosaic._transforms(tile_k, dtype)),
+        b_smem=plgpu.SMEM((slots, *b_shape), dtype, transforms=mosaic._transforms(b_shape[1], dtype)),
+        # full[c * slots + slot]: the A and B copies of a step of consumer c's into the slot.
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * slots),
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # the step's consumer
+        # turn[c]: consumer 1 - c has issued its tile's wgmmas; consumer c's next K loop may start.
+        turn=plgpu.Barrier(num_arrivals=1, num_barriers=2),
+        # (consumer, store slot): mosaic._store_tile's layout.
+        out_smem=plgpu.SMEM((2, cfg.epi_slots, block_m, epi_n), out_dtype,
+                            transforms=mosaic._transforms(epi_n, out_dtype)))
+    if num_pre:
+      scratch.update(pre_smem=plgpu.SMEM((2, block_m, tile_n), pre[0].dtype,
+                                         transforms=mosaic._transforms(epi_n, pre[0].dtype)),
+                     pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))  # one a consumer
+
+    @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
+    def _scope(a_smem, b_smem, full, consumed, turn, out_smem, pre_smem=None, pre_ready=None):
+      wg_idx = lax.axis_index("wg")
+      sm = lax.axis_index("sm")
+      local_tiles = (total - sm + num_sms - 1) // num_sms  # the CTA's: sm, sm + num_sms, ...
+
+      def tile(local):
+        """(row block, column tile, real rows, K steps) of the CTA's local-th tile (zero steps
+        past its last one)."""
+        lin = jnp.clip(jnp.minimum(local, local_tiles - 1) * num_sms + sm, 0, total - 1)
+        if order is None:
+          m_idx, n_idx = mosaic._tile_coords(lin, (m_iters, n_iters), cfg)
+        else:
+          code = order_gmem[lin]
+          m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+        num_real = rbr_gmem[m_idx]
+        # Inactive blocks run zero steps and store nothing.
+        return m_idx, n_idx, num_real, jnp.where((num_real > 0) & (local < local_tiles), k_iters, 0)
+
+      @pl.when(wg_idx == 2)
+      def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        @plgpu.nd_loop((total,), collective_axes="sm", init_carry=(jnp.int32(0),))
+        def issued(info, carry):
+          (step0,) = carry  # the CTA's steps so far
+          owner = lax.rem(info.local_index, 2)
+          m_idx, n_idx, _, steps = tile(info.local_index)
+          mosaic.issue_gmm_tile(lhs_gmem, w_gmem.at[rbe_gmem[m_idx]], a_smem, b_smem, consumed,
+                                lambda slot: full.at[owner * slots + slot], m_idx=m_idx, n_idx=n_idx,
+                                step0=step0, steps=steps, block_m=block_m, tile_n=tile_n,
+                                tile_k=tile_k, transpose_rhs=transpose_rhs)
+          return (step0 + steps,)
+
+        mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
+
+      @pl.when(wg_idx < 2)
+      def _consumer():
+        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        own_tiles = (local_tiles - wg_idx + 1) // 2
+        first_half = pl.ds(0, half)
+
+        def one_tile(i, step0):  # step0: the CTA's steps before this tile
+          local = wg_idx + 2 * i
+          m_idx, n_idx, num_real, steps = tile(local)
+          rows_, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
+
+          if num_pre:
+            @pl.when(steps > 0)
+            def _():
+              plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
+              plgpu.copy_gmem_to_smem(pre_gmems[0].at[rows_, cols], pre_smem.at[wg_idx],
+                                      pre_ready.at[wg_idx])
+
+          @pl.when(local > 0)
+          def _():
+            plgpu.barrier_wait(turn.at[wg_idx])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_m, tile_n), jnp.float32))
+          def _acc(acc_ref):
+            def k_step(s, acc):
+              slot = lax.rem(step0 + s, slots)
+              plgpu.barrier_wait(full.at[wg_idx * slots + slot])
+              a, b = a_smem.at[slot], b_smem.at[slot]
+              b = plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b
+
+              # One commit group a step either way, so wgmma_wait(1) below keeps its meaning.
+              @pl.when(num_real > half)
+              def _():
+                plgpu.wgmma(acc, a, b)
+
+              @pl.when(num_real <= half)
+              def _():
+                plgpu.wgmma(acc.at[first_half], a.at[first_half], b)
+
+              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+
+              @pl.when(s > 0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step0 + s - 1, slots)])
+              return acc
+
+            acc = lax.fori_loop(0, steps, k_step, acc_ref)
+
+            @pl.when(local + 1 < local_tiles)  # the other consumer's next tile may start its K loop
+            def _():
+              plgpu.barrier_arrive(turn.at[1 - wg_idx])
+
+            plgpu.wgmma_wait(0)
+            real = mosaic._row_iota((block_m, tile_n)) < num_real
+            value = jnp.where(real, acc[...], 0.0)
+
+            # Inactive blocks are left unwritten (mosaic._gmm_padded).
+            @pl.when(steps > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
+              pre_tile = lambda i, j: mosaic._load_wgmma(
+                  pre_smem.at[wg_idx, :, pl.ds(j * epi_n, epi_n)]).astype(jnp.float32)
+              piece_real = lambda j: real[:, j * epi_n:(j + 1) * epi_n]
+              if num_pre:
+                plgpu.barrier_wait(pre_ready.at[wg_idx])
+              epilogue = mosaic.gmm_epilogue(activation, 1, num_pre, pre_tile, piece_real)
+              # The stores overlap the other consumer's K loop (and this one's next).
+              mosaic._store_tile((value,), out_smem, [o.at[rows_, cols] for o in out_gmems], wg_idx,
+                                 epi_n, epilogue)
+
+          return step0 + steps + tile(local + 1)[3]  # and the other consumer's next tile
+
+        lax.fori_loop(0, own_tiles, one_tile, jnp.where(wg_idx == 1, tile(0)[3], 0))
+        plgpu.wait_smem_to_gmem(0)
+
+  out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
+  args = (row_block_expert, row_block_rows, lhs, w, *pre)
+  if order is not None:
+    args = (order,) + args
+  return mosaic._launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
