@@ -15,7 +15,10 @@ functions on float32 operands. Needs an sm_90 GPU:
 mosaic.DEFAULT_CONFIGS; "planar" runs every gmm kind in planar_snake order (before
 expert_band_order); "epilogue_wg" gmm_act and gmm_dact with the epilogue in a fourth warpgroup
 (mosaic_epilogue.py); "per_tile", "pingpong" and "tgmm_streamed*" put every tgmm config on one
-schedule. A later set's fused gradients are also checked against the first's.
+schedule; "cooperative" puts gmm_act and gmm_dact back on mosaic._gmm_padded's schedule (the
+defaults before the ping-pong one), "pingpong_act" runs them on the ping-pong schedule at every
+length, "pingpong_all" the plain products too. A later set's fused gradients are also checked
+against the first's.
 --ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
 config set, in R interleaved rounds (each set's outputs checked against the first's): for
 differences smaller than the drift between sets timed one after the other. A kernel that a set
@@ -50,10 +53,10 @@ def _tgmm_set(**changes) -> dict:
   return dict(tgmm=c.tgmm, tgmm_long=c.tgmm_long, tgmm_short=c.tgmm_short)
 
 
-def _pingpong_act_set(**changes) -> dict:
-  """gmm_act and gmm_dact (their _long configs too) on the ping-pong schedule, 128 x 128 tiles, `changes`."""
-  c = mosaic.Config(pingpong=True, tile_n=128, epi_tile_n=32, grid_tile_width=8, expert_bands=True, **changes)
-  return dict(gmm_act=c, gmm_act_long=c, gmm_dact=c, gmm_dact_long=c)
+# The ping-pong schedule (mosaic_pingpong.gmm_padded) as Configs.gmm_act has it; fit_gmm gives
+# gmm_dact 4 of the 6 slots.
+_PINGPONG = mosaic.Config(pingpong=True, tile_n=128, tile_k=64, max_concurrent_steps=6, epi_tile_n=32,
+                          grid_tile_width=8, expert_bands=True)
 
 
 CONFIG_SETS = {
@@ -75,8 +78,11 @@ CONFIG_SETS = {
     "pingpong": _tgmm_set(streamed=False, pingpong=True),
     "tgmm_streamed": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_slots=4),
     "tgmm_streamed_ring4": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=4, epi_slots=2),
-    # gmm_act and gmm_dact (their _long configs too) on the ping-pong schedule (mosaic_pingpong.gmm_padded).
-    "pingpong_act": _pingpong_act_set(tile_k=64, max_concurrent_steps=6),
+    # gmm_act and gmm_dact (their _long configs too) on the ping-pong schedule; and the plain
+    # products (h W_out, dX) too, 128 x 128 tiles against their cooperative 128 x 256 (not measured).
+    "pingpong_act": dict.fromkeys(("gmm_act", "gmm_act_long", "gmm_dact", "gmm_dact_long"), _PINGPONG),
+    "pingpong_all": dict.fromkeys(("gmm", "gmm_t", "gmm_act", "gmm_act_long", "gmm_dact", "gmm_dact_long"),
+                                  _PINGPONG),
     "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
 }
 
