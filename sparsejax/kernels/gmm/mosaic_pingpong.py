@@ -242,8 +242,20 @@ def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, oper
                    f"{cfg} fit")
 
 
-def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
-               out_dtype, cfg: mosaic.Config, activation=None, order=None):
+def gmm_padded(
+    lhs: Float[Array, "rows k"],
+    weights: tuple[Float[Array, "experts k n"] | Float[Array, "experts n k"]],
+    row_block_expert: Int[Array, "row_blocks"],
+    row_block_rows: Int[Array, "row_blocks"],
+    pre: tuple[Float[Array, "rows n"], ...] = (),
+    *,
+    block_m: int,
+    transpose_rhs: bool,
+    out_dtype,
+    cfg: mosaic.Config,
+    activation=None,
+    order: Int[Array, "tiles"] | None = None,
+) -> Float[Array, "rows n"] | tuple[Float[Array, "rows n"], ...]:
   """mosaic._gmm_padded's products and epilogues (one weight: plain, act, dact) on the ping-pong
   schedule, with its arguments; see the module docstring.
 
