@@ -1,9 +1,10 @@
-"""The Pallas Triton kernels lower for a GPU, checked from the CPU.
+"""The Pallas kernels (Triton, and Mosaic GPU for Hopper) lower for a GPU, checked from the CPU.
 
 Interpret mode runs a kernel's jaxpr with XLA's CPU ops, so it cannot tell whether Triton lowers every
 primitive a kernel body uses (a sort, an erf, a reshape of a loaded block would pass here and fail on
-the first GPU call). jax lowers for a platform it does not run on (lowering_platforms), so each kernel
-is lowered for CUDA here; compiling and running them is tests_gpu/'s and the GPU runs of tests/.
+the first GPU call), nor whether Mosaic GPU finds wgmma layouts for a kernel's tiles. jax lowers for a
+platform it does not run on (lowering_platforms), so each kernel is lowered for CUDA here; compiling
+and running them is tests_gpu/'s and the GPU runs of tests/.
 """
 import jax
 import jax.numpy as jnp
@@ -83,3 +84,55 @@ def test_decode_router_lowers(norm):
 
 def test_row_gather_lowers():
   _lowers(lambda x, src: row_moves.gather_rows(x, src, interpret=False), ((512, 256), bf16), ((640,), jnp.int32))
+
+
+def _mosaic_lowers(monkeypatch, fn, *args):
+  """fn lowers for CUDA with one Mosaic GPU custom call or more, as compiled (not interpreted) on
+  an H100's 132 SMs: this runs Mosaic GPU's own lowering (layout inference included), which the
+  interpreter skips, e.g. where a tile shape or swizzle has no wgmma layout."""
+  from sparsejax.kernels.gmm import mosaic
+  monkeypatch.setattr(mosaic, "_interpret", lambda: None)
+  monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg"])
+def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
+  """Every one-weight gmm kind (plain, transposed, act, dact) on each schedule: the defaults
+  (gmm_act and gmm_dact ping-pong), the cooperative kernel, the ping-pong kernel for all, and
+  gmm_act / gmm_dact with the epilogue warpgroup. (A 32-deep K step of the ping-pong gmm_act,
+  which failed to compile on an H100, fails here too.)"""
+  import dataclasses
+
+  from sparsejax.kernels.gmm import mosaic
+  from sparsejax.topology import make_topology
+  from sparsejax.kernels.gmm import mosaic_epilogue
+  pp = mosaic.DEFAULT_CONFIGS.gmm_act
+  sets = {"default": {}, "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT),
+          "pingpong_all": dict(gmm=pp, gmm_t=pp, gmm_act=pp, gmm_dact=pp),
+          "epilogue_wg": mosaic_epilogue.CONFIGS}
+  cfgs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **sets[schedule])
+  sizes = jnp.asarray([256, 0, 128, 384], jnp.int32)
+  topo = make_topology(sizes, 1024, 128, jnp.asarray([250, 0, 40, 300], jnp.int32))
+  x, w, w_t = (jax.ShapeDtypeStruct(s, bf16) for s in [(1024, 512), (4, 512, 384), (4, 384, 512)])
+  pre = jax.ShapeDtypeStruct((1024, 384), bf16)
+  _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm(a, b, topo, False, bf16, cfgs), x, w)
+  _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm(a, b, topo, True, jnp.float32, cfgs), pre, w_t)
+  _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm_act(a, b, topo, jax.nn.gelu, cfgs), x, w)
+  _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dact(a, b, topo, p, jax.nn.silu, cfgs), pre, w_t, x)
+
+
+@pytest.mark.parametrize("schedule", [dict(pingpong=False), dict(pingpong=True),
+                                      dict(streamed=True, max_concurrent_steps=3, epi_slots=4)],
+                         ids=["per_tile", "pingpong", "streamed"])
+@pytest.mark.parametrize("out_dtype", [bf16, jnp.float32])
+def test_mosaic_tgmm_kernels_lower(monkeypatch, schedule, out_dtype):
+  """tgmm on each of its schedules (the per-tile pipeline, ping-pong, one streamed ring)."""
+  from sparsejax.kernels.gmm import mosaic
+  from sparsejax.topology import make_topology
+  cfgs = mosaic.DEFAULT_CONFIGS.with_tgmm(**schedule)
+  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
+                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+  x, dy = jax.ShapeDtypeStruct((1024, 512), bf16), jax.ShapeDtypeStruct((1024, 384), bf16)
+  _mosaic_lowers(monkeypatch, lambda a, b: mosaic.tgmm(a, b, topo, out_dtype, cfgs), x, dy)
