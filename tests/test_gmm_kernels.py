@@ -415,7 +415,7 @@ def _pingpong_gmm_configs(slots=2):
     # only), tails, an inactive spare block; 3 N tiles (300 padded to 384) and 4 K steps a tile.
     ([130, 0, 40, 70], 2, False, None),
     ([130, 0, 40, 70], 3, True, None),  # expert_band_order; a ring depth that divides no tile
-    ([5], 2, False, 128),  # one block, one N tile with n = 100: the second interpreted SM has no tile
+    ([5], 2, False, 128),  # one block, one 64-wide N tile (n = 40): the second interpreted SM has none
 ])
 def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bound):
   """gmm, the transposed gmm, gmm_act and gmm_dact on the ping-pong schedule (mosaic_pingpong.py:
@@ -423,7 +423,7 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
   against the reference: lhs random on every row, gmm_dact's pre NaN on the rows without a token,
   and those rows of active blocks exactly zero in every output."""
   from sparsejax.activations import DERIVATIVES
-  n = 100 if rows_bound else 300
+  n = 40 if rows_bound else 300
   keys = jax.random.split(jax.random.key(len(groups) + slots), 4)
   topo = topology_for(groups, num_rows_bound=rows_bound)
   rows = topo.num_row_blocks * 128

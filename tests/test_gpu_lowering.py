@@ -121,6 +121,9 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm(a, b, topo, True, jnp.float32, cfgs), pre, w_t)
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm_act(a, b, topo, jax.nn.gelu, cfgs), x, w)
   _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dact(a, b, topo, p, jax.nn.silu, cfgs), pre, w_t, x)
+  # N of 40: 64-wide tiles.
+  _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm_act(a, b, topo, jax.nn.gelu, cfgs), x,
+                 jax.ShapeDtypeStruct((4, 512, 40), bf16))
 
 
 @pytest.mark.parametrize("schedule", [dict(pingpong=False), dict(pingpong=True),
