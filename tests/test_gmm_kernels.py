@@ -392,11 +392,8 @@ def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
-def test_mosaic_pingpong_rejects_the_glu_kernels_and_a_second_schedule():
+def test_mosaic_pingpong_rejects_a_second_schedule():
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
-  bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_glu=mosaic.Config(pingpong=True))
-  with pytest.raises(ValueError, match="pingpong serves tgmm and the one-weight gmm kinds; got it for gmm_glu"):
-    mosaic.gmm_glu(lhs, rhs, rhs, topo, jax.nn.silu, bad)
   bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_act=mosaic.Config(pingpong=True, epilogue_wg=True))
   with pytest.raises(ValueError, match="two schedules; gmm_act got both"):
     mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, bad)
@@ -448,17 +445,34 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
   check_rows(d, jnp.where(real, want_d, 0.0), topo, TOL[jnp.bfloat16])
 
 
+def test_mosaic_pingpong_glu_expert_mlp_matches_reference(monkeypatch):
+  """The GLU forms on the ping-pong schedule (opt-in): gmm_glu (two [128, 64] accumulators a
+  consumer, act(g) * u in the epilogue) and gmm_dglu (g and u tiles by TMA) through the GLU
+  expert MLP's custom_vjp. An empty expert, one with rows in its first 64-row half only, and an
+  inactive spare block; d = f = 300 over several 64-wide N tiles."""
+  pp = mosaic.Config(pingpong=True, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32)
+  monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS",
+                      dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_glu=pp, gmm_dglu=pp))
+  _by_reference(monkeypatch, "gmm", "tgmm")  # the GLU test on the cooperative schedule runs them
+  _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=13)
+
+
 def test_mosaic_pingpong_gmm_fit_shrinks_to_shared_memory():
   """One ring of 32 KiB stages: gmm_act's 6 slots and two consumers' store slots of 32 columns fit;
-  gmm_dact's pre tiles (32 KiB a consumer) leave room for 4; 256-wide tiles come down to 128."""
+  gmm_dact's pre tiles (32 KiB a consumer) leave room for 4; 256-wide tiles come down to 128, 64
+  for the GLU forms; gmm_dglu's two pre tiles take 64-wide tiles rather than a 2-deep ring."""
   from sparsejax.kernels.gmm import mosaic_pingpong
   cfg = mosaic.Config(pingpong=True, tile_n=256, tile_k=64, max_concurrent_steps=6, epi_tile_n=32)
   act = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 0, jnp.bfloat16, jnp.bfloat16)
   assert (act.tile_n, act.max_concurrent_steps, act.epi_tile_n) == (128, 6, 32)
   dact = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 1, jnp.bfloat16, jnp.bfloat16)
   assert (dact.tile_n, dact.max_concurrent_steps, dact.epi_tile_n) == (128, 4, 32)
+  glu = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 0, jnp.bfloat16, jnp.bfloat16, num_w=2)
+  assert (glu.tile_n, glu.max_concurrent_steps) == (64, 6)  # two accumulators: half-wide tiles
+  dglu = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 2, jnp.bfloat16, jnp.bfloat16)
+  assert (dglu.tile_n, dglu.max_concurrent_steps, dglu.epi_tile_n) == (64, 6, 16)  # narrower, not 2 slots
   with pytest.raises(ValueError, match="no tiles of"):
-    mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 1, jnp.float32, jnp.float32)
+    mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 256, 1, jnp.float32, jnp.float32)
 
 
 def test_mosaic_pingpong_fit_shrinks_to_shared_memory():

@@ -99,9 +99,9 @@ def _mosaic_lowers(monkeypatch, fn, *args):
 
 @pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg"])
 def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
-  """Every one-weight gmm kind (plain, transposed, act, dact) on each schedule: the defaults
+  """Every gmm kind (plain, transposed, act, dact, glu, dglu) on each schedule: the defaults
   (gmm_act and gmm_dact ping-pong), the cooperative kernel, the ping-pong kernel for all, and
-  gmm_act / gmm_dact with the epilogue warpgroup. (A 32-deep K step of the ping-pong gmm_act,
+  gmm_act / gmm_dact with the epilogue warpgroup (the other kinds as their defaults). (A 32-deep K step of the ping-pong gmm_act,
   which failed to compile on an H100, fails here too.)"""
   import dataclasses
 
@@ -110,7 +110,7 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   from sparsejax.kernels.gmm import mosaic_epilogue
   pp = mosaic.DEFAULT_CONFIGS.gmm_act
   sets = {"default": {}, "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT),
-          "pingpong_all": dict(gmm=pp, gmm_t=pp, gmm_act=pp, gmm_dact=pp),
+          "pingpong_all": dict(gmm=pp, gmm_t=pp, gmm_act=pp, gmm_dact=pp, gmm_glu=pp, gmm_dglu=pp),
           "epilogue_wg": mosaic_epilogue.CONFIGS}
   cfgs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **sets[schedule])
   sizes = jnp.asarray([256, 0, 128, 384], jnp.int32)
@@ -121,6 +121,8 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm(a, b, topo, True, jnp.float32, cfgs), pre, w_t)
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm_act(a, b, topo, jax.nn.gelu, cfgs), x, w)
   _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dact(a, b, topo, p, jax.nn.silu, cfgs), pre, w_t, x)
+  _mosaic_lowers(monkeypatch, lambda a, b, c: mosaic.gmm_glu(a, b, c, topo, jax.nn.silu, cfgs), x, w, w)
+  _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dglu(a, b, topo, p, p, jax.nn.silu, cfgs), pre, w_t, x)
   # N of 40: 64-wide tiles.
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm_act(a, b, topo, jax.nn.gelu, cfgs), x,
                  jax.ShapeDtypeStruct((4, 512, 40), bf16))

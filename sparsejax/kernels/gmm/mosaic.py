@@ -97,7 +97,7 @@ class Config:
   # tgmm: walk the experts heaviest first, every second wave of num_sms tiles backwards (see
   # _tgmm_item). False: experts in index order, as before (kept for A/B runs).
   balance_experts: bool = True
-  # tgmm and the one-weight gmm kinds: the ping-pong schedule (mosaic_pingpong.py): each consumer
+  # tgmm and every gmm kind: the ping-pong schedule (mosaic_pingpong.py): each consumer
   # owns whole tiles and the two alternate, one's epilogue under the other's wgmmas.
   pingpong: bool = False
   # gmm: walk the output tiles in expert_band_order (planar-snake bands of at most grid_tile_width
@@ -598,8 +598,6 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
           else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
   base = _configs(configs).gmm_for(kind, lhs.shape[0], topo.num_experts)
-  if base.pingpong and kind in ("gmm_glu", "gmm_dglu"):
-    raise ValueError(f"Config.pingpong serves tgmm and the one-weight gmm kinds; got it for {kind}")
   if base.pingpong and base.epilogue_wg:
     raise ValueError(f"Config.pingpong and Config.epilogue_wg are two schedules; {kind} got both")
   if base.epilogue_wg:
@@ -613,7 +611,8 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
     if base.pingpong:
       from sparsejax.kernels.gmm import mosaic_pingpong
 
-      cfg = mosaic_pingpong.fit_gmm(base, lhs.shape[1], n, topo.block_size, len(pre), lhs.dtype, out_dtype)
+      cfg = mosaic_pingpong.fit_gmm(base, lhs.shape[1], n, topo.block_size, len(pre), lhs.dtype, out_dtype,
+                                    num_w=len(weights))
       padded = mosaic_pingpong.gmm_padded
     else:
       cfg = _gmm_config(lhs, n, topo, base, out_dtype, len(weights), pre)
@@ -848,12 +847,13 @@ def observe_last_releases(consumed_at, total, slots):
     plgpu.barrier_wait(consumed_at(step))
 
 
-def issue_gmm_tile(lhs_gmem, w_e, a_smem, b_smem, consumed, ready, *, m_idx, n_idx, step0, steps,
+def issue_gmm_tile(lhs_gmem, w_es, a_smem, b_smems, consumed, ready, *, m_idx, n_idx, step0, steps,
                    block_m, tile_n, tile_k, transpose_rhs):
   """The producer's loads of one gmm tile (row block m_idx, column tile n_idx) into a hand-written
   TMA ring (mosaic_epilogue.py, mosaic_pingpong.py): step s of the tile is the ring's step0 + s, in
   slot (step0 + s) % slots, loaded once that slot's previous step is released on consumed[slot];
-  ready(slot) is the barrier its A and B copies signal. w_e: the expert's weight."""
+  ready(slot) is the barrier its copies (A, then each weight's B) signal. w_es: the expert's
+  weights (W; or W_gate, W_in), b_smems their rings' B tiles."""
   slots = a_smem.shape[0]
   rows, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
 
@@ -867,8 +867,9 @@ def issue_gmm_tile(lhs_gmem, w_e, a_smem, b_smem, consumed, ready, *, m_idx, n_i
 
     ks = pl.ds(s * tile_k, tile_k)
     plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], a_smem.at[slot], ready(slot))
-    plgpu.copy_gmem_to_smem(w_e.at[cols, ks] if transpose_rhs else w_e.at[ks, cols], b_smem.at[slot],
-                            ready(slot))
+    for w_e, b_smem in zip(w_es, b_smems, strict=True):
+      plgpu.copy_gmem_to_smem(w_e.at[cols, ks] if transpose_rhs else w_e.at[ks, cols], b_smem.at[slot],
+                              ready(slot))
 
 
 # Registers per thread of the hand-written three-warpgroup kernels (_tgmm_streamed and

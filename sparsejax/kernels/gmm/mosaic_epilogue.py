@@ -137,7 +137,7 @@ def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_
         def issued(info, carry):
           (step0,) = carry
           m_idx, n_idx, _, steps = tile(info.index[0])
-          mosaic.issue_gmm_tile(lhs_gmem, w_gmem.at[rbe_gmem[m_idx]], a_smem, b_smem, consumed,
+          mosaic.issue_gmm_tile(lhs_gmem, (w_gmem.at[rbe_gmem[m_idx]],), a_smem, (b_smem,), consumed,
                                 lambda slot: full.at[slot], m_idx=m_idx, n_idx=n_idx, step0=step0,
                                 steps=steps, block_m=block_m, tile_n=tile_n, tile_k=tile_k,
                                 transpose_rhs=transpose_rhs)

@@ -32,12 +32,13 @@ half the experts with a 5th, partial step) both weight gradients 10% faster than
 output). Configs.tgmm_short picks it below SHORT_ROWS rows an expert.
 
 gmm: output tiles are one 128-row block x tile_n (at most 128: a consumer holds a [128, tile_n]
-float32 accumulator), walked in mosaic._gmm_padded's order (expert_band_order or planar_snake),
-with its epilogues (mosaic.gmm_epilogue: plain, act, dact; not the GLU forms, whose two
-accumulators would not fit). A block whose real rows fit in its first 64 runs its wgmmas on those
-rows only. Same contract as mosaic._gmm_padded: zero on the rows of active blocks that hold no
-token, inactive blocks unwritten. Chosen by Config(pingpong=True) for a one-weight gmm kind:
-Configs.gmm_act and gmm_dact (below LONG_ROWS rows an expert). Measured on an H200
+float32 accumulator; 64 for the GLU forms' two), walked in mosaic._gmm_padded's order
+(expert_band_order or planar_snake), with its epilogues (mosaic.gmm_epilogue: plain, act, dact,
+glu, dglu). A block whose real rows fit in its first 64 runs its wgmmas on those rows only. Same contract as mosaic._gmm_padded: zero on the rows of active blocks that hold no
+token, inactive blocks unwritten. Chosen by Config(pingpong=True) for a gmm kind: Configs.gmm_act
+and gmm_dact (below LONG_ROWS rows an expert); opt-in for the others (the GLU forms are tested
+in interpret mode and lower for CUDA, not yet compiled or timed: experiments/tune_glu_fusion.py
+has them). Measured on an H200
 (results/act_kernels_pingpong_H200.log; tune_act_kernels.py and bench_expert_mlp_parts.py
 --ab-rounds 5) against the cooperative kernel's best configs: gmm_act 0.308-0.322 ms against 0.364
 on E64 top-1 and 0.462 against 0.492 on E64 top-8, gmm_dact 0.349-0.368 against 0.389 and
@@ -219,24 +220,33 @@ def tgmm_padded(
 
 
 def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, operand_dtype,
-            out_dtype) -> mosaic.Config:
+            out_dtype, num_w: int = 1) -> mosaic.Config:
   """cfg with gmm tiles that fit shared memory: the ring of max_concurrent_steps slots (each an A
-  tile [block_m, tile_k] and a B tile of [tile_k, tile_n]), each consumer's pre tiles [block_m,
-  tile_n] and its epi_slots store slots of [block_m, epi_tile_n]. The deepest ring first (down to
-  2), with the widest store pieces that fit beside it (down to 16 columns)."""
-  tile_n = min(cfg.tile_n, MAX_TILE_N, max(64, pl.next_power_of_2(n)))
-  tile_k = min(cfg.tile_k, max(64, pl.next_power_of_2(k)))
+  tile [block_m, tile_k] and num_w B tiles of [tile_k, tile_n]), each consumer's num_pre pre tiles
+  [block_m, tile_n] and its epi_slots store slots of [block_m, epi_tile_n]. The widest tiles with
+  a ring at least 3 deep, as deep as fits, with the widest store pieces beside it (down to 16
+  columns); then narrower tiles (down to 64), then 2 slots, then tile_k down to 64 for a config
+  given by hand. The GLU forms (num_w 2) hold two [block_m, tile_n] accumulators a consumer, so
+  their tiles are at most half as wide."""
   size, out_size = jnp.dtype(operand_dtype).itemsize, jnp.dtype(out_dtype).itemsize
-  pre = 2 * num_pre * block_m * tile_n * size
-  for slots in range(cfg.max_concurrent_steps, 1, -1):
-    epi = min(cfg.epi_tile_n, tile_n)
-    while epi >= 16:
-      ring = slots * (block_m + tile_n) * tile_k * size
-      stores = 2 * cfg.epi_slots * block_m * epi * out_size
-      if ring + pre + stores + 1024 <= mosaic._SMEM_BYTES:
-        return dataclasses.replace(cfg, tile_n=tile_n, tile_k=tile_k, epi_tile_n=epi,
-                                   max_concurrent_steps=slots)
-      epi //= 2
+  widest = min(cfg.tile_n, MAX_TILE_N // num_w, max(64, pl.next_power_of_2(n)))
+  tile_k = min(cfg.tile_k, max(64, pl.next_power_of_2(k)))
+  while tile_k >= 64:
+    for min_slots in (3, 2):
+      tile_n = widest
+      while tile_n >= 64:
+        pre = 2 * num_pre * block_m * tile_n * size
+        for slots in range(cfg.max_concurrent_steps, min_slots - 1, -1):
+          epi = min(cfg.epi_tile_n, tile_n)
+          while epi >= 16:
+            ring = slots * (block_m + num_w * tile_n) * tile_k * size
+            stores = 2 * cfg.epi_slots * block_m * epi * out_size
+            if ring + pre + stores + 1024 <= mosaic._SMEM_BYTES:
+              return dataclasses.replace(cfg, tile_n=tile_n, tile_k=tile_k, epi_tile_n=epi,
+                                         max_concurrent_steps=slots)
+            epi //= 2
+        tile_n //= 2
+    tile_k //= 2
   raise ValueError(f"the ping-pong gmm needs a ring of at least 2 slots, {num_pre} pre tiles "
                    f"and the stores in {mosaic._SMEM_BYTES} bytes of shared memory; no tiles of "
                    f"{cfg} fit")
@@ -256,8 +266,8 @@ def gmm_padded(
     activation=None,
     order: Int[Array, "tiles"] | None = None,
 ) -> Float[Array, "rows n"] | tuple[Float[Array, "rows n"], ...]:
-  """mosaic._gmm_padded's products and epilogues (one weight: plain, act, dact) on the ping-pong
-  schedule, with its arguments; see the module docstring.
+  """mosaic._gmm_padded's products and epilogues (plain, act, dact; and the GLU forms, two
+  accumulators a consumer) on the ping-pong schedule, with its arguments; see the module docstring.
 
   Both consumers read one ring of max_concurrent_steps slots, as CUTLASS's ping-pong kernels do
   (twice tgmm_padded's depth in the same shared memory). A slot's fill signals the `full` barrier
@@ -267,43 +277,48 @@ def gmm_padded(
   `turn` barriers make the K loops alternate strictly: a consumer starts a tile's loop once the
   other has issued its previous tile's wgmmas, and runs its epilogue under the other's loop.
   """
-  if len(weights) != 1 or len(pre) > 1:
-    raise ValueError("the ping-pong gmm takes one weight and at most one pre (not the GLU forms)")
-  (w,) = weights
   rows, k = lhs.shape
-  n = w.shape[1] if transpose_rhs else w.shape[2]
+  n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
+  num_w = len(weights)
   tile_n, tile_k, epi_n, slots = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n, cfg.max_concurrent_steps
   half = block_m // 2  # one wgmma M: a block with at most this many real rows computes these only
   m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
   total = m_iters * n_iters
   num_pre = len(pre)
-  num_out = num_pre if num_pre else 2 if activation is not None else 1
+  num_out = num_pre if num_pre else 3 if num_w == 2 else 2 if activation is not None else 1
   num_sms = mosaic._num_sms()
   dtype = lhs.dtype
   b_shape = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
 
   def body(*refs):
     order_gmem = refs[0] if order is not None else None
-    rbe_gmem, rbr_gmem, lhs_gmem, w_gmem, *rest = refs[order is not None:]
-    pre_gmems, out_gmems = rest[:num_pre], rest[num_pre:]
+    rbe_gmem, rbr_gmem, lhs_gmem, *rest = refs[order is not None:]
+    w_gmems, pre_gmems, out_gmems = rest[:num_w], rest[num_w:num_w + num_pre], rest[num_w + num_pre:]
+    b_smem = lambda: plgpu.SMEM((slots, *b_shape), dtype, transforms=mosaic._transforms(b_shape[1], dtype))
     scratch = dict(
         a_smem=plgpu.SMEM((slots, block_m, tile_k), dtype, transforms=mosaic._transforms(tile_k, dtype)),
-        b_smem=plgpu.SMEM((slots, *b_shape), dtype, transforms=mosaic._transforms(b_shape[1], dtype)),
+        b_smem=b_smem(),
         # full[c * slots + slot]: the A and B copies of a step of consumer c's into the slot.
-        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * slots),
+        full=plgpu.Barrier(num_arrivals=1 + num_w, num_barriers=2 * slots),
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # the step's consumer
         # turn[c]: consumer 1 - c has issued its tile's wgmmas; consumer c's next K loop may start.
         turn=plgpu.Barrier(num_arrivals=1, num_barriers=2),
         # (consumer, store slot): mosaic._store_tile's layout.
         out_smem=plgpu.SMEM((2, cfg.epi_slots, block_m, epi_n), out_dtype,
                             transforms=mosaic._transforms(epi_n, out_dtype)))
+    if num_w == 2:
+      scratch.update(b2_smem=b_smem())  # W_in's, beside W_gate's
     if num_pre:
-      scratch.update(pre_smem=plgpu.SMEM((2, block_m, tile_n), pre[0].dtype,
-                                         transforms=mosaic._transforms(epi_n, pre[0].dtype)),
-                     pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2))  # one a consumer
+      # A consumer's pre tiles ((2, block_m, tile_n) for one, so the one-pre kernel keeps its layout).
+      scratch.update(pre_smem=plgpu.SMEM((2, *((num_pre,) if num_pre > 1 else ()), block_m, tile_n),
+                                         pre[0].dtype, transforms=mosaic._transforms(epi_n, pre[0].dtype)),
+                     pre_ready=plgpu.Barrier(num_arrivals=num_pre, num_barriers=2))  # one a consumer
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
-    def _scope(a_smem, b_smem, full, consumed, turn, out_smem, pre_smem=None, pre_ready=None):
+    def _scope(a_smem, b_smem, full, consumed, turn, out_smem, b2_smem=None, pre_smem=None,
+               pre_ready=None):
+      b_smems = (b_smem,) if num_w == 1 else (b_smem, b2_smem)
+      pre_at = lambda c, i: pre_smem.at[c] if num_pre == 1 else pre_smem.at[c, i]
       wg_idx = lax.axis_index("wg")
       sm = lax.axis_index("sm")
       local_tiles = (total - sm + num_sms - 1) // num_sms  # the CTA's: sm, sm + num_sms, ...
@@ -330,8 +345,9 @@ def gmm_padded(
           (step0,) = carry  # the CTA's steps so far
           owner = lax.rem(info.local_index, 2)
           m_idx, n_idx, _, steps = tile(info.local_index)
-          mosaic.issue_gmm_tile(lhs_gmem, w_gmem.at[rbe_gmem[m_idx]], a_smem, b_smem, consumed,
-                                lambda slot: full.at[owner * slots + slot], m_idx=m_idx, n_idx=n_idx,
+          mosaic.issue_gmm_tile(lhs_gmem, tuple(w.at[rbe_gmem[m_idx]] for w in w_gmems), a_smem,
+                                b_smems, consumed, lambda slot: full.at[owner * slots + slot],
+                                m_idx=m_idx, n_idx=n_idx,
                                 step0=step0, steps=steps, block_m=block_m, tile_n=tile_n,
                                 tile_k=tile_k, transpose_rhs=transpose_rhs)
           return (step0 + steps,)
@@ -353,38 +369,41 @@ def gmm_padded(
             @pl.when(steps > 0)
             def _():
               plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
-              plgpu.copy_gmem_to_smem(pre_gmems[0].at[rows_, cols], pre_smem.at[wg_idx],
-                                      pre_ready.at[wg_idx])
+              for i, p in enumerate(pre_gmems):
+                plgpu.copy_gmem_to_smem(p.at[rows_, cols], pre_at(wg_idx, i), pre_ready.at[wg_idx])
 
           @pl.when(local > 0)
           def _():
             plgpu.barrier_wait(turn.at[wg_idx])
 
-          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((block_m, tile_n), jnp.float32))
-          def _acc(acc_ref):
-            def k_step(s, acc):
+          @functools.partial(pl.run_scoped, **{f"acc{i}": plgpu.ACC((block_m, tile_n), jnp.float32)
+                                               for i in range(num_w)})
+          def _acc(**acc_refs):
+            def k_step(s, accs):
               slot = lax.rem(step0 + s, slots)
               plgpu.barrier_wait(full.at[wg_idx * slots + slot])
-              a, b = a_smem.at[slot], b_smem.at[slot]
-              b = plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b
+              a = a_smem.at[slot]
+              for acc, b_ring in zip(accs, b_smems, strict=True):
+                b = b_ring.at[slot]
+                b = plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b
 
-              # One commit group a step either way, so wgmma_wait(1) below keeps its meaning.
-              @pl.when(num_real > half)
-              def _():
-                plgpu.wgmma(acc, a, b)
+                # One commit group a weight and step either way, so the wait below keeps its meaning.
+                @pl.when(num_real > half)
+                def _():
+                  plgpu.wgmma(acc, a, b)
 
-              @pl.when(num_real <= half)
-              def _():
-                plgpu.wgmma(acc.at[first_half], a.at[first_half], b)
+                @pl.when(num_real <= half)
+                def _():
+                  plgpu.wgmma(acc.at[first_half], a.at[first_half], b)
 
-              plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
+              plgpu.wgmma_wait(num_w)  # the previous step's wgmmas are done: release its slot
 
               @pl.when(s > 0)
               def _():
                 plgpu.barrier_arrive(consumed.at[lax.rem(step0 + s - 1, slots)])
-              return acc
+              return accs
 
-            acc = lax.fori_loop(0, steps, k_step, acc_ref)
+            accs = lax.fori_loop(0, steps, k_step, tuple(acc_refs[f"acc{i}"] for i in range(num_w)))
 
             @pl.when(local + 1 < local_tiles)  # the other consumer's next tile may start its K loop
             def _():
@@ -392,20 +411,21 @@ def gmm_padded(
 
             plgpu.wgmma_wait(0)
             real = mosaic._row_iota((block_m, tile_n)) < num_real
-            value = jnp.where(real, acc[...], 0.0)
+            values = tuple(jnp.where(real, acc[...], 0.0) for acc in accs)
 
             # Inactive blocks are left unwritten (mosaic._gmm_padded).
             @pl.when(steps > 0)
             def _():
               plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
-              pre_tile = lambda i, j: mosaic._load_wgmma(
-                  pre_smem.at[wg_idx, :, pl.ds(j * epi_n, epi_n)]).astype(jnp.float32)
+              pre_cols = lambda i, j: ((wg_idx,) if num_pre == 1 else (wg_idx, i)) + (
+                  slice(None), pl.ds(j * epi_n, epi_n))
+              pre_tile = lambda i, j: mosaic._load_wgmma(pre_smem.at[pre_cols(i, j)]).astype(jnp.float32)
               piece_real = lambda j: real[:, j * epi_n:(j + 1) * epi_n]
               if num_pre:
                 plgpu.barrier_wait(pre_ready.at[wg_idx])
-              epilogue = mosaic.gmm_epilogue(activation, 1, num_pre, pre_tile, piece_real)
+              epilogue = mosaic.gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real)
               # The stores overlap the other consumer's K loop (and this one's next).
-              mosaic._store_tile((value,), out_smem, [o.at[rows_, cols] for o in out_gmems], wg_idx,
+              mosaic._store_tile(values, out_smem, [o.at[rows_, cols] for o in out_gmems], wg_idx,
                                  epi_n, epilogue)
 
           return step0 + steps + tile(local + 1)[3]  # and the other consumer's next tile
@@ -414,7 +434,7 @@ def gmm_padded(
         plgpu.wait_smem_to_gmem(0)
 
   out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
-  args = (row_block_expert, row_block_rows, lhs, w, *pre)
+  args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
   if order is not None:
     args = (order,) + args
   return mosaic._launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
