@@ -125,9 +125,9 @@ class Configs:
   gmm_t: Config = Config(expert_bands=True)
   # x W_in writing (pre, act(pre)) and dY W_out^T * act'(pre): the ping-pong schedule
   # (mosaic_pingpong.gmm_padded), one consumer's epilogue under the other's wgmmas, one 6-deep ring
-  # (gmm_dact's pre tiles leave room for 4). On an H200, gmm_act ran 0.308-0.322 ms against 0.364
+  # (gmm_dact's pre tiles leave room for 4). On an H200, gmm_act ran 0.322 ms against 0.364
   # for the cooperative kernel (COOPERATIVE_ACT) at E64 top-1 and 0.462 against 0.492 at E64 top-8, gmm_dact
-  # 0.349-0.368 against 0.389 and 0.502-0.518 against 0.520; the expert MLP fwd+bwd 3.3% and 1.8%
+  # 0.349-0.368 against 0.389 and 0.502-0.525 against 0.520; the expert MLP fwd+bwd 3.3% and 1.8%
   # faster in 5 interleaved rounds (experiments/results/act_kernels_pingpong_H200.log).
   gmm_act: Config = Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
                            grid_tile_width=8, expert_bands=True)

@@ -40,9 +40,9 @@ and gmm_dact (below LONG_ROWS rows an expert); opt-in for the others (the GLU fo
 in interpret mode and lower for CUDA, not yet compiled or timed: experiments/tune_glu_fusion.py
 has them). Measured on an H200
 (results/act_kernels_pingpong_H200.log; tune_act_kernels.py and bench_expert_mlp_parts.py
---ab-rounds 5) against the cooperative kernel's best configs: gmm_act 0.308-0.322 ms against 0.364
+--ab-rounds 5) against the cooperative kernel's best configs: gmm_act 0.322 ms against 0.364
 on E64 top-1 and 0.462 against 0.492 on E64 top-8, gmm_dact 0.349-0.368 against 0.389 and
-0.502-0.518 against 0.520, the expert MLP fwd+bwd -3.3% and -1.8%. A ring per consumer, as
+0.502-0.525 against 0.520, the expert MLP fwd+bwd -3.3% and -1.8%. A ring per consumer, as
 tgmm's, ran slower than the cooperative kernel on an H100: gmm_act 12-29% (rings of 3), gmm_dact
 30-97% (rings of 2 beside its pre tiles). The ring's depth is what sharing it buys.
 Reference: reference.py; contract and custom_vjp: op.py (mlp.py for the fused MLP).
