@@ -83,6 +83,9 @@ CONFIG_SETS = {
     "pingpong_act": dict.fromkeys(("gmm_act", "gmm_act_long", "gmm_dact", "gmm_dact_long"), _PINGPONG),
     "pingpong_all": dict.fromkeys(("gmm", "gmm_t", "gmm_act", "gmm_act_long", "gmm_dact", "gmm_dact_long"),
                                   _PINGPONG),
+    # gmm_act's ping-pong tiles in bands of 4 row blocks (0.308 against 0.322 ms at E64 top-1 in one
+    # sweep, equal at E64 top-8: results/act_kernels_pingpong_H200.log).
+    "pingpong_act_bands4": dict(gmm_act=dataclasses.replace(_PINGPONG, grid_tile_width=4)),
     "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
 }
 
