@@ -409,9 +409,10 @@ def _pingpong_gmm_configs(slots=2):
 
 @pytest.mark.parametrize("groups,slots,bands,rows_bound", [
     # An empty expert, an expert whose rows fit the first 64-row half (its wgmmas run on those
-    # only), tails, an inactive spare block; 3 N tiles (300 padded to 384) and 4 K steps a tile.
-    ([130, 0, 40, 70], 2, False, None),
-    ([130, 0, 40, 70], 3, True, None),  # expert_band_order; a ring depth that divides no tile
+    # only), tails, an inactive spare block; 3 N tiles (300 padded to 384) and 4 K steps a tile,
+    # through a ring of 3 (which divides no tile), in expert_band_order. (planar_snake order and a
+    # ring of 2: the fused MLP tests, on INTERPRET_CONFIGS.)
+    ([130, 0, 40, 70], 3, True, None),
     ([5], 2, False, 128),  # one block, one 64-wide N tile (n = 40): the second interpreted SM has none
 ])
 def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bound):
