@@ -80,8 +80,8 @@ class Config:
   and tile_k rows of the reduction (64 or 128: it divides the row block) are one step.
   tgmm with pingpong: the CTA tile is block_m x tile_n (at most 128), each consumer owns whole
   tiles in turn, and max_concurrent_steps is the depth of each consumer's ring.
-  gmm with pingpong: the same tiles in turn (block_m rows, tile_n at most 128 columns), one ring of
-  max_concurrent_steps slots for both consumers.
+  gmm with pingpong: the same tiles in turn (block_m rows, tile_n at most 128 columns, 64 for the
+  GLU forms' two accumulators), one ring of max_concurrent_steps slots for both consumers.
   """
   tile_n: int = 256
   tile_k: int = 64
@@ -125,10 +125,10 @@ class Configs:
   gmm_t: Config = Config(expert_bands=True)
   # x W_in writing (pre, act(pre)) and dY W_out^T * act'(pre): the ping-pong schedule
   # (mosaic_pingpong.gmm_padded), one consumer's epilogue under the other's wgmmas, one 6-deep ring
-  # (gmm_dact's pre tiles leave room for 4). On an H200, gmm_act ran 0.322 ms against 0.364
-  # for the cooperative kernel (COOPERATIVE_ACT) at E64 top-1 and 0.462 against 0.492 at E64 top-8, gmm_dact
-  # 0.349-0.368 against 0.389 and 0.502-0.525 against 0.520; the expert MLP fwd+bwd 3.3% and 1.8%
-  # faster in 5 interleaved rounds (experiments/results/act_kernels_pingpong_H200.log).
+  # (gmm_dact's pre tiles leave room for 4). On an H200, gmm_act ran 0.322 ms against 0.364 for
+  # the cooperative kernel (COOPERATIVE_ACT) at E64 top-1 and 0.462 against 0.492 at E64 top-8,
+  # gmm_dact 0.349-0.368 against 0.389 and 0.502-0.525 against 0.520; the expert MLP fwd+bwd 3.3%
+  # and 1.8% faster in 5 interleaved rounds (experiments/results/act_kernels_pingpong_H200.log).
   gmm_act: Config = Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
                            grid_tile_width=8, expert_bands=True)
   # gmm_act when experts average LONG_ROWS rows or more: the epilogue in a fourth warpgroup
@@ -200,8 +200,8 @@ _INTERPRET_ACT = Config(tile_n=256, tile_k=128, max_concurrent_steps=2, epi_tile
 # gmm_act and gmm_dact on the ping-pong schedule, as compiled; the cooperative kernel's forms have
 # their own tests (INTERPRET_COOPERATIVE).
 _INTERPRET_PINGPONG = Config(pingpong=True, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32)
-INTERPRET_COOPERATIVE_DACT = Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32)
-INTERPRET_COOPERATIVE = dict(gmm_act=_INTERPRET_ACT, gmm_dact=INTERPRET_COOPERATIVE_DACT)
+INTERPRET_COOPERATIVE = dict(gmm_act=_INTERPRET_ACT,
+                             gmm_dact=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32))
 INTERPRET_CONFIGS = Configs(
     gmm=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
     gmm_t=Config(tile_n=256, tile_k=128, max_concurrent_steps=2),
@@ -210,7 +210,7 @@ INTERPRET_CONFIGS = Configs(
     # (test_mosaic_epilogue_warpgroup_*).
     gmm_act_long=_INTERPRET_ACT,
     gmm_dact=_INTERPRET_PINGPONG,
-    gmm_dact_long=INTERPRET_COOPERATIVE_DACT,
+    gmm_dact_long=INTERPRET_COOPERATIVE["gmm_dact"],
     gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
     gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
     tgmm=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32),

@@ -318,7 +318,8 @@ def gmm_padded(
     def _scope(a_smem, b_smem, full, consumed, turn, out_smem, b2_smem=None, pre_smem=None,
                pre_ready=None):
       b_smems = (b_smem,) if num_w == 1 else (b_smem, b2_smem)
-      pre_at = lambda c, i: pre_smem.at[c] if num_pre == 1 else pre_smem.at[c, i]
+      # This consumer's i-th pre tile in pre_smem (one pre: no index of its own).
+      pre_idx = lambda i: (wg_idx,) if num_pre == 1 else (wg_idx, i)
       wg_idx = lax.axis_index("wg")
       sm = lax.axis_index("sm")
       local_tiles = (total - sm + num_sms - 1) // num_sms  # the CTA's: sm, sm + num_sms, ...
@@ -370,7 +371,7 @@ def gmm_padded(
             def _():
               plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
               for i, p in enumerate(pre_gmems):
-                plgpu.copy_gmem_to_smem(p.at[rows_, cols], pre_at(wg_idx, i), pre_ready.at[wg_idx])
+                plgpu.copy_gmem_to_smem(p.at[rows_, cols], pre_smem.at[pre_idx(i)], pre_ready.at[wg_idx])
 
           @pl.when(local > 0)
           def _():
@@ -417,9 +418,8 @@ def gmm_padded(
             @pl.when(steps > 0)
             def _():
               plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
-              pre_cols = lambda i, j: ((wg_idx,) if num_pre == 1 else (wg_idx, i)) + (
-                  slice(None), pl.ds(j * epi_n, epi_n))
-              pre_tile = lambda i, j: mosaic._load_wgmma(pre_smem.at[pre_cols(i, j)]).astype(jnp.float32)
+              pre_tile = lambda i, j: mosaic._load_wgmma(
+                  pre_smem.at[pre_idx(i) + (slice(None), pl.ds(j * epi_n, epi_n))]).astype(jnp.float32)
               piece_real = lambda j: real[:, j * epi_n:(j + 1) * epi_n]
               if num_pre:
                 plgpu.barrier_wait(pre_ready.at[wg_idx])
