@@ -26,8 +26,8 @@ from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 C, M, N = mosaic.Config, mosaic.M_DIM, mosaic.N_DIM
 PP = functools.partial(C, pingpong=True, tile_n=128, grid_tile_width=8, expert_bands=True)
 # One ring for both consumers, as deep as fit_gmm allows (gmm_dact's pre tiles leave room for 4).
-PINGPONG = [PP(tile_k=64, max_concurrent_steps=6, epi_tile_n=32),
-            PP(tile_k=64, max_concurrent_steps=5, epi_tile_n=32),
+# Variants of the default (each kind's first row: 6 slots, 32-column pieces, bands of 8).
+PINGPONG = [PP(tile_k=64, max_concurrent_steps=5, epi_tile_n=32),
             PP(tile_k=64, max_concurrent_steps=4, epi_tile_n=32),
             PP(tile_k=64, max_concurrent_steps=6, epi_tile_n=16),
             PP(tile_k=64, max_concurrent_steps=6, epi_tile_n=32, grid_tile_width=4)]
@@ -43,8 +43,8 @@ SWEEP = {
         C(tile_n=128, tile_k=128, grid_tile_width=8, epi_slots=4, epi_tile_n=64, max_concurrent_steps=3),
         C(grid_tile_width=8, epi_slots=4, epi_tile_n=32, grid_minor_dim=N),
         C(grid_tile_width=8, epi_slots=4, epi_tile_n=32, delay_release=0),
-        # The ping-pong schedule (mosaic_pingpong.gmm_padded): 128 x 128 tiles a consumer, a ring
-        # each, as deep as shared memory allows (fit_gmm shrinks max_concurrent_steps).
+        # Variants of the ping-pong default (mosaic_pingpong.gmm_padded: 128 x 128 tiles a
+        # consumer, one ring for both, fit_gmm shrinking max_concurrent_steps to what fits).
         *PINGPONG],
     "gmm_dact": [
         mosaic.DEFAULT_CONFIGS.gmm_dact,
