@@ -163,8 +163,12 @@ def test_folded_norm_routes_the_normalized_rows(name, dtype):
   # Its gradient is the reference's on the normalized rows, in x, W_r and g.
   f = lambda impl: jax.grad(lambda x, w, g: jnp.sum(decode_router(
       x.astype(dtype), w, k, renormalize=renorm, norm=(g, 1e-6), impl=impl)[1] ** 2), argnums=(0, 1, 2))
+  # bf16 rows: the kernel's weights (the cotangent's source) differ from XLA's in the last float32
+  # bits, which can flip a bf16 rounding in the backward's rms_norm (an H100 run saw 0.6% on 4 of
+  # 1,536 entries of dx, 1.5e-5 absolute).
+  tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-5)
   for a, b in zip(f("triton")(x.astype(jnp.float32), w, g), f("xla")(x.astype(jnp.float32), w, g)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), **tol)
 
 
 def test_folded_norm_scale_of_the_wrong_width_is_an_error():

@@ -367,8 +367,8 @@ def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance, streamed):
 
 
 def _pingpong_configs(**overrides):
-  """INTERPRET_CONFIGS with tgmm (and tgmm_long) on the ping-pong schedule: 128 x 128 tiles, each
-  consumer's ring 2 slots deep, so the rings wrap within a tile and across tiles."""
+  """INTERPRET_CONFIGS with tgmm (and tgmm_long) on the ping-pong schedule: 128 x 128 tiles, one
+  ring 2 slots deep for both consumers, so it wraps within a tile and across tiles and consumers."""
   return mosaic.INTERPRET_CONFIGS.with_tgmm(pingpong=True, **overrides)
 
 
@@ -382,7 +382,7 @@ def _pingpong_configs(**overrides):
 ])
 def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance):
   """tgmm on the ping-pong schedule (mosaic_pingpong.py, each consumer owning every second tile of
-  its CTA, one ring each) against the float32 reference; lhs and dout random on the padding rows
+  its CTA, one ring for both) against the float32 reference; lhs and dout random on the padding rows
   too, so an unmasked tail shows; an expert with no rows gets an exact zero gradient."""
   topo, lhs, _, _, dout = _operands(groups, jnp.bfloat16, k, n, 17 + len(groups))
   dw = mosaic.tgmm(lhs, dout, topo, out_dtype, _pingpong_configs(balance_experts=balance))
@@ -477,17 +477,20 @@ def test_mosaic_pingpong_gmm_fit_shrinks_to_shared_memory():
 
 
 def test_mosaic_pingpong_fit_shrinks_to_shared_memory():
-  """Two rings of 32 KiB stages: the default 4 slots shrink to 3 (float32 stores to 16-column
-  pieces first); 256-wide tiles come down to 128 (the accumulator's registers); nothing fits
-  float32 operands (64 KiB stages), which tgmm sends to Triton anyway."""
+  """One ring of 32 KiB stages: 8 slots shrink to 6 beside bf16 stores of 32 columns (float32
+  stores to 16-column pieces first); 256-wide tiles come down to 128 (the accumulator's
+  registers); float32 operands (64 KiB stages) fit 3 slots beside 16-column pieces, and nothing
+  fits them at 256-row blocks."""
   from sparsejax.kernels.gmm import mosaic_pingpong
-  cfg = mosaic.Config(tile_n=256, tile_k=64, max_concurrent_steps=4, epi_tile_n=32)
+  cfg = mosaic.Config(tile_n=256, tile_k=64, max_concurrent_steps=8, epi_tile_n=32)
   bf16 = mosaic_pingpong.fit(cfg, 4096, 128, jnp.bfloat16, jnp.bfloat16)
-  assert (bf16.tile_n, bf16.max_concurrent_steps, bf16.epi_tile_n) == (128, 3, 32)
+  assert (bf16.tile_n, bf16.max_concurrent_steps, bf16.epi_tile_n) == (128, 6, 32)
   f32 = mosaic_pingpong.fit(cfg, 4096, 128, jnp.bfloat16, jnp.float32)
-  assert (f32.tile_n, f32.max_concurrent_steps, f32.epi_tile_n) == (128, 3, 16)
+  assert (f32.tile_n, f32.max_concurrent_steps, f32.epi_tile_n) == (128, 6, 16)
+  f32_in = mosaic_pingpong.fit(cfg, 4096, 128, jnp.float32, jnp.float32)
+  assert (f32_in.max_concurrent_steps, f32_in.epi_tile_n) == (3, 16)
   with pytest.raises(ValueError, match="no tiles of"):
-    mosaic_pingpong.fit(cfg, 4096, 128, jnp.float32, jnp.float32)
+    mosaic_pingpong.fit(cfg, 4096, 256, jnp.float32, jnp.float32)
 
 
 @pytest.mark.parametrize("epi_slots,minor,out_dtype", [(4, mosaic.M_DIM, jnp.bfloat16),

@@ -78,10 +78,9 @@ class Config:
   measured 35-50% slower on an H100: experiments/results/gmm_kernels_*.json.)
   tgmm: the CTA tile is block_m (128, of K) x (2 * tile_n); each consumer owns tile_n columns,
   and tile_k rows of the reduction (64 or 128: it divides the row block) are one step.
-  tgmm with pingpong: the CTA tile is block_m x tile_n (at most 128), each consumer owns whole
-  tiles in turn, and max_concurrent_steps is the depth of each consumer's ring.
-  gmm with pingpong: the same tiles in turn (block_m rows, tile_n at most 128 columns, 64 for the
-  GLU forms' two accumulators), one ring of max_concurrent_steps slots for both consumers.
+  gmm and tgmm with pingpong: the CTA tile is block_m x tile_n (at most 128; 64 for the GLU forms'
+  two accumulators), each consumer owns whole tiles in turn, through one ring of
+  max_concurrent_steps slots for both.
   """
   tile_n: int = 256
   tile_k: int = 64
@@ -156,10 +155,14 @@ class Configs:
   tgmm_long: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                              grid_minor_dim=N_DIM, grid_tile_width=1)
   # tgmm when experts average fewer than SHORT_ROWS rows (E64 top-1: about 320 with padding): the
-  # ping-pong schedule. On E64 top-1's random routing both weight gradients ran 0.401 / 0.387 ms
-  # against 0.454 / 0.420 and the expert MLP 1.888 against 1.940; on E64 top-8 (1,088 rows an
-  # expert) it lost 4% of the MLP (experiments/results/expert_mlp_ab_schedules_H100.log).
-  tgmm_short: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
+  # ping-pong schedule. With a ring per consumer (4 deep each), on E64 top-1's random routing both
+  # weight gradients ran 0.401 / 0.387 ms against 0.454 / 0.420 for tgmm's config; on E64 top-8
+  # (1,088 rows an expert) it lost 4% of the MLP (results/expert_mlp_ab_schedules_H100.log). One
+  # ring of 6 for both consumers then ran them at 0.327 / 0.324 against the two rings' 0.421 /
+  # 0.399 and the expert MLP at 1.963 ms against 2.084 (H100, 5 interleaved rounds; 8 deep tied;
+  # results/tgmm_one_ring_ab_H100.log). On E64 top-8 one ring ran the kernels 5-10% faster than
+  # tgmm's config but the MLP tied (3.054 against 3.047 ms), so tgmm keeps the per-tile schedule.
+  tgmm_short: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=6, epi_tile_n=32,
                               grid_tile_width=1, pingpong=True)
 
   def with_tgmm(self, **changes) -> "Configs":

@@ -15,21 +15,24 @@ steps and store nothing) belongs to consumer j % 2. One producer warpgroup issue
 in order, so the operands of tile j + 1 arrive after tile j's and the consumers fall into
 alternation. Mosaic GPU tracks a barrier's phase per waiting thread: a consumer must wait on every
 phase of every barrier it waits on, in order, and cannot skip the phases of the other consumer's
-steps. tgmm_padded meets that with a ring per consumer (ring c holds only consumer c's steps, with
-its own `full` and `consumed` barriers); gmm_padded with one ring whose slots signal the `full`
-barrier of the step's owner, which doubles the depth in the same shared memory (its docstring).
+steps. Both kernels meet that with one ring whose slots signal the `full` barrier of the step's
+owner (gmm_padded's docstring); a ring per consumer, as tgmm_padded had before, halves the depth
+in the same shared memory (one ring of 6 ran E64 top-1's weight gradients 19-22% faster than two
+rings of 4 on an H100: results/tgmm_one_ring_ab_H100.log).
 The producer waits on a slot's `consumed` before reusing it, and at the end on the last phases.
 
 tgmm: output tiles are 128 (of K) x tile_n (of N). Same contract as mosaic._tgmm_padded, the same
 arguments and tile order (heaviest_first experts, reversed waves, planar_snake): an expert with no
 rows gets a zero gradient, and the padding rows of an expert's last 64-row step are zeroed in its
 B tile (mosaic._zero_rows_from) before the wgmma. Chosen by Config(pingpong=True) for tgmm.
-Measured on an H100 (experiments/probe_tgmm_tiles.py, results/tgmm_pingpong_probe_H100.log,
-medians of 3 interleaved rounds): on E64 top-1's random routing (~256 +- 16 rows an expert, about
-half the experts with a 5th, partial step) both weight gradients 10% faster than mosaic.py's tgmm
-(0.418 against 0.467 ms, 0.407 against 0.450); on exactly 256 rows an expert 3% slower, on 1,024
-14% slower (a 128-wide tile loads its A tile for half the columns, a third more operand bytes per
-output). Configs.tgmm_short picks it below SHORT_ROWS rows an expert.
+Measured on an H100 with a ring per consumer (experiments/probe_tgmm_tiles.py,
+results/tgmm_pingpong_probe_H100.log, medians of 3 interleaved rounds): on E64 top-1's random
+routing (~256 +- 16 rows an expert, about half the experts with a 5th, partial step) both weight
+gradients 10% faster than mosaic.py's tgmm (0.418 against 0.467 ms, 0.407 against 0.450); on
+exactly 256 rows an expert 3% slower, on 1,024 14% slower (a 128-wide tile loads its A tile for
+half the columns, a third more operand bytes per output). With the one ring, 0.327 / 0.324 ms
+on E64 top-1, and 5-10% faster than mosaic.py's tgmm on E64 top-8's kernels (an MLP tie).
+Configs.tgmm_short picks it below SHORT_ROWS rows an expert.
 
 gmm: output tiles are one 128-row block x tile_n (at most 128: a consumer holds a [128, tile_n]
 float32 accumulator; 64 for the GLU forms' two), walked in mosaic._gmm_padded's order
@@ -69,7 +72,7 @@ MAX_TILE_N = 128
 
 
 def fit(cfg: mosaic.Config, n: int, block_m: int, operand_dtype, out_dtype) -> mosaic.Config:
-  """cfg with tiles that fit shared memory: two rings of max_concurrent_steps slots, each slot an
+  """cfg with tgmm tiles that fit shared memory: one ring of max_concurrent_steps slots, each an
   A tile [tile_k, block_m] and a B tile [tile_k, tile_n], and each consumer's two epi_tile_n-wide
   store slots. The deepest ring first (down to 2 slots: with one, a consumer that keeps a wgmma in
   flight would hold the slot the producer waits for), with the widest store pieces that fit beside
@@ -81,14 +84,14 @@ def fit(cfg: mosaic.Config, n: int, block_m: int, operand_dtype, out_dtype) -> m
     for slots in range(cfg.max_concurrent_steps, 1, -1):
       epi = min(cfg.epi_tile_n, tile_n)
       while epi >= 16:
-        rings = 2 * slots * (block_m + tile_n) * tile_k * size
+        ring = slots * (block_m + tile_n) * tile_k * size
         stores = 2 * 2 * block_m * epi * out_size
-        if rings + stores + 1024 <= mosaic._SMEM_BYTES:  # 1 KiB: the barriers and alignment
+        if ring + stores + 1024 <= mosaic._SMEM_BYTES:  # 1 KiB: the barriers and alignment
           return dataclasses.replace(cfg, tile_n=tile_n, tile_k=tile_k, epi_tile_n=epi,
                                      max_concurrent_steps=slots)
         epi //= 2
     tile_k //= 2
-  raise ValueError(f"the ping-pong tgmm needs two rings of at least 2 slots and the stores in "
+  raise ValueError(f"the ping-pong tgmm needs a ring of at least 2 slots and the stores in "
                    f"{mosaic._SMEM_BYTES} bytes of shared memory; no tiles of {cfg} fit")
 
 
@@ -104,115 +107,125 @@ def tgmm_padded(
     cfg: mosaic.Config,
 ) -> Float[Array, "experts k n"]:
   """out[e] = lhs[real rows of e]^T @ dout[real rows of e] on operands padded to the tiles (k to
-  block_m, n to cfg.tile_n), with mosaic._tgmm_padded's arguments; see the module docstring."""
+  block_m, n to cfg.tile_n), with mosaic._tgmm_padded's arguments; see the module docstring. One
+  ring for both consumers, full barriers per owner and turn barriers, as gmm_padded."""
   k, n = lhs.shape[1], dout.shape[1]
   num_experts = offsets.shape[0] - 1
   tile_m, tile_n, tile_r, epi_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
   slots = cfg.max_concurrent_steps
   m_iters, n_iters = k // tile_m, n // tile_n
-  tiles = m_iters * n_iters
-  total = num_experts * tiles
+  total = num_experts * m_iters * n_iters
   num_sms = mosaic._num_sms()
   dtype = lhs.dtype
 
   def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
     scratch = dict(
-        # Indexed (ring, slot): dynamic indices only ahead of the tiled dimensions.
-        a_smem=plgpu.SMEM((2, slots, tile_r, tile_m), dtype, transforms=mosaic._transforms(tile_m, dtype)),
-        b_smem=plgpu.SMEM((2, slots, tile_r, tile_n), dtype, transforms=mosaic._transforms(tile_n, dtype)),
-        # Ring c's barriers are c * slots + slot: one array each, so that a ring is picked by index
-        # (the producer's ring and a consumer's own are dynamic), but no barrier serves two rings.
-        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * slots),  # the A and B copies
-        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots),  # the ring's consumer
+        a_smem=plgpu.SMEM((slots, tile_r, tile_m), dtype, transforms=mosaic._transforms(tile_m, dtype)),
+        b_smem=plgpu.SMEM((slots, tile_r, tile_n), dtype, transforms=mosaic._transforms(tile_n, dtype)),
+        # full[c * slots + slot]: the A and B copies of a step of consumer c's into the slot.
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=2 * slots),
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=slots),  # the step's consumer
+        turn=plgpu.Barrier(num_arrivals=1, num_barriers=2),  # as gmm_padded's
         # (consumer, store slot): mosaic._store_tile's layout.
         out_smem=plgpu.SMEM((2, 2, tile_m, epi_n), out_dtype,
                             transforms=mosaic._transforms(epi_n, out_dtype)))
 
     @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
-    def _scope(a_smem, b_smem, full, consumed, out_smem):
+    def _scope(a_smem, b_smem, full, consumed, turn, out_smem):
       wg_idx = lax.axis_index("wg")
+      sm = lax.axis_index("sm")
+      local_tiles = (total - sm + num_sms - 1) // num_sms  # the CTA's: sm, sm + num_sms, ...
 
-      tile = lambda step: mosaic._tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem,
-                                            grid=(m_iters, n_iters), num_experts=num_experts,
-                                            num_sms=num_sms, block_m=block_m, cfg=cfg)
-
-      bar = lambda ring, step: ring * slots + lax.rem(step, slots)
+      def tile(local):
+        """(expert, row tile, column tile, steps, real rows of the last step, first step's row
+        block x steps a block) of the CTA's local-th tile (zero steps past its last one)."""
+        lin = jnp.clip(jnp.minimum(local, local_tiles - 1) * num_sms + sm, 0, total - 1)
+        e, m_idx, n_idx, steps, tail, row0 = mosaic._tgmm_tile(
+            lin, order_gmem, offsets_gmem, rbr_gmem, grid=(m_iters, n_iters),
+            num_experts=num_experts, num_sms=num_sms, block_m=block_m, cfg=cfg)
+        return e, m_idx, n_idx, jnp.where(local < local_tiles, steps, 0), tail, row0
 
       @pl.when(wg_idx == 2)
       def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        @plgpu.nd_loop((total,), collective_axes="sm", init_carry=(jnp.int32(0), jnp.int32(0)))
+        @plgpu.nd_loop((total,), collective_axes="sm", init_carry=(jnp.int32(0),))
         def issued(info, carry):
-          ring = lax.rem(info.local_index, 2)  # the consumer that owns this tile
-          _, m_idx, n_idx, steps, _, row0 = tile(info.index[0])
-          step0 = jnp.where(ring == 0, carry[0], carry[1])  # steps issued to this ring so far
+          (step0,) = carry  # the CTA's steps so far
+          owner = lax.rem(info.local_index, 2)
+          _, m_idx, n_idx, steps, _, row0 = tile(info.local_index)
           cols_a, cols_b = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
 
           @pl.loop(0, steps)
           def _step(s):
-            slot, b = lax.rem(step0 + s, slots), bar(ring, step0 + s)
+            slot = lax.rem(step0 + s, slots)
 
             @pl.when(step0 + s >= slots)
             def _():
-              plgpu.barrier_wait(consumed.at[b])
+              plgpu.barrier_wait(consumed.at[slot])
 
             rows = pl.ds((row0 + s) * tile_r, tile_r)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols_a], a_smem.at[ring, slot], full.at[b])
-            plgpu.copy_gmem_to_smem(dout_gmem.at[rows, cols_b], b_smem.at[ring, slot], full.at[b])
+            ready = full.at[owner * slots + slot]
+            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols_a], a_smem.at[slot], ready)
+            plgpu.copy_gmem_to_smem(dout_gmem.at[rows, cols_b], b_smem.at[slot], ready)
 
-          return (carry[0] + jnp.where(ring == 0, steps, 0), carry[1] + jnp.where(ring == 1, steps, 0))
+          return (step0 + steps,)
 
-        for ring in range(2):
-          mosaic.observe_last_releases(functools.partial(lambda r, step: consumed.at[bar(r, step)], ring),
-                                       issued[ring], slots)
+        mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
 
       @pl.when(wg_idx < 2)
       def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        # The CTA's tiles are items sm, sm + num_sms, ... (nd_loop's order); this consumer takes
-        # every second one from its own index on, so it loads no metadata of the other's tiles.
-        sm = lax.axis_index("sm")
-        local_tiles = (total - sm + num_sms - 1) // num_sms
         own_tiles = (local_tiles - wg_idx + 1) // 2
 
-        def one_tile(i, step0):
-          e, m_idx, n_idx, steps, tail, _ = tile((wg_idx + 2 * i) * num_sms + sm)
+        def one_tile(i, step0):  # step0: the CTA's steps before this tile
+          local = wg_idx + 2 * i
+          e, m_idx, n_idx, steps, tail, _ = tile(local)
+
+          @pl.when(local > 0)
+          def _():
+            plgpu.barrier_wait(turn.at[wg_idx])
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
           def _acc(acc_ref):
             def k_step(s, acc):
-              slot, b_idx = lax.rem(step0 + s, slots), bar(wg_idx, step0 + s)
-              plgpu.barrier_wait(full.at[b_idx])
-              b = b_smem.at[wg_idx, slot]
+              slot = lax.rem(step0 + s, slots)
+              plgpu.barrier_wait(full.at[wg_idx * slots + slot])
+              b = b_smem.at[slot]
 
               # The last step may reach into its block's padding rows: zero them in B.
               @pl.when((s == steps - 1) & (tail < tile_r))
               def _():
                 mosaic._zero_rows_from(b, tail)
 
-              plgpu.wgmma(acc, plgpu.transpose_ref(a_smem.at[wg_idx, slot], (1, 0)), b)
+              plgpu.wgmma(acc, plgpu.transpose_ref(a_smem.at[slot], (1, 0)), b)
               plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
 
               @pl.when(s > 0)
               def _():
-                plgpu.barrier_arrive(consumed.at[bar(wg_idx, step0 + s - 1)])
+                plgpu.barrier_arrive(consumed.at[lax.rem(step0 + s - 1, slots)])
               return acc
 
             acc = lax.fori_loop(0, steps, k_step, acc_ref)
+
+            @pl.when(local + 1 < local_tiles)  # the other consumer's next tile may start its K loop
+            def _():
+              plgpu.barrier_arrive(turn.at[1 - wg_idx])
+
             plgpu.wgmma_wait(0)
 
             @pl.when(steps > 0)
             def _():
-              plgpu.barrier_arrive(consumed.at[bar(wg_idx, step0 + steps - 1)])
+              plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
 
-            # The stores overlap this consumer's next tile (and the other's wgmmas throughout).
+            # An expert with no rows ran zero steps: its gradient is the zero accumulator, stored.
+            # The stores overlap the other consumer's K loop (and this one's next).
             out = out_gmem.at[e, pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)]
             mosaic._store_tile((acc[...],), out_smem, [out], wg_idx, epi_n)
 
-          return step0 + steps
+          return step0 + steps + tile(local + 1)[3]  # and the other consumer's next tile
 
-        lax.fori_loop(0, own_tiles, one_tile, jnp.int32(0))
+        lax.fori_loop(0, own_tiles, one_tile, jnp.where(wg_idx == 1, tile(0)[3], 0))
         plgpu.wait_smem_to_gmem(0)
 
   return mosaic._launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
