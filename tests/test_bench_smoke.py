@@ -91,3 +91,14 @@ def test_merge_keeps_unmeasured_shape_variant_pairs(tmp_path):
                                         ("capacity_1.25", ("auto", 1.25))])
 def test_layer_variant_names(label, want):
   assert bench.layer.parse_variant(label) == want
+
+
+def test_kernel_timeline_counts_idle_time_once_and_lists_the_last_call():
+  from peers.layer import kernel_timeline
+  # Two calls of two kernels; in the second, two streams overlap (40-60 within 30-70).
+  k = [dict(ts=0, dur=21, name="a"), dict(ts=30, dur=5, name="b"),
+       dict(ts=100, dur=40, name="a"), dict(ts=120, dur=42, name="b")]
+  lines = kernel_timeline(k, calls=2)
+  assert lines[0] == ("Span of the 2 calls' kernels: 0.081 ms per call, some kernel running 0.044, "
+                      "GPU idle 0.037")
+  assert [ln.split()[-1] for ln in lines[2:]] == ["a", "b"]  # no idle gap: b starts inside a

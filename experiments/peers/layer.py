@@ -220,4 +220,41 @@ def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
     for name, us in sorted(total[g].items(), key=lambda kv: -kv[1])[:top]:
       lines.append(f"  {us / calls / 1e3:9.3f} ms {100 * us / max(all_us, 1e-9):5.1f}%  "
                    f"x{count[g][name] / calls:<5.3g} {name[:110]}")
+  if gpu:
+    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids
+                      and line(e) == "GPU kernels (all streams)"), key=lambda e: float(e["ts"]))
+    lines += kernel_timeline(kernels, calls)
+  return lines
+
+
+def kernel_timeline(kernels: list[dict], calls: int, min_us: float = 10.0) -> list[str]:
+  """The kernels' span per call against the time some kernel runs (the rest is the GPU idle:
+  launch gaps, host waits), and the last call's kernels in launch order (those of min_us or more,
+  and every gap of 5 us or more): which of several same-named kernels (the Mosaic GPU calls) takes
+  what. Calls are told apart by count: each launches the same kernels."""
+  if not kernels:
+    return []
+  busy, end = 0.0, None
+  for e in kernels:  # the union of the kernels' intervals (streams may overlap)
+    t0, t1 = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+    if end is None or t0 > end:
+      busy += t1 - t0
+      end = t1
+    elif t1 > end:
+      busy += t1 - end
+      end = t1
+  span = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in kernels) - float(kernels[0]["ts"])
+  lines = [f"Span of the {calls} calls' kernels: {span / calls / 1e3:.3f} ms per call, some kernel running "
+           f"{busy / calls / 1e3:.3f}, GPU idle {(span - busy) / calls / 1e3:.3f}"]
+  last = kernels[-(len(kernels) // calls):]
+  t_start, prev_end = float(last[0]["ts"]), float(last[0]["ts"])
+  lines.append(f"The last call's kernels in order ({len(last)} kernels; those of {min_us:g} us or more, "
+               "and gaps of 5 us or more), start offset and duration in us:")
+  for e in last:
+    t0, dur = float(e["ts"]), float(e.get("dur", 0.0))
+    if t0 - prev_end >= 5.0:
+      lines.append(f"  {prev_end - t_start:9.1f}  {t0 - prev_end:8.1f}  (idle)")
+    if dur >= min_us:
+      lines.append(f"  {t0 - t_start:9.1f}  {dur:8.1f}  {e['name'][:100]}")
+    prev_end = max(prev_end, t0 + dur)
   return lines
