@@ -195,7 +195,8 @@ def received_expert_ids(
   experts_per_peer = recv_counts.shape[1]
   ends = jnp.cumsum(recv_counts, axis=1)
   j = jnp.arange(slots, dtype=ends.dtype)
-  local = jax.vmap(lambda en: jnp.searchsorted(en, j, side="right"))(ends)
+  # compare_all: no while loop (topology.make_topology says why).
+  local = jax.vmap(lambda en: jnp.searchsorted(en, j, side="right", method="compare_all"))(ends)
   return jnp.where(local < experts_per_peer, local, -1).reshape(-1).astype(jnp.int32)
 
 

@@ -59,7 +59,10 @@ def make_topology(
   blocks = (padded_group_sizes // block_size).astype(jnp.int32)
   offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(blocks, dtype=jnp.int32)])
   row_blocks = jnp.arange(num_rows // block_size, dtype=jnp.int32)
-  expert = jnp.searchsorted(offsets[1:], row_blocks, side="right").astype(jnp.int32)
+  # compare_all: one fused compare-and-count. The default binary search is a loop, which on a GPU
+  # ran outside XLA's command buffers as ~28 small launches; E64 top-1's layer went from 2.430 /
+  # 2.453 to 2.371 / 2.362 ms fwd+bwd on an H100 (results/layer_searchsorted_abab_H100.log).
+  expert = jnp.searchsorted(offsets[1:], row_blocks, side="right", method="compare_all").astype(jnp.int32)
   expert = jnp.minimum(expert, num_experts - 1)
   real = padded_group_sizes if group_sizes is None else jnp.minimum(group_sizes, padded_group_sizes)
   local = row_blocks - offsets[expert]

@@ -6,12 +6,14 @@ CPU with the other backends, so the layout is right before the kernels arrive.
 from __future__ import annotations
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import sparsejax as sj
-from sparsejax import permute
+from sparsejax import parallel, permute
+from sparsejax.topology import make_topology
 from moe_testing import IMPLS, assert_close, rand, seed_of
 
 
@@ -195,3 +197,28 @@ def test_scatter_rows_vjp_is_the_autodiff_one(mode, k):
   expected = np.einsum("td,tkd->tk", np.asarray(dy, np.float64),
                        np.concatenate([np.asarray(buf, np.float64), np.zeros((1, d))])[rows])
   assert_close(dw, expected, 1e-6, "dw vs float64")
+
+
+def _primitives(jaxpr) -> set[str]:
+  """The primitives of a closed jaxpr and of every jaxpr nested in its equations."""
+  out = set()
+  for eqn in jaxpr.eqns:
+    out.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out |= _primitives(sub)
+  return out
+
+
+def test_dropless_index_path_has_no_loop():
+  """The placement and the topology of the dropless layer are loop-free: a while loop (jnp.searchsorted's
+  default binary search did it) runs on a GPU as a few small launches an iteration outside XLA's
+  command buffers, 42 us of E64 top-1's 2.4 ms layer on an H100."""
+  def index_path(ids):
+    plc = permute.dropless_placement(ids, 64, block_size=128)
+    return make_topology(plc.group_sizes, plc.num_rows, 128, plc.tokens_per_expert)
+
+  loops = {"while", "scan"}  # a fori_loop of static length is a scan, an XLA while loop on a GPU
+  ids = jnp.zeros((512, 2), jnp.int32)
+  assert not loops & _primitives(jax.make_jaxpr(index_path)(ids).jaxpr)
+  assert not loops & _primitives(jax.make_jaxpr(
+      lambda c: parallel.received_expert_ids(c, 256))(jnp.ones((4, 8), jnp.int32)).jaxpr)

@@ -132,7 +132,8 @@ def grouped_matmul_padded(
   padded = (group_sizes + block_size - 1) // block_size * block_size
   padded_starts = jnp.cumsum(padded) - padded
   row = jnp.arange(num_rows, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
+  # compare_all: no while loop (topology.make_topology says why).
+  group = jnp.minimum(jnp.searchsorted(ends, row, side="right", method="compare_all"), num_groups - 1)
   valid = row < ends[-1]
   rows_bound = dropless_num_rows(num_rows, num_groups, block_size)
   dest = jnp.where(valid, padded_starts[group] + row - starts[group], rows_bound)
