@@ -44,7 +44,7 @@ from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epil
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
-GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_glu_short", "gmm_dglu")
 
 
 def _tgmm_set(**changes) -> dict:

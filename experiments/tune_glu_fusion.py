@@ -39,7 +39,7 @@ GLU_CONFIGS = [mosaic.Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_til
 DGLU_CONFIGS = [mosaic.Config(tile_n=128, epi_tile_n=64, grid_tile_width=8),
                 mosaic.Config(tile_n=128, epi_tile_n=32, grid_tile_width=8),
                 mosaic.Config(tile_n=64, epi_tile_n=64, max_concurrent_steps=6, grid_tile_width=8)]
-# The ping-pong schedule (mosaic_pingpong.gmm_padded; opt-in for the GLU forms, not measured yet):
+# The ping-pong schedule (mosaic_pingpong.gmm_padded; Configs.gmm_glu_short, opt-in for gmm_dglu):
 # each consumer's two [128, 64] accumulators, one 6-deep ring (fit_gmm's choice).
 _PINGPONG = mosaic.Config(pingpong=True, tile_n=64, max_concurrent_steps=6, epi_tile_n=32,
                           grid_tile_width=8, expert_bands=True)
@@ -64,7 +64,7 @@ def shape_results(name):
   r = {"gmm_in x2": timeit(jax.jit(lambda a, wg, wi: (gmm(a, wg), gmm(a, wi))), x, w_gate, w_in),
        "gmm_in x2+glu": timeit(unfused_fwd, x, w_gate, w_in)}
   for c in GLU_CONFIGS:
-    cf = mosaic.Configs(gmm_glu=c)
+    cf = mosaic.Configs(gmm_glu=c, gmm_glu_short=c)  # c at every rows-per-expert count
     _variant(r, _tag("gmm_glu", c), jax.jit(lambda a, wg, wi: mosaic.gmm_glu(a, wg, wi, topo, SILU, configs=cf)),
              (x, w_gate, w_in), h, lambda o: o[2], on_real)
 

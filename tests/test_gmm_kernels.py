@@ -272,7 +272,7 @@ def test_mosaic_tgmm_of_a_single_output_tile():
   assert np.all(np.asarray(dw)[1] == 0)
 
 
-GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+GMM_KINDS = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_glu_short", "gmm_dglu")
 
 
 def _with_expert_bands(configs, width=None):
@@ -447,13 +447,13 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
 
 
 def test_mosaic_pingpong_glu_expert_mlp_matches_reference(monkeypatch):
-  """The GLU forms on the ping-pong schedule (opt-in): gmm_glu (two [128, 64] accumulators a
+  """The GLU forms on the ping-pong schedule (gmm_glu_short's; opt-in for gmm_dglu): gmm_glu (two [128, 64] accumulators a
   consumer, act(g) * u in the epilogue) and gmm_dglu (g and u tiles by TMA) through the GLU
   expert MLP's custom_vjp. An empty expert, one with rows in its first 64-row half only, and an
   inactive spare block; d = f = 300 over several 64-wide N tiles."""
   pp = mosaic.Config(pingpong=True, tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=32)
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS",
-                      dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_glu=pp, gmm_dglu=pp))
+                      dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_glu=pp, gmm_glu_short=pp, gmm_dglu=pp))
   _by_reference(monkeypatch, "gmm", "tgmm")  # the GLU test on the cooperative schedule runs them
   _check_fused_expert_mlp([0, 150, 40], jax.nn.silu, glu=True, seed=13)
 
@@ -609,3 +609,22 @@ def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatc
   assert configs.gmm_for("gmm", lhs.shape[0], 2) == configs.gmm
   mosaic.gmm_act(lhs, w, topo, jax.nn.gelu, configs)
   assert seen[0][0] == ("epilogue_wg" if epilogue_wg else "pingpong") and seen[0][1].epilogue_wg == epilogue_wg
+
+
+@pytest.mark.parametrize("rows_per_expert,short", [(384, True), (1152, False)])
+def test_mosaic_gmm_glu_takes_the_pingpong_kernel_for_short_experts(monkeypatch, rows_per_expert, short):
+  """gmm_glu runs Configs.gmm_glu_short (the ping-pong kernel) when experts average fewer than
+  SHORT_ROWS rows, gmm_glu (the cooperative kernel) from there on."""
+  from sparsejax.kernels.gmm import mosaic_pingpong
+  seen = []
+  fake = lambda kernel: lambda lhs, weights, *a, cfg, **k: seen.append(kernel) or (
+      jnp.zeros((lhs.shape[0], weights[0].shape[2]), lhs.dtype),) * 3
+  monkeypatch.setattr(mosaic, "_gmm_padded", fake("cooperative"))
+  monkeypatch.setattr(mosaic_pingpong, "gmm_padded", fake("pingpong"))
+  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
+  lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
+  w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+  configs = mosaic.DEFAULT_CONFIGS
+  assert configs.gmm_for("gmm_glu", lhs.shape[0], 2) == (configs.gmm_glu_short if short else configs.gmm_glu)
+  mosaic.gmm_glu(lhs, w, w, topo, jax.nn.silu, configs)
+  assert seen == ["pingpong" if short else "cooperative"]

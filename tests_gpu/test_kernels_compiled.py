@@ -198,7 +198,7 @@ def test_mosaic_tgmm_compiled_matches_reference(shape, out_dtype, schedule):
 def test_expert_mlp_compiled_in_either_tile_order(monkeypatch, shape, expert_bands):
   """Every gmm kind in expert_band_order and in planar_snake order, through the expert MLP and its
   GLU form, against the float32 reference."""
-  kinds = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_dglu")
+  kinds = ("gmm", "gmm_t", "gmm_act", "gmm_dact", "gmm_glu", "gmm_glu_short", "gmm_dglu")
   d = mosaic.DEFAULT_CONFIGS
   monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS", dataclasses.replace(d, **{
       k: dataclasses.replace(getattr(d, k), expert_bands=expert_bands) for k in kinds}))

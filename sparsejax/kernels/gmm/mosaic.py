@@ -146,6 +146,14 @@ class Configs:
   # GLU: two weight tiles per stage and two accumulators per consumer, so 128-wide tiles (two
   # 64x256 float32 accumulators would not fit the registers). Untuned.
   gmm_glu: Config = Config(tile_n=128, grid_tile_width=8, epi_slots=3, epi_tile_n=32, expert_bands=True)
+  # gmm_glu when experts average fewer than SHORT_ROWS rows: the ping-pong schedule, each
+  # consumer's two [128, 64] accumulators. On an H100 it ran E64 top-1's (320 rows an expert)
+  # 0.626 ms against 0.706 for gmm_glu's config, and lost E64 top-8's (1,152) 0.971 against 0.900
+  # (experiments/results/glu_fusion_pingpong_H100.log). In the GLU expert MLP fwd+bwd the gain did
+  # not show: 3.125 against 3.134 ms in 5 interleaved rounds, outputs bit-identical
+  # (results/glu_short_pingpong_ab_H100.log); kept for the kernel's gain, at no cost to the MLP.
+  gmm_glu_short: Config = Config(pingpong=True, tile_n=64, max_concurrent_steps=6, epi_tile_n=32,
+                                 grid_tile_width=8, expert_bands=True)
   gmm_dglu: Config = Config(tile_n=128, epi_tile_n=64, grid_tile_width=8, expert_bands=True)
   tgmm: Config = Config(tile_n=128, tile_k=64, max_concurrent_steps=4, epi_tile_n=32,
                         grid_tile_width=1)
@@ -179,9 +187,11 @@ class Configs:
   def gmm_for(self, kind: str, rows: int, num_experts: int) -> Config:
     """The config of gmm kernel `kind` (a field name) for `rows` padded rows over `num_experts`
     experts: gmm_act_long / gmm_dact_long for gmm_act / gmm_dact at LONG_ROWS rows an expert or
-    more, else the kind's own."""
+    more, gmm_glu_short for gmm_glu below SHORT_ROWS, else the kind's own."""
     if kind in ("gmm_act", "gmm_dact") and rows >= LONG_ROWS * num_experts:
       return getattr(self, f"{kind}_long")
+    if kind == "gmm_glu" and rows < SHORT_ROWS * num_experts:
+      return self.gmm_glu_short
     return getattr(self, kind)
 
 
@@ -215,6 +225,9 @@ INTERPRET_CONFIGS = Configs(
     gmm_dact=_INTERPRET_PINGPONG,
     gmm_dact_long=INTERPRET_COOPERATIVE["gmm_dact"],
     gmm_glu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
+    # The CPU tests' few rows would all take gmm_glu_short: the cooperative kernel here, the ping-pong
+    # GLU kernel has its own tests (test_mosaic_pingpong_*).
+    gmm_glu_short=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64, epi_slots=3),
     gmm_dglu=Config(tile_n=128, tile_k=128, max_concurrent_steps=2, epi_tile_n=64),
     tgmm=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32),
     tgmm_long=Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=32, grid_minor_dim=N_DIM),
