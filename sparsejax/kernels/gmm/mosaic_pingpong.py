@@ -39,9 +39,9 @@ float32 accumulator; 64 for the GLU forms' two), walked in mosaic._gmm_padded's 
 (expert_band_order or planar_snake), with its epilogues (mosaic.gmm_epilogue: plain, act, dact,
 glu, dglu). A block whose real rows fit in its first 64 runs its wgmmas on those rows only. Same contract as mosaic._gmm_padded: zero on the rows of active blocks that hold no
 token, inactive blocks unwritten. Chosen by Config(pingpong=True) for a gmm kind: Configs.gmm_act
-and gmm_dact (below LONG_ROWS rows an expert); opt-in for the others (the GLU forms are tested
-in interpret mode and lower for CUDA, not yet compiled or timed: experiments/tune_glu_fusion.py
-has them). Measured on an H200
+and gmm_dact (below LONG_ROWS rows an expert) and gmm_glu_short (below SHORT_ROWS); opt-in for the
+others (gmm_dglu on it: 2% faster on E64 top-1, 20% slower on E64 top-8, on an H100:
+results/glu_fusion_pingpong_H100.log). Measured on an H200
 (results/act_kernels_pingpong_H200.log; tune_act_kernels.py and bench_expert_mlp_parts.py
 --ab-rounds 5) against the cooperative kernel's best configs: gmm_act 0.322 ms against 0.364
 on E64 top-1 and 0.462 against 0.492 on E64 top-8, gmm_dact 0.349-0.368 against 0.389 and
