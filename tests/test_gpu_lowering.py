@@ -95,6 +95,7 @@ def _mosaic_lowers(monkeypatch, fn, *args):
   monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 1
+  return text
 
 
 @pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg"])
@@ -143,3 +144,21 @@ def test_mosaic_tgmm_kernels_lower(monkeypatch, schedule, out_dtype):
                        jnp.asarray([250, 0, 40, 300], jnp.int32))
   x, dy = jax.ShapeDtypeStruct((1024, 512), bf16), jax.ShapeDtypeStruct((1024, 384), bf16)
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.tgmm(a, b, topo, out_dtype, cfgs), x, dy)
+
+
+def test_mosaic_kernels_carry_their_kind_and_schedule_in_their_names(monkeypatch):
+  """Each Mosaic kernel is named for its variant and schedule (sparsejax_gmm_act_pingpong, ...), so
+  a profile tells the expert MLP's six kernels apart (all were body_mosaic_gpu_kernel)."""
+  from sparsejax.kernels.gmm import mosaic
+  from sparsejax.topology import make_topology
+  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
+                       jnp.asarray([250, 0, 40, 300], jnp.int32))  # 192 rows an expert: the short forms
+  x, w = jax.ShapeDtypeStruct((1024, 512), bf16), jax.ShapeDtypeStruct((4, 512, 384), bf16)
+  h = jax.ShapeDtypeStruct((1024, 384), bf16)
+  for fn, args, name in [
+      (lambda a, b: mosaic.gmm_act(a, b, topo, jax.nn.gelu), (x, w), "gmm_act_pingpong"),
+      (lambda a, b: mosaic.gmm(a, b, topo, False, bf16), (x, w), "gmm_cooperative"),
+      (lambda a, b: mosaic.tgmm(a, b, topo, bf16), (x, h), "tgmm_pingpong"),
+      (lambda a, b: mosaic.tgmm(a, b, topo, bf16, mosaic.DEFAULT_CONFIGS.with_tgmm(pingpong=False)), (x, h),
+       "tgmm_per_tile")]:
+    assert f"sparsejax_{name}_mosaic_gpu" in _mosaic_lowers(monkeypatch, fn, *args)

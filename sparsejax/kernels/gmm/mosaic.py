@@ -403,7 +403,16 @@ def _warp_specialized(body, grid, in_specs, cfg, compute_context):
       compute_context=compute_context)
 
 
-def _launch(body, out_shape, *args, num_threads=3):
+def gmm_kind(weights, pre, activation, transpose_rhs) -> str:
+  """Which gmm kernel variant these arguments select: the Configs field of its config."""
+  return ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
+          else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
+
+
+def _launch(body, out_shape, *args, name: str, num_threads=3):
+  """The kernel, named `name` + "_mosaic_gpu_kernel" in profiles (Mosaic GPU names it after the
+  body function): the gmm kernels would otherwise all read body_mosaic_gpu_kernel."""
+  body.__name__ = f"sparsejax_{name}"
   return plgpu.kernel(
       body, out_type=out_shape, grid=(_num_sms(),), grid_names=("sm",), num_threads=num_threads,
       thread_name="wg",
@@ -555,7 +564,8 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
   args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
   if order is not None:
     args = (order,) + args
-  return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
+  return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args,
+                 name=gmm_kind(weights, pre, activation, transpose_rhs) + "_cooperative")
 
 
 def gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real):
@@ -611,8 +621,7 @@ def _gmm_config(lhs, n, topo, cfg, out_dtype, num_w=1, pre=()):
 def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=None, pre=()):
   """Fit the config of the kernel variant these arguments select, pad to its tiles, run, unpad."""
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
-  kind = ("gmm_dglu" if len(pre) == 2 else "gmm_dact" if pre else "gmm_glu" if len(weights) == 2
-          else "gmm_t" if transpose_rhs else "gmm_act" if activation is not None else "gmm")
+  kind = gmm_kind(weights, pre, activation, transpose_rhs)
   base = _configs(configs).gmm_for(kind, lhs.shape[0], topo.num_experts)
   if base.pingpong and base.epilogue_wg:
     raise ValueError(f"Config.pingpong and Config.epilogue_wg are two schedules; {kind} got both")
@@ -852,7 +861,7 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                 order, offsets, row_block_rows, lhs, dout)
+                 order, offsets, row_block_rows, lhs, dout, name="tgmm_per_tile")
 
 
 def observe_last_releases(consumed_at, total, slots):
@@ -1005,7 +1014,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
         plgpu.wait_smem_to_gmem(0)
 
   return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                 order, offsets, row_block_rows, lhs, dout)
+                 order, offsets, row_block_rows, lhs, dout, name="tgmm_streamed")
 
 
 def tgmm(

@@ -258,4 +258,5 @@ def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_
 
   out_shape = jax.ShapeDtypeStruct((rows, n), dtype)
   outs = out_shape if num_pre else (out_shape, out_shape)
-  return mosaic._launch(body, outs, row_block_expert, row_block_rows, lhs, w, *pre, num_threads=4)
+  return mosaic._launch(body, outs, row_block_expert, row_block_rows, lhs, w, *pre, num_threads=4,
+                        name=mosaic.gmm_kind(weights, pre, activation, transpose_rhs) + "_epilogue_wg")

@@ -229,7 +229,7 @@ def tgmm_padded(
         plgpu.wait_smem_to_gmem(0)
 
   return mosaic._launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                        order, offsets, row_block_rows, lhs, dout)
+                        order, offsets, row_block_rows, lhs, dout, name="tgmm_pingpong")
 
 
 def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, operand_dtype,
@@ -450,4 +450,5 @@ def gmm_padded(
   args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
   if order is not None:
     args = (order,) + args
-  return mosaic._launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args)
+  return mosaic._launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args,
+                        name=mosaic.gmm_kind(weights, pre, activation, transpose_rhs) + "_pingpong")
