@@ -47,6 +47,9 @@ SHAPES = {  # T, d, f, E, k
     "E64_top8": (8192, 2048, 1024, 64, 8),
     # An MoE-XS layer at the MegaBlocks run's 128 x 1024 tokens a step (experiments/megablocks_repro.py)
     "XS_b128": (131072, 512, 2048, 64, 1),
+    # E64 top-1 with bench_moe_layer's skewed routing (expert i chosen with probability ~ (i+1)^-0.5:
+    # 137 to 1,064 rows an expert, mean 256)
+    "E64_top1_skewed": (16384, 1024, 4096, 64, 1),
 }
 
 
@@ -76,6 +79,8 @@ def problem(name, dtype=jnp.bfloat16):
   T, d, f, E, k = SHAPES[name]
   keys = jax.random.split(jax.random.key(0), 6)
   g = jax.random.gumbel(keys[0], (T, E))
+  if name.endswith("_skewed"):
+    g = g - 0.5 * jnp.log(jnp.arange(1, E + 1, dtype=jnp.float32))
   ids = jax.lax.top_k(g, k)[1].astype(jnp.int32)
   plc = permute.dropless_placement(ids, E, block_size=128)
   topo = make_topology(plc.group_sizes, plc.num_rows, 128, plc.tokens_per_expert)
