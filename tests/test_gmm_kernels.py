@@ -587,21 +587,26 @@ def test_gmm_rejects_mismatched_topology():
     G.gmm(jnp.zeros((topo.num_row_blocks * 128, 16)), jnp.zeros((3, 16, 16)), topo)
 
 
+def _spy_on_gmm_schedules(monkeypatch, rows_per_expert, num_out):
+  """The three gmm schedules' kernels replaced by fakes that record (schedule, config) and return
+  num_out zero outputs; two experts of rows_per_expert padded rows: (seen, topo, lhs, w)."""
+  from sparsejax.kernels.gmm import mosaic_pingpong
+  seen = []
+  fake = lambda kernel: lambda lhs, weights, *a, cfg, **k: seen.append((kernel, cfg)) or (
+      jnp.zeros((lhs.shape[0], weights[0].shape[2]), lhs.dtype),) * num_out
+  monkeypatch.setattr(mosaic, "_gmm_padded", fake("cooperative"))
+  monkeypatch.setattr(mosaic_pingpong, "gmm_padded", fake("pingpong"))
+  monkeypatch.setattr(mosaic_epilogue, "gmm_padded", fake("epilogue_wg"))
+  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
+  return seen, topo, jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16), jnp.zeros((2, 128, 256), jnp.bfloat16)
+
+
 @pytest.mark.parametrize("rows_per_expert,epilogue_wg", [(1152, False), (2176, True)])
 def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatch, rows_per_expert, epilogue_wg):
   """gmm_act runs mosaic_epilogue's kernel (Configs.gmm_act_long) when experts average LONG_ROWS rows
   or more, the ping-pong kernel below; gmm_dact takes gmm_dact_long (the cooperative kernel) there,
   and the plain gmm its own config at every length."""
-  seen = []
-  fake = lambda kernel: lambda lhs, weights, *a, cfg, **k: seen.append((kernel, cfg)) or (
-      jnp.zeros((lhs.shape[0], weights[0].shape[2]), lhs.dtype),) * 2
-  from sparsejax.kernels.gmm import mosaic_pingpong
-  monkeypatch.setattr(mosaic, "_gmm_padded", fake("cooperative"))
-  monkeypatch.setattr(mosaic_pingpong, "gmm_padded", fake("pingpong"))
-  monkeypatch.setattr(mosaic_epilogue, "gmm_padded", fake("epilogue_wg"))
-  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
-  lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
-  w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+  seen, topo, lhs, w = _spy_on_gmm_schedules(monkeypatch, rows_per_expert, num_out=2)
   configs = mosaic.DEFAULT_CONFIGS
   want = configs.gmm_act_long if epilogue_wg else configs.gmm_act
   assert configs.gmm_for("gmm_act", lhs.shape[0], 2) == want
@@ -615,16 +620,8 @@ def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatc
 def test_mosaic_gmm_glu_takes_the_pingpong_kernel_for_short_experts(monkeypatch, rows_per_expert, short):
   """gmm_glu runs Configs.gmm_glu_short (the ping-pong kernel) when experts average fewer than
   SHORT_ROWS rows, gmm_glu (the cooperative kernel) from there on."""
-  from sparsejax.kernels.gmm import mosaic_pingpong
-  seen = []
-  fake = lambda kernel: lambda lhs, weights, *a, cfg, **k: seen.append(kernel) or (
-      jnp.zeros((lhs.shape[0], weights[0].shape[2]), lhs.dtype),) * 3
-  monkeypatch.setattr(mosaic, "_gmm_padded", fake("cooperative"))
-  monkeypatch.setattr(mosaic_pingpong, "gmm_padded", fake("pingpong"))
-  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
-  lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
-  w = jnp.zeros((2, 128, 256), jnp.bfloat16)
+  seen, topo, lhs, w = _spy_on_gmm_schedules(monkeypatch, rows_per_expert, num_out=3)
   configs = mosaic.DEFAULT_CONFIGS
   assert configs.gmm_for("gmm_glu", lhs.shape[0], 2) == (configs.gmm_glu_short if short else configs.gmm_glu)
   mosaic.gmm_glu(lhs, w, w, topo, jax.nn.silu, configs)
-  assert seen == ["pingpong" if short else "cooperative"]
+  assert [kernel for kernel, _ in seen] == ["pingpong" if short else "cooperative"]
