@@ -872,6 +872,34 @@ def observe_last_releases(consumed_at, total, slots):
     plgpu.barrier_wait(consumed_at(step))
 
 
+def _claim_slot(consumed, step, slots):
+  """The slot of a TMA ring's step-th load, once that slot's previous step (step - slots) has been
+  released on consumed[slot]."""
+  slot = lax.rem(step, slots)
+
+  @pl.when(step >= slots)
+  def _():
+    plgpu.barrier_wait(consumed.at[slot])
+
+  return slot
+
+
+def issue_tgmm_tile(lhs_gmem, dout_gmem, a_smem, b_smem, consumed, ready, *, m_idx, n_idx, row0, step0,
+                    steps, tile_r, tile_m, tile_n):
+  """The producer's loads of one tgmm tile (lhs columns m_idx, dout columns n_idx, each tile_m /
+  tile_n wide) into a hand-written TMA ring (_tgmm_streamed, mosaic_pingpong.tgmm_padded): step s
+  reads tile_r rows from row tile row0 + s into slot (step0 + s) % slots, both copies signalling
+  ready(slot)."""
+  cols_a, cols_b = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
+
+  @pl.loop(0, steps)
+  def _step(s):
+    slot = _claim_slot(consumed, step0 + s, a_smem.shape[0])
+    rows = pl.ds((row0 + s) * tile_r, tile_r)
+    plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols_a], a_smem.at[slot], ready(slot))
+    plgpu.copy_gmem_to_smem(dout_gmem.at[rows, cols_b], b_smem.at[slot], ready(slot))
+
+
 def issue_gmm_tile(lhs_gmem, w_es, a_smem, b_smems, consumed, ready, *, m_idx, n_idx, step0, steps,
                    block_m, tile_n, tile_k, transpose_rhs):
   """The producer's loads of one gmm tile (row block m_idx, column tile n_idx) into a hand-written
@@ -879,17 +907,11 @@ def issue_gmm_tile(lhs_gmem, w_es, a_smem, b_smems, consumed, ready, *, m_idx, n
   slot (step0 + s) % slots, loaded once that slot's previous step is released on consumed[slot];
   ready(slot) is the barrier its copies (A, then each weight's B) signal. w_es: the expert's
   weights (W; or W_gate, W_in), b_smems their rings' B tiles."""
-  slots = a_smem.shape[0]
   rows, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
 
   @pl.loop(0, steps)
   def _step(s):
-    slot = lax.rem(step0 + s, slots)
-
-    @pl.when(step0 + s >= slots)
-    def _():
-      plgpu.barrier_wait(consumed.at[slot])
-
+    slot = _claim_slot(consumed, step0 + s, a_smem.shape[0])
     ks = pl.ds(s * tile_k, tile_k)
     plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], a_smem.at[slot], ready(slot))
     for w_e, b_smem in zip(w_es, b_smems, strict=True):
@@ -950,21 +972,9 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
         def issued(info, carry):
           (step0,) = carry
           _, m_idx, n_idx, steps, _, row0 = tile(info.index[0])
-
-          @pl.loop(0, steps)
-          def _step(s):
-            slot = lax.rem(step0 + s, slots)
-
-            @pl.when(step0 + s >= slots)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            rs = pl.ds((row0 + s) * tile_r, tile_r)
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rs, pl.ds(m_idx * tile_m, tile_m)], a_smem.at[slot],
-                                    full.at[slot])
-            plgpu.copy_gmem_to_smem(dout_gmem.at[rs, pl.ds(n_idx * cta_n, cta_n)], b_smem.at[slot],
-                                    full.at[slot])
-
+          issue_tgmm_tile(lhs_gmem, dout_gmem, a_smem, b_smem, consumed, lambda slot: full.at[slot],
+                          m_idx=m_idx, n_idx=n_idx, row0=row0, step0=step0, steps=steps, tile_r=tile_r,
+                          tile_m=tile_m, tile_n=cta_n)
           return (step0 + steps,)
 
         observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)

@@ -154,20 +154,10 @@ def tgmm_padded(
           (step0,) = carry  # the CTA's steps so far
           owner = lax.rem(info.local_index, 2)
           _, m_idx, n_idx, steps, _, row0 = tile(info.local_index)
-          cols_a, cols_b = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * tile_n, tile_n)
-
-          @pl.loop(0, steps)
-          def _step(s):
-            slot = lax.rem(step0 + s, slots)
-
-            @pl.when(step0 + s >= slots)
-            def _():
-              plgpu.barrier_wait(consumed.at[slot])
-
-            rows = pl.ds((row0 + s) * tile_r, tile_r)
-            ready = full.at[owner * slots + slot]
-            plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, cols_a], a_smem.at[slot], ready)
-            plgpu.copy_gmem_to_smem(dout_gmem.at[rows, cols_b], b_smem.at[slot], ready)
+          mosaic.issue_tgmm_tile(lhs_gmem, dout_gmem, a_smem, b_smem, consumed,
+                                 lambda slot: full.at[owner * slots + slot], m_idx=m_idx, n_idx=n_idx,
+                                 row0=row0, step0=step0, steps=steps, tile_r=tile_r, tile_m=tile_m,
+                                 tile_n=tile_n)
 
           return (step0 + steps,)
 
