@@ -95,6 +95,22 @@ def fit(cfg: mosaic.Config, n: int, block_m: int, operand_dtype, out_dtype) -> m
                    f"{mosaic._SMEM_BYTES} bytes of shared memory; no tiles of {cfg} fit")
 
 
+def _produce(total, slots, full, consumed, issue):
+  """The producer warpgroup of both kernels: the CTA's tiles in order, tile j's steps into the one
+  ring with their copies signalling full[(j % 2) * slots + slot] (its owner's barrier);
+  issue(j, ready, step0) loads tile j's steps as the ring's steps step0, ... and returns their
+  count. Then it observes the ring's last releases."""
+  plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+  @plgpu.nd_loop((total,), collective_axes="sm", init_carry=(jnp.int32(0),))
+  def issued(info, carry):
+    (step0,) = carry  # the CTA's steps so far
+    owner = lax.rem(info.local_index, 2)
+    return (step0 + issue(info.local_index, lambda slot: full.at[owner * slots + slot], step0),)
+
+  mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
+
+
 def tgmm_padded(
     lhs: Float[Array, "rows k"],
     dout: Float[Array, "rows n"],
@@ -147,21 +163,14 @@ def tgmm_padded(
 
       @pl.when(wg_idx == 2)
       def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        def issue(local, ready, step0):
+          _, m_idx, n_idx, steps, _, row0 = tile(local)
+          mosaic.issue_tgmm_tile(lhs_gmem, dout_gmem, a_smem, b_smem, consumed, ready, m_idx=m_idx,
+                                 n_idx=n_idx, row0=row0, step0=step0, steps=steps, tile_r=tile_r,
+                                 tile_m=tile_m, tile_n=tile_n)
+          return steps
 
-        @plgpu.nd_loop((total,), collective_axes="sm", init_carry=(jnp.int32(0),))
-        def issued(info, carry):
-          (step0,) = carry  # the CTA's steps so far
-          owner = lax.rem(info.local_index, 2)
-          _, m_idx, n_idx, steps, _, row0 = tile(info.local_index)
-          mosaic.issue_tgmm_tile(lhs_gmem, dout_gmem, a_smem, b_smem, consumed,
-                                 lambda slot: full.at[owner * slots + slot], m_idx=m_idx, n_idx=n_idx,
-                                 row0=row0, step0=step0, steps=steps, tile_r=tile_r, tile_m=tile_m,
-                                 tile_n=tile_n)
-
-          return (step0 + steps,)
-
-        mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
+        _produce(total, slots, full, consumed, issue)
 
       @pl.when(wg_idx < 2)
       def _consumer():
@@ -342,21 +351,15 @@ def gmm_padded(
 
       @pl.when(wg_idx == 2)
       def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-
-        @plgpu.nd_loop((total,), collective_axes="sm", init_carry=(jnp.int32(0),))
-        def issued(info, carry):
-          (step0,) = carry  # the CTA's steps so far
-          owner = lax.rem(info.local_index, 2)
-          m_idx, n_idx, _, steps = tile(info.local_index)
+        def issue(local, ready, step0):
+          m_idx, n_idx, _, steps = tile(local)
           mosaic.issue_gmm_tile(lhs_gmem, tuple(w.at[rbe_gmem[m_idx]] for w in w_gmems), a_smem,
-                                b_smems, consumed, lambda slot: full.at[owner * slots + slot],
-                                m_idx=m_idx, n_idx=n_idx,
-                                step0=step0, steps=steps, block_m=block_m, tile_n=tile_n,
-                                tile_k=tile_k, transpose_rhs=transpose_rhs)
-          return (step0 + steps,)
+                                b_smems, consumed, ready, m_idx=m_idx, n_idx=n_idx, step0=step0,
+                                steps=steps, block_m=block_m, tile_n=tile_n, tile_k=tile_k,
+                                transpose_rhs=transpose_rhs)
+          return steps
 
-        mosaic.observe_last_releases(lambda step: consumed.at[lax.rem(step, slots)], issued[0], slots)
+        _produce(total, slots, full, consumed, issue)
 
       @pl.when(wg_idx < 2)
       def _consumer():
