@@ -8,6 +8,8 @@ Dropped or unassigned pairs get the row `num_rows`, one past the buffer, which r
 """
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -161,21 +163,23 @@ def _combine(buffer, rows, weights):
   return jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1)
 
 
-@jax.custom_vjp
-def _scatter_rows(buffer, rows, weights, src_slot):
-  return _combine(buffer, rows, weights)
+# out_dtype is the custom_vjp's own output dtype, so the backward receives dy in it: with a bf16
+# output that is a bf16 dy, gathered to the buffer rows at half the bytes of the float32 one that
+# a cast outside the custom_vjp hands over (XLA keeps that one in float32, its excess precision).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _scatter_rows(buffer, rows, weights, src_slot, out_dtype):
+  return _combine(buffer, rows, weights).astype(out_dtype)
 
 
-def _scatter_rows_fwd(buffer, rows, weights, src_slot):
-  return _combine(buffer, rows, weights), (buffer, rows, weights, src_slot)
+def _scatter_rows_fwd(buffer, rows, weights, src_slot, out_dtype):
+  return _scatter_rows(buffer, rows, weights, src_slot, out_dtype), (buffer, rows, weights, src_slot)
 
 
-def _scatter_rows_bwd(res, dy):
+def _scatter_rows_bwd(out_dtype, res, dy):
   buffer, rows, weights, src_slot = res
   k = rows.shape[1]
-  dy = dy.astype(jnp.float32)
   # dy_rows[r] = dy[t] for the (t, j) filling row r; empty rows (src_slot T k, token T) read zeros.
-  dy_rows = _take(dy, src_slot // k)
+  dy_rows = _take(dy, src_slot // k).astype(jnp.float32)
   # dbuffer[r] = c[t, j] dy[t]; empty rows get c = 0 from the fill too.
   c_row = _take(weights.astype(jnp.float32).reshape(-1), src_slot)
   dbuf = (c_row[:, None] * dy_rows).astype(buffer.dtype)
@@ -207,7 +211,7 @@ def scatter_rows(
   them to 8 bits), and the k-term sum is elementwise, not a dot, so no backend computes it in TF32.
   """
   src = source_slots(placement)
-  return _scatter_rows(buffer, placement.rows, combine_weights, src).astype(out_dtype)
+  return _scatter_rows(buffer, placement.rows, combine_weights, src, jnp.dtype(out_dtype))
 
 
 # --- Sort-free placement (MegaBlocks' histogram + cumulative sum), the same Placement as above.
