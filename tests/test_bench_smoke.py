@@ -102,3 +102,24 @@ def test_kernel_timeline_counts_idle_time_once_and_lists_the_last_call():
   assert lines[0] == ("Span of the 2 calls' kernels: 0.081 ms per call, some kernel running 0.044, "
                       "GPU idle 0.037")
   assert [ln.split()[-1] for ln in lines[2:]] == ["a", "b"]  # no idle gap: b starts inside a
+
+
+def test_trace_device_times_splits_hlo_ops_from_kernels(tmp_path):
+  """A GPU trace's HLO-op line and its streams' kernels are counted apart, per name; host events
+  (another process) are left out."""
+  import gzip
+
+  from peers.layer import trace_device_times
+  meta = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind, args=dict(name=name))
+  events = [meta(1, 0, "process_name", "/device:GPU:0"), meta(1, 5, "thread_name", "XLA Ops"),
+            meta(1, 7, "thread_name", "Stream #13(Compute)"), meta(2, 0, "process_name", "/host:CPU"),
+            dict(ph="X", pid=1, tid=5, name="fusion.1", ts=0, dur=10),
+            dict(ph="X", pid=1, tid=7, name="k", ts=1, dur=8), dict(ph="X", pid=1, tid=7, name="k", ts=20, dur=4),
+            dict(ph="X", pid=2, tid=0, name="host work", ts=0, dur=99)]
+  path = tmp_path / "t.json.gz"
+  with gzip.open(path, "wt") as fh:
+    json.dump({"traceEvents": events}, fh)
+  total, count, kernels, gpu = trace_device_times(str(path))
+  assert gpu and dict(total["XLA Ops"]) == {"fusion.1": 10.0}
+  assert dict(total["GPU kernels (all streams)"]) == {"k": 12.0} and count["GPU kernels (all streams)"]["k"] == 2
+  assert [e["ts"] for e in kernels] == [1, 20] and "host work" not in str(dict(total))

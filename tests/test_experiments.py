@@ -227,3 +227,27 @@ def test_expert_mlp_parts_times_all_six_products():
   assert dots(jax.grad(lambda *x: jnp.sum(f(*x) * ct), argnums=(0, 1, 2))) == 5  # what the old timing ran
   y, grads = jax.jit(parts.fwd_bwd(f, ct))(a, w1, w2)
   assert dots(parts.fwd_bwd(f, ct)) == 6 and y.shape == (8, 4) and len(grads) == 3
+
+
+def test_gmm_wave_model_counts_the_busiest_sm_and_light_tiles():
+  import jax.numpy as jnp
+  import numpy as np
+  import probe_gmm_waves as w
+
+  order = np.arange(7)  # step i runs on SM i % 3
+  assert w.busiest_sm_load(order, np.full(7, 128), 1, 3, 0.5) == (3.0, 7 / 3)  # a last wave of one tile
+  # Light blocks (1-64 real rows) cost h, inactive ones nothing: SM 0 runs tiles 0, 3, 6.
+  assert w.busiest_sm_load(order, np.array([128, 64, 0, 128, 10, 0, 0]), 1, 3, 0.5) == (2.0, 1.0)
+  assert list(w.reversed_waves(jnp.arange(8), 3)) == [0, 1, 2, 5, 4, 3, 6, 7]  # full waves only
+
+
+def test_gmm_wave_probe_checks_each_config_set_and_refuses_unknown_ones(capsys):
+  import probe_gmm_waves as w
+  from peers import common
+
+  res = w.in_mlp("smoke_skewed", ["default", "default+rev"], rounds=1, timer=common.SMOKE_TIMER, calls=1)
+  assert res["rel_err"]["default+rev"] == [0.0] * 4 and len(res["ms"]["default+rev"]) == 1
+  assert res["kernels"]["default"]  # device time by name (CPU events here)
+  with pytest.raises(SystemExit):
+    w.main(["--in-mlp", "smoke", "--configs", "default,nope"])
+  assert "--configs: ['nope']" in capsys.readouterr().err

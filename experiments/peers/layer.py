@@ -182,10 +182,11 @@ def profile(s: Shape, label: str, dest: str, calls: int = 5) -> list[str]:
   return written
 
 
-def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
-  """Device time per call by name, from a Chrome/Perfetto trace: on a GPU, the "XLA Ops" line (one
-  event per HLO op) and the streams' kernels, each on its own (they overlap); elsewhere all events
-  of the CPU device (nested ones are counted in each)."""
+def trace_device_times(path: str):
+  """From a Chrome/Perfetto trace: ({line: {name: us}}, {line: {name: count}}, the GPU kernels
+  sorted by start, whether a GPU was traced). Lines: on a GPU, "XLA Ops" (one event per HLO op)
+  and "GPU kernels (all streams)"; elsewhere "CPU events", every event of the CPU device (nested
+  ones counted in each)."""
   import gzip
   import json
   from collections import defaultdict
@@ -208,10 +209,21 @@ def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
 
   total = defaultdict(lambda: defaultdict(float))
   count = defaultdict(lambda: defaultdict(int))
+  kernels = []
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in pids:
-      total[line(e)][e["name"]] += float(e.get("dur", 0.0))
-      count[line(e)][e["name"]] += 1
+      g = line(e)
+      total[g][e["name"]] += float(e.get("dur", 0.0))
+      count[g][e["name"]] += 1
+      if gpu and g == "GPU kernels (all streams)":
+        kernels.append(e)
+  return total, count, sorted(kernels, key=lambda e: float(e["ts"])), bool(gpu)
+
+
+def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
+  """Device time per call by name (trace_device_times' lines: on a GPU the HLO ops and the
+  streams' kernels, each on its own, since they overlap), then the kernels' timeline."""
+  total, count, kernels, gpu = trace_device_times(path)
   sections = [g for g in ("XLA Ops", "GPU kernels (all streams)") if g in total] or list(total)
   lines = []
   for g in sections:
@@ -221,8 +233,6 @@ def summarize_trace(path: str, calls: int, top: int = 20) -> list[str]:
       lines.append(f"  {us / calls / 1e3:9.3f} ms {100 * us / max(all_us, 1e-9):5.1f}%  "
                    f"x{count[g][name] / calls:<5.3g} {name[:110]}")
   if gpu:
-    kernels = sorted((e for e in events if e.get("ph") == "X" and e.get("pid") in pids
-                      and line(e) == "GPU kernels (all streams)"), key=lambda e: float(e["ts"]))
     lines += kernel_timeline(kernels, calls)
   return lines
 
