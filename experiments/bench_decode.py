@@ -36,6 +36,7 @@ from sparsejax.inference.decode_moe import SMALL_BATCH_MAX_ASSIGNMENTS  # noqa: 
 from sparsejax.modules import MoE  # noqa: E402
 from sparsejax.models import Transformer, get_preset  # noqa: E402
 from provenance import source_fingerprint  # noqa: E402
+from out_dir import copy_to_out  # noqa: E402
 
 PRESETS = ["xs-dense", "xs-moe", "small-dense", "small-moe", "medium-dense", "medium-moe"]
 EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
@@ -311,10 +312,7 @@ def write_outputs(results: dict, out_dir: str, name: str) -> str:
     plt.close(fig)
   except Exception as e:  # noqa: BLE001
     log("plot failed:", e)
-  if os.environ.get("OUT"):
-    for ext in (".json", ".md", ".png"):
-      if os.path.exists(stem + ext):
-        shutil.copy(stem + ext, os.environ["OUT"])
+  copy_to_out(*(stem + ext for ext in (".json", ".md", ".png")))
   return report
 
 
@@ -371,8 +369,7 @@ def main(argv=None) -> dict:
     path = os.path.join(args.out_dir, "int8_val_loss.json")
     with open(path, "w") as fh:
       json.dump(recs, fh, indent=1)
-    if os.environ.get("OUT"):
-      shutil.copy(path, os.environ["OUT"])
+    copy_to_out(path)
     if "--presets" not in (argv or sys.argv):
       return dict(val=recs)
   dev = jax.devices()[0]

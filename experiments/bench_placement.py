@@ -17,7 +17,6 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from sparsejax import permute  # noqa: E402
 from sparsejax.topology import BLOCK_SIZE  # noqa: E402
+from out_dir import copy_to_out  # noqa: E402
 
 SHAPES = [(16384, 1, 64), (8192, 8, 64), (32768, 1, 64), (16384, 2, 8)]  # (T, k, E); 32768 x 1 x 64 is MoE-XS
 SMOKE_SHAPES = [(512, 1, 16), (256, 4, 8)]
@@ -110,9 +110,7 @@ def main(argv=None) -> dict:
   lines += [f"| {r['T']} | {r['k']} | {r['E']} | {'skewed' if r['skewed'] else 'uniform'} | {r['variant']} "
             f"| {r['us']:.1f} | {r['speedup']:.2f}x |" for r in rows]
   (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-  if os.environ.get("OUT"):
-    for suffix in (".json", ".md"):
-      shutil.copy(out / f"{stem}{suffix}", pathlib.Path(os.environ["OUT"]) / f"{stem}{suffix}")
+  copy_to_out(*(out / f"{stem}{suffix}" for suffix in (".json", ".md")))
   print(f"wrote {out / stem}.{{json,md}}")
   return report
 

@@ -25,7 +25,6 @@ import functools
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from sparsejax.kernels import gmm as G  # noqa: E402
 from sparsejax.kernels.gmm import mosaic, triton  # noqa: E402
 from sparsejax.topology import make_topology  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
+from out_dir import copy_to_out  # noqa: E402
 
 SHAPES = {  # T, d, f, E, k
     "E64_top1": (16384, 1024, 4096, 64, 1),
@@ -297,8 +297,7 @@ def main(argv=None):
   path = os.path.join(args.out_dir, f"gmm_kernels_{gpu}.json")
   with open(path, "w") as fh:
     json.dump(dict(gpu=gpu, jax=jax.__version__, records=records), fh, indent=1)
-  if os.environ.get("OUT") and os.path.realpath(args.out_dir) != os.path.realpath(os.environ["OUT"]):
-    shutil.copy(path, os.environ["OUT"])
+  copy_to_out(path)
 
 
 if __name__ == "__main__":

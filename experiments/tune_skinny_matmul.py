@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from sparsejax.kernels.skinny_matmul import triton  # noqa: E402
+from out_dir import copy_to_out  # noqa: E402
 
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
 
@@ -114,8 +115,7 @@ def main(argv=None):
   path = os.path.join(args.out_dir, name)
   with open(path, "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
-  if os.environ.get("OUT"):
-    shutil.copy(path, os.environ["OUT"])
+  copy_to_out(path)
   return rows
 
 

@@ -251,3 +251,19 @@ def test_gmm_wave_probe_checks_each_config_set_and_refuses_unknown_ones(capsys):
   with pytest.raises(SystemExit):
     w.main(["--in-mlp", "smoke", "--configs", "default,nope"])
   assert "--configs: ['nope']" in capsys.readouterr().err
+
+
+def test_results_go_to_out_once_and_never_onto_themselves(tmp_path, monkeypatch):
+  """--out-dir equal to $OUT: nothing to copy (shutil.copy would raise SameFileError, which ended a
+  decode bench with a traceback after its results were written); another folder: copied."""
+  from out_dir import copy_to_out
+
+  out, other = tmp_path / "out", tmp_path / "other"
+  out.mkdir(), other.mkdir()
+  (out / "r.json").write_text("1")
+  (other / "s.json").write_text("2")
+  monkeypatch.setenv("OUT", str(out))
+  copy_to_out(out / "r.json", other / "s.json", other / "missing.json")
+  assert (out / "s.json").read_text() == "2" and sorted(p.name for p in out.iterdir()) == ["r.json", "s.json"]
+  monkeypatch.delenv("OUT")
+  copy_to_out(other / "s.json")  # no $OUT: nothing happens
