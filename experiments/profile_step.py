@@ -67,6 +67,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, functional, init_model,  # noqa: E402
                              make_optimizer, make_steps, mfu, peak_flops)
+from out_dir import copy_to_out  # noqa: E402
 
 CATEGORIES = ("attention", "expert/ffn matmuls", "activation", "router and top-k", "placement", "topology",
               "gather/scatter", "aux losses", "norms", "embed, head, loss", "optimizer", "other")
@@ -530,11 +531,7 @@ def main(argv=None) -> dict:
   (out / f"profile{args.tag}_{slug}.md").write_text(comparison_markdown(results, device))
   written.append(out / f"profile{args.tag}_{slug}.md")
   print(comparison_markdown(results, device))
-  if os.environ.get("OUT"):
-    for path in written:
-      dest = pathlib.Path(os.environ["OUT"]) / path.name
-      if not (dest.exists() and dest.samefile(path)):  # --out may be $OUT itself
-        shutil.copy(path, dest)
+  copy_to_out(*written)  # --out may be $OUT itself
   return {"device": device, "results": results, "written": [str(w) for w in written]}
 
 
