@@ -172,7 +172,7 @@ def _scatter_rows(buffer, rows, weights, src_slot, out_dtype):
 
 
 def _scatter_rows_fwd(buffer, rows, weights, src_slot, out_dtype):
-  return _scatter_rows(buffer, rows, weights, src_slot, out_dtype), (buffer, rows, weights, src_slot)
+  return _combine(buffer, rows, weights).astype(out_dtype), (buffer, rows, weights, src_slot)
 
 
 def _scatter_rows_bwd(out_dtype, res, dy):
