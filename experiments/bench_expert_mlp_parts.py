@@ -87,6 +87,12 @@ CONFIG_SETS = {
     # sweep, equal at E64 top-8: results/act_kernels_pingpong_H200.log).
     "pingpong_act_bands4": dict(gmm_act=dataclasses.replace(_PINGPONG, grid_tile_width=4)),
     "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
+    # The plain products alone (h W_out, dX) on the ping-pong schedule: tied on the skewed E64 top-1,
+    # lost on E64 top-1 and E8 top-2 (results/probe_gmm_waves_H100.log).
+    "pingpong_plain": dict.fromkeys(("gmm", "gmm_t"), _PINGPONG),
+    # The defaults again, as a set of their own: in one process the first set profiled read 5-30%
+    # slow (probe_gmm_waves.py), so a second copy measured after the others shows the drift.
+    "default_again": {},
 }
 
 

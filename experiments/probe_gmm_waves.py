@@ -9,12 +9,11 @@ lasts about as long as its busiest SM's tiles: a last wave of a few tiles costs 
   row block with at most 64 real rows) and the busiest SM's load in full-tile units, for a light
   tile costing h of a full one, in expert_band_order and with every second full wave reversed.
 --in-mlp SHAPES --configs SETS (GPU): bench_moe_layer's sparsejax_pallas MLP case (its placement,
-  its routing) under each config set of bench_expert_mlp_parts.CONFIG_SETS (and "pingpong_plain":
-  gmm and gmm_t on the ping-pong schedule; a "+rev" suffix reverses every second full wave of the
-  gmm kinds' tile orders). Every set's outputs are checked against the first's on the real rows;
-  then --rounds interleaved timer rounds of fwd+bwd, and one profile a set (after one unread
-  trace: a process's first reads its kernels slow): each kernel's device time inside the MLP. Shapes "u<rows>": 64
-  experts of <rows> rows each at E64 top-1's d and f.
+  its routing) under each config set of bench_expert_mlp_parts.CONFIG_SETS; a "+rev" suffix
+  reverses every second full wave of the gmm kinds' tile orders. Every set's outputs are checked
+  against the first's on the real rows; then --rounds interleaved timer rounds of fwd+bwd, and one
+  profile a set (after one unread trace: a process's first reads its kernels slow): each kernel's
+  device time inside the MLP. Shapes "u<rows>": 64 experts of <rows> rows each at E64 top-1's d, f.
 --light-cost (GPU): h measured, as --in-mlp on u576 (four full blocks and a light one an expert)
   and u640 (five full): with 5 blocks an expert and 132 SMs, each SM's tiles take every residue
   mod 5 alike, so the busiest SM runs 8 full + 2 light tiles against 10 full: h = 5 t576 / t640 - 4.
@@ -44,7 +43,7 @@ import bench_moe_layer  # noqa: E402
 from peers import common, layer, sparsejax_variants  # noqa: E402
 from sparsejax import permute  # noqa: E402
 from sparsejax.kernels.gmm import mosaic  # noqa: E402
-from sparsejax.topology import BLOCK_SIZE, make_topology  # noqa: E402
+from sparsejax.topology import BLOCK_SIZE  # noqa: E402
 
 NUM_SMS = 132  # an H100's; --in-mlp reads the GPU's own
 SHAPES = {s.name: s for s in bench_moe_layer.SHAPES + bench_moe_layer.SMOKE_SHAPES}
@@ -52,10 +51,6 @@ SHAPES = {s.name: s for s in bench_moe_layer.SHAPES + bench_moe_layer.SMOKE_SHAP
 # ping-pong schedule's 128-wide tiles (two tiles of a CTA in flight, so loads count half).
 GRIDS = {"gmm h W_out (N 1024 / 256)": (4, 8, 1.0), "gmm_t dX (N 4096 / 256)": (16, 4, 1.0),
          "ping-pong gmm (N 1024 / 128)": (8, 8, 0.5), "ping-pong gmm_act, gmm_t (N 4096 / 128)": (32, 8, 0.5)}
-parts.CONFIG_SETS.setdefault("pingpong_plain", {k: parts._PINGPONG for k in ("gmm", "gmm_t")})
-# The defaults again, as a set of their own: in one process the first set measured has run 5-12%
-# slower than the same program measured later, so a second copy after the others shows the drift.
-parts.CONFIG_SETS.setdefault("default_again", {})
 
 
 def busiest_sm_load(order, row_block_rows, n_iters: int, num_sms: int, h: float) -> tuple[float, float]:
@@ -74,8 +69,7 @@ def reversed_waves(order, num_sms: int):
 
 
 def topology(ids, num_experts):
-  plc = permute.dropless_placement(ids, num_experts, block_size=BLOCK_SIZE)
-  return make_topology(plc.group_sizes, plc.num_rows, BLOCK_SIZE, plc.tokens_per_expert)
+  return sparsejax_variants.topology(permute.dropless_placement(ids, num_experts, block_size=BLOCK_SIZE))
 
 
 def bench_topologies(names) -> dict:
