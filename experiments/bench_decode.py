@@ -104,17 +104,27 @@ def check_step(model, prompt) -> tuple[float, np.ndarray]:
 
 
 def trace_loop(dec, tok, steps: int) -> tuple[dict, jax.Array]:
-  """Kernel time per step of one device-loop call of `steps` steps under jax.profiler
-  (profile_step.kernel_table's fields, divided by `steps`)."""
+  """Kernel time per step of one device-loop call of `steps` steps under jax.profiler, by kernel kind
+  (profile_step.kernel_table's fields, divided by `steps`), and "run": LAYER_RUN consecutive kernels from
+  the middle of the last step, as (kind, idle us before it, us), a layer's sequence. Kernels show one by
+  one only with XLA's command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=)."""
   import tempfile
-  from profile_step import kernel_table, load_trace
+  from profile_step import kernel_kind, kernel_table, load_trace, stream_kernels
   log_dir = tempfile.mkdtemp(prefix="decode_trace_")
   with jax.profiler.trace(log_dir):
     buf, tok = dec.run_buffer(tok, steps)
     tok.block_until_ready()
-  table = kernel_table(load_trace(log_dir), steps, top=12)
+  trace = load_trace(log_dir)
+  table = kernel_table(trace, steps, top=LAYER_RUN, by_kind=True)
+  kernels = stream_kernels(trace)
+  last = kernels[-(len(kernels) // steps):]
+  run = last[len(last) // 2:][:LAYER_RUN]
+  table["run"] = [(kernel_kind(e), e["ts"] - (p["ts"] + p["dur"]), e["dur"]) for p, e in zip(run, run[1:])]
   shutil.rmtree(log_dir, ignore_errors=True)
   return table, tok
+
+
+LAYER_RUN = 24  # kernels of a trace's layer run: more than one medium-MoE layer's
 
 
 def decode_slots(prompt_len: int, warmup: int, steps: int, reps: int) -> int:
@@ -234,6 +244,9 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
         k = row["kernels"]
         log(f"  kernels: union busy {k['busy_union_ms']:.3f} ms / step; " + "; ".join(
             f"{name} {ms:.3f} ms x{n:.0f}" for name, ms, n in k["kernels"]))
+        if k.get("run"):
+          log("  a run of the last step's kernels (idle us before, us): " + "; ".join(
+              f"{name} {gap:.1f} {us:.1f}" for name, gap, us in k["run"]))
       rows.append(row)
     del m
     gc.collect()

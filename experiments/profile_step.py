@@ -250,14 +250,20 @@ def stream_kernels(trace: dict) -> list[dict]:
   return sorted((e for e in events if e["pid"] in devices and line(e).startswith("Stream")), key=lambda e: e["ts"])
 
 
-def kernel_table(trace: dict, steps: int, top: int = 20) -> dict:
+def kernel_kind(e: dict) -> str:
+  """A kernel's name without its instance number (loop_add_fusion_49 -> loop_add_fusion): the kernels of
+  one kind across a model's layers, where each layer's instance has its own HLO op."""
+  return re.sub(r"[._]\d+$", "", e["name"][:80])
+
+
+def kernel_table(trace: dict, steps: int, top: int = 20, *, by_kind: bool = False) -> dict:
   """Raw device time per kernel (no nesting subtracted): [(op or kernel name, ms per step, launches per step)],
-  and the union of busy intervals per step."""
+  and the union of busy intervals per step. by_kind: grouped by kernel_kind instead of by HLO op."""
   kernels = stream_kernels(trace)
   by = collections.defaultdict(lambda: [0.0, 0])
   busy, end = 0.0, None
   for e in kernels:
-    key = e.get("args", {}).get("hlo_op") or e["name"][:80]
+    key = kernel_kind(e) if by_kind else (e.get("args", {}).get("hlo_op") or e["name"][:80])
     by[key][0] += e["dur"]
     by[key][1] += 1
     lo, hi = e["ts"], e["ts"] + e["dur"]

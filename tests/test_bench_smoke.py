@@ -123,3 +123,18 @@ def test_trace_device_times_splits_hlo_ops_from_kernels(tmp_path):
   assert gpu and dict(total["XLA Ops"]) == {"fusion.1": 10.0}
   assert dict(total["GPU kernels (all streams)"]) == {"k": 12.0} and count["GPU kernels (all streams)"]["k"] == 2
   assert [e["ts"] for e in kernels] == [1, 20] and "host work" not in str(dict(total))
+
+
+def test_kernel_table_by_kind_groups_a_models_layers():
+  """Grouped by kind, each layer's instance of a kernel (its own HLO op and numbered name) counts as one."""
+  from profile_step import kernel_table
+  meta = lambda pid, tid, kind, name: dict(ph="M", pid=pid, tid=tid, name=kind, args=dict(name=name))
+  kernel = lambda name, op, ts, dur: dict(ph="X", pid=1, tid=7, name=name, ts=ts, dur=dur, args=dict(hlo_op=op))
+  events = [meta(1, 0, "process_name", "/device:GPU:0"), meta(1, 7, "thread_name", "Stream #13(Compute)"),
+            kernel("loop_add_fusion_49", "loop_add_fusion.49", 0, 3), kernel("sparsejax_skinny_matmul", "pallas_call.12", 5, 6),
+            kernel("loop_add_fusion_50", "loop_add_fusion.50", 20, 3), kernel("sparsejax_skinny_matmul", "pallas_call.30", 30, 6)]
+  by_op = kernel_table({"traceEvents": events}, steps=1)
+  assert len(by_op["kernels"]) == 4
+  by_kind = kernel_table({"traceEvents": events}, steps=1, by_kind=True)
+  assert by_kind["kernels"] == [("sparsejax_skinny_matmul", 0.012, 2), ("loop_add_fusion", 0.006, 2)]
+  assert by_kind["busy_union_ms"] == 0.018
