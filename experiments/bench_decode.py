@@ -148,6 +148,8 @@ def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, rep
   t0 = time.perf_counter()
   tok = dec(tok[:, None]).block_until_ready()  # compiles the step
   compile_s = time.perf_counter() - t0
+  # Where a row's minutes go, printed as they pass: a row cut off by a time limit prints nothing else.
+  log(f"  batch {batch}: prefill {prefill_s:.1f} s (its compile included), step compile {compile_s:.1f} s")
   for _ in range(warmup):
     tok = dec(tok[:, None])
   tok.block_until_ready()
@@ -173,6 +175,7 @@ def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, rep
   buf, tok = dec.run_buffer(tok, steps)  # compiles the loop (once for every n)
   tok.block_until_ready()
   loop_compile_s = time.perf_counter() - t0
+  log(f"  batch {batch}: device loop compiled in {loop_compile_s:.1f} s")
   loop_vs_host = float(np.mean(np.asarray(buf)[:, :steps] != np.stack(host_tokens[1:], axis=1)))
   first_timed = dec.steps
   loop = []
@@ -219,7 +222,9 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
       try:
         if not args.no_check:
           check_prompt = jax.random.randint(jax.random.key(b), (b, args.check_len), 1, cfg.vocab_size)
+          t0 = time.perf_counter()
           rel, logits = check_step(m, check_prompt)
+          log(f"  {preset} {variant} batch {b}: checked against the full forward in {time.perf_counter() - t0:.1f} s")
           row["rel_err_vs_full_forward"] = rel
           assert rel < args.tol, f"decode step differs from the full forward: rel err {rel:.2e}"
           if variant == "int8":
