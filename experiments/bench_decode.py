@@ -40,6 +40,7 @@ from out_dir import copy_to_out  # noqa: E402
 
 PRESETS = ["xs-dense", "xs-moe", "small-dense", "small-moe", "medium-dense", "medium-moe"]
 EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
+LAYER_RUN = 24  # kernels of --trace's run from the middle of a step: more than one medium-MoE layer's
 
 
 def log(*a):
@@ -106,7 +107,7 @@ def check_step(model, prompt) -> tuple[float, np.ndarray]:
 def trace_loop(dec, tok, steps: int) -> tuple[dict, jax.Array]:
   """Kernel time per step of one device-loop call of `steps` steps under jax.profiler, by kernel kind
   (profile_step.kernel_table's fields, divided by `steps`), and "run": LAYER_RUN consecutive kernels from
-  the middle of the last step, as (kind, idle us before it, us), a layer's sequence. Kernels show one by
+  the middle of the last step, each as (kind, idle us since the kernel before it, us). Kernels show one by
   one only with XLA's command buffers off (XLA_FLAGS=--xla_gpu_enable_command_buffer=)."""
   import tempfile
   from profile_step import kernel_kind, kernel_table, load_trace, stream_kernels
@@ -118,13 +119,10 @@ def trace_loop(dec, tok, steps: int) -> tuple[dict, jax.Array]:
   table = kernel_table(trace, steps, top=LAYER_RUN, by_kind=True)
   kernels = stream_kernels(trace)
   last = kernels[-(len(kernels) // steps):]
-  run = last[len(last) // 2:][:LAYER_RUN]
+  run = last[max(len(last) // 2 - 1, 0):][:LAYER_RUN + 1]  # and the kernel before the first, for its gap
   table["run"] = [(kernel_kind(e), e["ts"] - (p["ts"] + p["dur"]), e["dur"]) for p, e in zip(run, run[1:])]
   shutil.rmtree(log_dir, ignore_errors=True)
   return table, tok
-
-
-LAYER_RUN = 24  # kernels of a trace's layer run: more than one medium-MoE layer's
 
 
 def decode_slots(prompt_len: int, warmup: int, steps: int, reps: int) -> int:

@@ -252,8 +252,9 @@ def stream_kernels(trace: dict) -> list[dict]:
 
 def kernel_kind(e: dict) -> str:
   """A kernel's name without its instance number (loop_add_fusion_49 -> loop_add_fusion): the kernels of
-  one kind across a model's layers, where each layer's instance has its own HLO op."""
-  return re.sub(r"[._]\d+$", "", e["name"][:80])
+  one kind across a model's layers, where each layer's instance has its own HLO op. A "__N" suffix stays:
+  it tells apart different kernels given one name (sparsejax_skinny_matmul, sparsejax_skinny_matmul__1)."""
+  return re.sub(r"(?<![._])[._]\d+$", "", e["name"][:80])
 
 
 def kernel_table(trace: dict, steps: int, top: int = 20, *, by_kind: bool = False) -> dict:

@@ -132,9 +132,11 @@ def test_kernel_table_by_kind_groups_a_models_layers():
   kernel = lambda name, op, ts, dur: dict(ph="X", pid=1, tid=7, name=name, ts=ts, dur=dur, args=dict(hlo_op=op))
   events = [meta(1, 0, "process_name", "/device:GPU:0"), meta(1, 7, "thread_name", "Stream #13(Compute)"),
             kernel("loop_add_fusion_49", "loop_add_fusion.49", 0, 3), kernel("sparsejax_skinny_matmul", "pallas_call.12", 5, 6),
-            kernel("loop_add_fusion_50", "loop_add_fusion.50", 20, 3), kernel("sparsejax_skinny_matmul", "pallas_call.30", 30, 6)]
+            kernel("loop_add_fusion_50", "loop_add_fusion.50", 20, 3), kernel("sparsejax_skinny_matmul", "pallas_call.30", 30, 6),
+            kernel("sparsejax_skinny_matmul__1", "pallas_call.31", 40, 2)]  # another kernel of the same name
   by_op = kernel_table({"traceEvents": events}, steps=1)
-  assert len(by_op["kernels"]) == 4
+  assert len(by_op["kernels"]) == 5
   by_kind = kernel_table({"traceEvents": events}, steps=1, by_kind=True)
-  assert by_kind["kernels"] == [("sparsejax_skinny_matmul", 0.012, 2), ("loop_add_fusion", 0.006, 2)]
-  assert by_kind["busy_union_ms"] == 0.018
+  assert by_kind["kernels"] == [("sparsejax_skinny_matmul", 0.012, 2), ("loop_add_fusion", 0.006, 2),
+                                ("sparsejax_skinny_matmul__1", 0.002, 1)]
+  assert by_kind["busy_union_ms"] == 0.02
