@@ -162,3 +162,22 @@ def test_mosaic_kernels_carry_their_kind_and_schedule_in_their_names(monkeypatch
       (lambda a, b: mosaic.tgmm(a, b, topo, bf16, mosaic.DEFAULT_CONFIGS.with_tgmm(pingpong=False)), (x, h),
        "tgmm_per_tile")]:
     assert f"sparsejax_{name}_mosaic_gpu" in _mosaic_lowers(monkeypatch, fn, *args)
+
+
+def test_mosaic_kernel_lowers_once_for_all_its_call_sites(monkeypatch):
+  """A kernel that several layers of one program call with the same shapes is lowered once, so the
+  GPU compiles it once (mosaic._call_shared: jaxlib 0.11 gives every lowering a module of its own,
+  and each call site paid its own compile). A call with other shapes is a kernel of its own."""
+  from sparsejax.kernels.gmm import mosaic
+  from sparsejax.topology import make_topology
+  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
+                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+
+  def layers(x, w, w_other):
+    for _ in range(3):
+      x = mosaic.gmm(x, w, topo, False, bf16)
+    return mosaic.gmm(x, w_other, topo, False, bf16)
+
+  text = _mosaic_lowers(monkeypatch, layers, jax.ShapeDtypeStruct((1024, 512), bf16),
+                        jax.ShapeDtypeStruct((4, 512, 512), bf16), jax.ShapeDtypeStruct((4, 512, 256), bf16))
+  assert text.count("@mosaic_gpu_v2(") == 2

@@ -618,6 +618,34 @@ def _gmm_config(lhs, n, topo, cfg, out_dtype, num_w=1, pre=()):
               out_bytes=lambda c: 2 * c.epi_slots * (block_m // 2) * c.epi_tile_n * out_size + pre_bytes(c))
 
 
+def _call_shared(kernel, *args, dynamic=None, **static):
+  """kernel(*args, **dynamic, **static) under a jax.jit whose static arguments are the kernel,
+  `static` (hashable: tiles, dtypes, the fitted Config) and where it runs: a kernel called with
+  the same shapes and arguments in many places of one program (one per layer) is lowered once and
+  compiled once.
+
+  Mosaic GPU compiles a kernel when XLA compiles the program and caches it by the hash of its
+  module, but jaxlib 0.11 stamps each lowering's module with a process-unique dump name
+  (mosaic_gpu.dump_basename): each call site was a kernel of its own to compile, about 0.7 s on
+  an H100, 40 s of the medium-moe prefill's 48 (and 15 s of lowering). A nested jit's lowering is
+  cached per program by its jaxpr, so the layers share one module; XLA inlines the call, so the
+  kernels run as before. `dynamic`: keyword arguments that are arrays. In interpret mode (the
+  CPU) the kernel is called directly: jax 0.10's GPU interpreter, whose callbacks dispatch jax ops,
+  ran one CPU test in minutes inside a jit against 18 s outside it.
+  """
+  dynamic = dynamic or {}
+  if _interpret() is not None:
+    return kernel(*args, **dynamic, **static)
+  # _num_sms() shapes the trace, and tests patch it to lower for a GPU from the CPU.
+  return _shared_jit(args, dynamic, kernel=kernel, static=tuple(sorted(static.items())), num_sms=_num_sms())
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "static", "num_sms"))
+def _shared_jit(args, dynamic, *, kernel, static, num_sms):
+  del num_sms  # a cache key only
+  return kernel(*args, **dynamic, **dict(static))
+
+
 def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=None, pre=()):
   """Fit the config of the kernel variant these arguments select, pad to its tiles, run, unpad."""
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
@@ -631,7 +659,7 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
     if kind not in ("gmm_act", "gmm_dact"):
       raise ValueError(f"Config.epilogue_wg serves gmm_act and gmm_dact; got it for {kind}")
     cfg, n_buf = mosaic_epilogue.fit(base, lhs.shape[1], n, topo.block_size, len(pre))
-    padded = functools.partial(mosaic_epilogue.gmm_padded, n_buf=n_buf)
+    padded, static, dynamic = mosaic_epilogue.gmm_padded, dict(n_buf=n_buf), {}
   else:
     if base.pingpong:
       from sparsejax.kernels.gmm import mosaic_pingpong
@@ -642,12 +670,13 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
     else:
       cfg = _gmm_config(lhs, n, topo, base, out_dtype, len(weights), pre)
       padded = _gmm_padded
+    static, dynamic = {}, {}
     if cfg.expert_bands:
       if cfg.grid_minor_dim != M_DIM:
         raise ValueError(f"Config.expert_bands orders row blocks within column tiles: it needs "
                          f"grid_minor_dim=M_DIM; got {cfg.grid_minor_dim} for {kind}")
       n_iters = -(-n // cfg.tile_n)
-      padded = functools.partial(padded, order=expert_band_order(
+      dynamic = dict(order=expert_band_order(
           topo.row_block_expert, topo.expert_block_offsets, n_iters, cfg.grid_tile_width))
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
@@ -655,9 +684,9 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   else:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n) for w in weights)
   pre = tuple(pad_to(p, 1, cfg.tile_n) for p in pre)
-  out = padded(lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
-               block_m=topo.block_size, transpose_rhs=transpose_rhs,
-               out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation)
+  out = _call_shared(padded, lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
+                   dynamic=dynamic, block_m=topo.block_size, transpose_rhs=transpose_rhs,
+                   out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation, **static)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
 
@@ -1057,7 +1086,6 @@ def tgmm(
   offsets = topo.expert_block_offsets
   order = (heaviest_first(offsets) if cfg.balance_experts
            else jnp.arange(topo.num_experts, dtype=jnp.int32))
-  out = padded(lhs_p, dout_p, order, offsets, topo.row_block_rows,
-               block_m=topo.block_size,
-               out_dtype=jnp.dtype(out_dtype), cfg=cfg)
+  out = _call_shared(padded, lhs_p, dout_p, order, offsets, topo.row_block_rows,
+                   block_m=topo.block_size, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]
