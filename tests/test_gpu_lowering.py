@@ -164,10 +164,26 @@ def test_mosaic_kernels_carry_their_kind_and_schedule_in_their_names(monkeypatch
     assert f"sparsejax_{name}_mosaic_gpu" in _mosaic_lowers(monkeypatch, fn, *args)
 
 
+def test_triton_kernel_lowers_once_for_all_its_call_sites():
+  """A kernel that several layers of one program call alike is lowered once (shared_lowering.py),
+  so it is traced, lowered and compiled once. A call with other shapes is a kernel of its own."""
+
+  def layers(x, w, ids):
+    cfg = skinny.default_config(1, 1024, 1024)
+    for _ in range(3):
+      parts = skinny.skinny_matmul_parts((x,), skinny.Plain(False), w, ids, 1, bf16, cfg, interpret=False)
+      x = parts.sum(axis=(0, 1))[:1].astype(bf16)
+    return row_moves.gather_rows(x, ids, interpret=False)
+
+  args = [jax.ShapeDtypeStruct(s, d) for s, d in (((1, 1024), bf16), ((4, 1024, 1024), bf16), ((2,), jnp.int32))]
+  text = jax.jit(layers).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2
+
+
 def test_mosaic_kernel_lowers_once_for_all_its_call_sites(monkeypatch):
-  """A kernel that several layers of one program call with the same shapes is lowered once, so the
-  GPU compiles it once (mosaic._call_shared: jaxlib 0.11 gives every lowering a module of its own,
-  and each call site paid its own compile). A call with other shapes is a kernel of its own."""
+  """As the Triton kernels, Mosaic GPU kernels called alike are lowered once, and so compiled once
+  on the GPU (jaxlib 0.11 gives every lowering a module of its own, whose hash the compile cache
+  keys on, so each call site paid its own compile)."""
   from sparsejax.kernels.gmm import mosaic
   from sparsejax.topology import make_topology
   topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels.shared_lowering import shared_lowering
+
 CHUNK = 64
 MIN_SLOTS = 16  # the smallest chunk (Triton blocks are powers of two, and tiny caches go to XLA)
 _NEG = -1e30  # a finite -inf: exp(_NEG - m) is 0 and never NaN
@@ -60,6 +62,7 @@ def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, part_ref, stats_ref, *, c
     stats_ref[...] = jnp.where(first_col, _NEG, 0.0).astype(jnp.float32)
 
 
+@shared_lowering()
 def chunk_attention(
     q: Float[Array, "b h dh"],
     k_cache: Float[Array, "b s h dh"],

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels.shared_lowering import shared_lowering
+
 
 def _kernel(index_ref, start_ref, inv_ref, parts_ref, k_in, v_in, q_ref, k_ref, v_ref, *, splits: int, heads: int,
             dh: int, dtype):
@@ -49,6 +51,7 @@ def _kernel(index_ref, start_ref, inv_ref, parts_ref, k_in, v_in, q_ref, k_ref, 
     v_ref[b, slot, h, pl.ds(lo, half)] = total(2, lo).astype(dtype).astype(v_ref.dtype)
 
 
+@shared_lowering("dtype")
 def decode_qkv(
     parts: Float[Array, "splits rows three_h_dh"],
     k_cache: Float[Array, "b s h dh"],

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels.shared_lowering import shared_lowering
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -140,6 +142,14 @@ def decode_router(
 ) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
   """(ids, weights) of the k largest softmax(x W_r) per token; E a power of two (Triton's blocks).
   norm = (g, eps): of softmax(rms_norm(x, g, eps) W_r), the norm taken in every program (norm_fits)."""
+  if norm is None:
+    return _decode_router(x, w_router, None, k, renormalize, cfg, None, interpret=interpret)
+  return _decode_router(x, w_router, norm[0], k, renormalize, cfg, float(norm[1]), interpret=interpret)
+
+
+@shared_lowering("k", "renormalize", "cfg", "eps")
+def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
+  """decode_router with the norm's scale g (or None) and eps (static) apart."""
   t, e = x.shape[0], w_router.shape[1]
   kp = pl.next_power_of_2(k)
   params = None
@@ -148,8 +158,7 @@ def decode_router(
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
   outs = dict(out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
               out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)])
-  eps = None if norm is None else float(norm[1])
-  extra = () if norm is None else (norm[0],)
+  extra = () if g is None else (g,)
   if cfg.splits == 1:
     ids, wts = pl.pallas_call(
         functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize, eps=eps),

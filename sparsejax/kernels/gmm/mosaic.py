@@ -64,6 +64,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax.activations import DERIVATIVES, PLAIN
 from sparsejax.kernels.gmm.padding import pad_to
+from sparsejax.kernels.shared_lowering import call_shared
 from sparsejax.topology import Topology
 
 M_DIM, N_DIM = 0, 1
@@ -619,31 +620,12 @@ def _gmm_config(lhs, n, topo, cfg, out_dtype, num_w=1, pre=()):
 
 
 def _call_shared(kernel, *args, dynamic=None, **static):
-  """kernel(*args, **dynamic, **static) under a jax.jit whose static arguments are the kernel,
-  `static` (hashable: tiles, dtypes, the fitted Config) and where it runs: a kernel called with
-  the same shapes and arguments in many places of one program (one per layer) is lowered once and
-  compiled once.
-
-  Mosaic GPU compiles a kernel when XLA compiles the program and caches it by the hash of its
-  module, but jaxlib 0.11 stamps each lowering's module with a process-unique dump name
-  (mosaic_gpu.dump_basename): each call site was a kernel of its own to compile, about 0.7 s on
-  an H100, 40 s of the medium-moe prefill's 48 (and 15 s of lowering). A nested jit's lowering is
-  cached per program by its jaxpr, so the layers share one module; XLA inlines the call, so the
-  kernels run as before. `dynamic`: keyword arguments that are arrays. In interpret mode (the
-  CPU) the kernel is called directly: jax 0.10's GPU interpreter, whose callbacks dispatch jax ops,
-  ran one CPU test in minutes inside a jit against 18 s outside it.
-  """
-  dynamic = dynamic or {}
+  """kernel(*args, **dynamic, **static), lowered and compiled once per program for all the call sites
+  (the layers) that share its shapes and static arguments (shared_lowering.py says why); in interpret
+  mode called directly. _num_sms() shapes the trace (tests patch it to lower for an H100)."""
   if _interpret() is not None:
-    return kernel(*args, **dynamic, **static)
-  # _num_sms() shapes the trace, and tests patch it to lower for a GPU from the CPU.
-  return _shared_jit(args, dynamic, kernel=kernel, static=tuple(sorted(static.items())), num_sms=_num_sms())
-
-
-@functools.partial(jax.jit, static_argnames=("kernel", "static", "num_sms"))
-def _shared_jit(args, dynamic, *, kernel, static, num_sms):
-  del num_sms  # a cache key only
-  return kernel(*args, **dynamic, **dict(static))
+    return kernel(*args, **(dynamic or {}), **static)
+  return call_shared(kernel, *args, dynamic=dynamic, cache_key=_num_sms(), **static)
 
 
 def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=None, pre=()):

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels.shared_lowering import shared_lowering
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -48,6 +50,7 @@ def _kernel(src_ref, x_ref, out_ref, *, n: int, block_d: int):
   out_ref[...] = plt.load(x_ref.at[rows, cols], mask=mask, other=0)
 
 
+@shared_lowering("cfg")
 def gather_rows(
     x: Float[Array, "n d"], src: Int[Array, "rows"], cfg: Config = Config(), *, interpret: bool = False
 ) -> Float[Array, "rows d"]:

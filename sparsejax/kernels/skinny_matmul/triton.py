@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax._precision import dot_precision
+from sparsejax.kernels.shared_lowering import shared_lowering
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,7 @@ def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
   out_ref[...] = acc
 
 
+@shared_lowering("source", "m", "dtype", "cfg")
 def skinny_matmul_parts(
     x_operands: tuple,
     source,
