@@ -667,8 +667,8 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_k), 2, cfg.tile_n) for w in weights)
   pre = tuple(pad_to(p, 1, cfg.tile_n) for p in pre)
   out = _call_shared(padded, lhs_p, weights, topo.row_block_expert, topo.row_block_rows, pre,
-                   dynamic=dynamic, block_m=topo.block_size, transpose_rhs=transpose_rhs,
-                   out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation, **static)
+                     dynamic=dynamic, block_m=topo.block_size, transpose_rhs=transpose_rhs,
+                     out_dtype=jnp.dtype(out_dtype), cfg=cfg, activation=activation, **static)
   unpad = lambda o: o if o.shape[1] == n else o[:, :n]
   return tuple(map(unpad, out)) if isinstance(out, tuple) else unpad(out)
 
@@ -1069,5 +1069,5 @@ def tgmm(
   order = (heaviest_first(offsets) if cfg.balance_experts
            else jnp.arange(topo.num_experts, dtype=jnp.int32))
   out = _call_shared(padded, lhs_p, dout_p, order, offsets, topo.row_block_rows,
-                   block_m=topo.block_size, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
+                     block_m=topo.block_size, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]
