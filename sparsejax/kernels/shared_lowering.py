@@ -9,7 +9,8 @@ distinct set of static arguments and argument shapes, and XLA inlines it: the la
 each distinct kernel compiles once, and the kernels run as before.
 
 Interpret mode (the CPU tests) calls the kernel directly: jax 0.10's Mosaic GPU interpreter, whose
-callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it.
+callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it. The
+Triton kernels follow the same rule, so interpret mode runs every kernel as it did before.
 """
 from __future__ import annotations
 
