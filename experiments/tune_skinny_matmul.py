@@ -1,16 +1,20 @@
 """Sweep skinny_matmul's Pallas Triton configs on one GPU against XLA's own one-row dot.
 
-For each product of a medium decode step (x [1, K] against a bf16 weight [K, N]: the attention's
-qkv and output projections, the MLP's up and down), every variant is checked against a float32 numpy
-product, then timed by its kernels' device time under jax.profiler (the sum of the durations of the
+For each product of a medium decode step (x [m, K], one row by default, against a weight [K, N]: the
+attention's qkv and output projections, the MLP's up and down), every variant is checked against a
+float32 numpy product, then timed by its kernels' device time under jax.profiler (the sum of the durations of the
 kernels one call runs, the split-K partial sum included), best of three: in a decode step the calls
 run back to back in one CUDA graph, so launch overhead is not what separates them. Each call chains
 48 products over 48 distinct weights (no weight reused from L2).
 
   python experiments/tune_skinny_matmul.py            # GPU: the sweep, the best five per shape
+  python experiments/tune_skinny_matmul.py --rows 32 --slots 22 --chain 8 --int8 --shapes 1024x4096
+                                                      # batch 32's expert products, int8 weights
   python experiments/tune_skinny_matmul.py --smoke    # any backend: one small shape, interpret mode
 
-Writes experiments/results/skinny_matmul_sweep_<gpu>.json (and a copy under $OUT when set).
+int8 weights enter the kernel as stored and are cast where they are loaded, as in the decode step
+(the per-column scale multiplies the result outside the kernel, so it is left out here). Writes
+experiments/results/skinny_matmul_sweep_<gpu>[_m<rows>][_int8].json (and a copy under $OUT when set).
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ from out_dir import copy_to_out  # noqa: E402
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
 
 
-def configs(k: int, n: int) -> list[triton.Config]:
+def configs(m: int, k: int, n: int) -> list[triton.Config]:
+  """One row: both forms over 64-256 columns and 128-512 K rows. More rows take the dot form only (the
+  multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows."""
   out = []
-  for use_dot in (False, True):
+  wide = m > 1
+  for use_dot in ((True,) if wide else (False, True)):
     for block_n in (64, 128, 256):
-      for rows in (128, 256, 512):
+      for rows in ((256, 512, 1024, 2048, 4096) if wide else (128, 256, 512)):
         if k % rows or n % block_n:
           continue
         for warps in ((4, 8) if rows >= 256 else (4,)):
@@ -67,29 +74,43 @@ def device_us(f, *args) -> tuple[float, int]:
   return best
 
 
-def sweep(shapes, chain: int, limit: int | None) -> list[dict]:
+def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
+  """chain distinct [slots, k, n] expert weights: bf16 normals, or int8 drawn uniformly from [-127, 127]."""
+  if int8:
+    return tuple(jax.random.randint(jax.random.key(10 + i), (slots, k, n), -127, 128, jnp.int32).astype(jnp.int8)
+                 for i in range(chain))
+  return tuple(jax.random.normal(jax.random.key(10 + i), (slots, k, n), jnp.bfloat16) for i in range(chain))
+
+
+def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False, slots: int = 1) -> list[dict]:
+  """Each call: x [m, k] through `slots` experts of [k, n] (one kernel, as decode_moe runs a step's distinct
+  experts), chained over `chain` distinct weights."""
   interpret = jax.default_backend() != "gpu"
   rows = []
+  ids = jnp.arange(slots, dtype=jnp.int32)
   for k, n in shapes:
-    ws = tuple(jax.random.normal(jax.random.key(10 + i), (k, n), jnp.bfloat16) for i in range(chain))
-    x = jax.random.normal(jax.random.key(2), (1, k), jnp.bfloat16)
-    want = np.stack([np.asarray(x[0], np.float32) @ np.asarray(w, np.float32) for w in ws])
-    variants = {"xla_dot": lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)}
-    for cfg in configs(k, n)[:limit]:
+    ws = weights(slots, k, n, chain, int8)
+    x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
+    exact = jax.jit(lambda x, ws: jnp.stack([jnp.einsum("mk,skn->smn", x.astype(jnp.float32), w.astype(jnp.float32),
+                                                        precision="highest") for w in ws]))
+    want = np.asarray(exact(x, ws))
+    variants = {"xla_dot": lambda x, w: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
+                                                   preferred_element_type=jnp.float32)}
+    for cfg in configs(m, k, n)[:limit]:
       name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
-              f"_w{cfg.num_warps}")
+              f"_w{cfg.num_warps}" + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else ""))
       variants[name] = (lambda cfg: lambda x, w: triton.skinny_matmul_parts(
-          (x,), triton.Plain(per_slot=False), w[None], jnp.zeros((1,), jnp.int32), 1, x.dtype, cfg,
-          interpret=interpret)[0].sum(axis=0)[:1])(cfg)
+          (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
+          interpret=interpret).sum(axis=1)[:, :m])(cfg)
     for name, f in variants.items():
-      g = jax.jit(lambda x, ws, f=f: jnp.stack([f(x, w)[0] for w in ws]))
-      row = dict(k=k, n=n, variant=name)
+      g = jax.jit(lambda x, ws, f=f: jnp.stack([f(x, w) for w in ws]))
+      row = dict(m=m, k=k, n=n, slots=slots, weight="int8" if int8 else "bf16", variant=name)
       try:
         got = np.asarray(g(x, ws))
         row["rel_err"] = float(np.abs(got - want).max() / np.abs(want).max())
         assert row["rel_err"] < 1e-2, f"{name}: rel err {row['rel_err']:.2e}"
         us, launched = device_us(g, x, ws)
-        row.update(us=us / chain, GBps=chain * k * n * 2 / us / 1e3, kernels=launched / chain)
+        row.update(us=us / chain, GBps=chain * ws[0].nbytes / us / 1e3, kernels=launched / chain)
       except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
         row["error"] = f"{type(e).__name__}: {e}"[:300]
       rows.append(row)
@@ -103,15 +124,25 @@ def sweep(shapes, chain: int, limit: int | None) -> list[dict]:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--smoke", action="store_true", help="one small shape, two configs (runs on a CPU)")
+  ap.add_argument("--rows", type=int, default=1, help="m, the rows of x (at most skinny_matmul.MAX_ROWS)")
+  ap.add_argument("--int8", action="store_true", help="int8 weights, cast where the kernel loads them")
+  ap.add_argument("--slots", type=int, default=1, help="experts a call reads (one kernel over all of them)")
+  ap.add_argument("--chain", type=int, default=48, help="calls chained over distinct weights")
+  ap.add_argument("--shapes", default=None, help="comma-separated KxN (default: a medium decode step's)")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
+  if not 1 <= args.rows <= 64:
+    ap.error(f"--rows must be in [1, 64]; got {args.rows}")
+  try:
+    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+  except ValueError:
+    ap.error(f"--shapes takes comma-separated KxN pairs, e.g. 1024x4096; got {args.shapes!r}")
   if args.smoke:
-    rows = sweep([(256, 128)], chain=2, limit=2)
-  else:
-    rows = sweep(SHAPES, chain=48, limit=None)
-  if args.smoke:
-    return rows
-  name = f"skinny_matmul_sweep_{jax.devices()[0].device_kind.replace(' ', '_')}.json"
+    return sweep([(256, 128)], chain=2, limit=2, m=args.rows, int8=args.int8, slots=args.slots)
+  rows = sweep(shapes, chain=args.chain, limit=None, m=args.rows, int8=args.int8, slots=args.slots)
+  suffix = (f"_m{args.rows}" if args.rows > 1 else "") + (f"_s{args.slots}" if args.slots > 1 else "") + (
+      "_int8" if args.int8 else "")
+  name = f"skinny_matmul_sweep_{jax.devices()[0].device_kind.replace(' ', '_')}{suffix}.json"
   path = os.path.join(args.out_dir, name)
   with open(path, "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)

@@ -139,6 +139,11 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   rows = tune_skinny_matmul.main(["--smoke"])
   assert {r["variant"] for r in rows} >= {"xla_dot", "pallas_mulsum_n64_rows128_w4"}
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
+  # Five rows through three experts: the dot form, the int8 weights cast where the kernel loads them.
+  rows = tune_skinny_matmul.main(["--smoke", "--rows", "5", "--int8", "--slots", "3"])
+  assert [r["variant"] for r in rows] == ["xla_dot", "pallas_dot_n64_rows256_w4", "pallas_dot_n64_rows256_w8"]
+  assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
+  assert all((r["weight"], r["m"], r["slots"]) == ("int8", 5, 3) for r in rows)
 
 
 def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypatch):

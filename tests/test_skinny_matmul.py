@@ -13,14 +13,18 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, at
 
 
 def _oracle(x, w, experts, scale=None):
-  """float64: y[s] = x_s @ (w[e_s] * scale[e_s]), with the weight rounded to x's dtype first."""
+  """float64: y[s] = x_s @ (w[e_s] * scale[e_s]), with the weight rounded to x's dtype first; y[s] = 0 for an
+  id outside [0, E)."""
   x64 = np.asarray(x, np.float64)
-  ws = np.asarray(jnp.asarray(w).astype(x.dtype), np.float64)[np.asarray(experts)]
-  xs = x64 if x64.ndim == 3 else np.broadcast_to(x64, (len(experts),) + x64.shape)
+  ids = np.asarray(experts)
+  present = (ids >= 0) & (ids < w.shape[0])
+  ids = np.where(present, ids, 0)
+  ws = np.asarray(jnp.asarray(w).astype(x.dtype), np.float64)[ids]
+  xs = x64 if x64.ndim == 3 else np.broadcast_to(x64, (len(ids),) + x64.shape)
   y = np.einsum("smk,skn->smn", xs, ws)
   if scale is not None:
-    y = y * np.asarray(scale, np.float64)[np.asarray(experts)][:, None, :]
-  return y
+    y = y * np.asarray(scale, np.float64)[ids][:, None, :]
+  return np.where(present[:, None, None], y, 0.0)
 
 
 def _draw(seed, shape, dtype):
@@ -37,7 +41,21 @@ CASES = {
     "long_k_slabs_of_512": (2, 2048, 64, 2, [1]),
     "one_expert": (1, 320, 320, 1, [0]),
     "all_slots_one_expert": (3, 384, 320, 6, [4, 4, 4, 4]),
+    # 16 slots x 8 column blocks: the wide tiles (128 columns by all 1,024 K rows), slots with no expert among them
+    "wide_tiles_through_many_slots": (3, 1024, 1024, 4, [3, 0, 4, 1, 3, 2, -1, 0, 1, 1, 2, 3, 4, 4, 0, 2]),
 }
+
+
+def test_default_tiles():
+  """One row keeps its tiles; more rows through several experts take the widest tile that leaves 128
+  programs (the m = 32 sweeps); through one weight they keep the 64-column tiles."""
+  tiles = lambda *a: (lambda c: (c.block_n, c.rows_per_program, c.use_dot))(default_config(*a))
+  assert tiles(1, 1024, 4096, 2) == (64, 128, False) and tiles(1, 4096, 1024, 2) == (64, 512, True)
+  assert tiles(32, 1024, 4096, 32) == (128, 1024, True)  # W_in through medium-moe's 32 slots: 1,024 programs
+  assert tiles(32, 4096, 1024, 32) == (128, 2048, True)  # W_out: 512
+  assert tiles(2, 1024, 4096, 2) == (64, 512, True)  # 128 by 1,024 would leave 64
+  assert tiles(32, 1024, 3072, 1) == (64, 256, True) and tiles(32, 4096, 1024, 1) == (64, 512, True)
+  assert tiles(5, 384, 320, 4) == (64, 128, True)  # K not a multiple of 512
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -235,15 +253,12 @@ def _ffn_oracle(x, w_in, w_out, ids, act, w_gate=None, scales=(None, None, None)
   else:
     h = act(np.asarray(jnp.asarray(u, dtype), np.float64))
   h = np.asarray(jnp.asarray(h, dtype), np.float64)
-  y = np.einsum("smf,sfd->smd", h, np.asarray(jnp.asarray(w_out).astype(dtype), np.float64)[np.asarray(ids)])
-  if s_out is not None:
-    y = y * np.asarray(s_out, np.float64)[np.asarray(ids)][:, None, :]
-  return y
+  return _oracle(jnp.asarray(h, dtype), w_out, ids, s_out)
 
 
 # (m, d, f, E, ids): one row whose parts (no dot, one row) feed W_out's dot (f > 2048: 16 padded rows);
 # five rows (the parts already padded to 16); one row on both multiply-reduce paths; ids past [0, E)
-# (clamped: -1 reads expert 0, E reads E - 1).
+# (slots with no expert: zero rows).
 FFN_CASES = {
     "one_row_into_a_dot": (1, 64, 4096, 3, [2, 0]),
     "few_rows": (5, 256, 384, 4, [1, 3, 1]),
@@ -263,9 +278,10 @@ def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype):
   assert fuses_hidden(m, d, f, jax.nn.gelu, "triton")
   got = jax.jit(lambda x, a, b: skinny_ffn(x, a, b, experts=experts, impl="triton"))(x, w_in, w_out)
   assert got.dtype == jnp.float32 and got.shape == (len(ids), m, d)
-  clamped = jnp.clip(experts, 0, e - 1)
-  np.testing.assert_allclose(np.asarray(got), _ffn_oracle(x, w_in, w_out, clamped, _gelu64, dtype=dtype),
-                             **TOL[dtype])
+  want = _ffn_oracle(x, w_in, w_out, experts, _gelu64, dtype=dtype)
+  present = (np.asarray(ids) >= 0) & (np.asarray(ids) < e)
+  assert not np.any(want[~present]) and np.all(np.any(want[present], axis=-1))
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
   two_calls = skinny_ffn(x, w_in, w_out, experts=experts, impl="xla")
   np.testing.assert_allclose(np.asarray(got), np.asarray(two_calls), **TOL[dtype])
 
@@ -337,14 +353,24 @@ def test_ffn_bad_inputs_fail_with_clear_errors():
                w_out_scale=jnp.ones((64,)))
 
 
-def test_ids_outside_the_experts_are_clamped():
-  """An id past [0, E) reads expert clip(id, 0, E - 1) on every backend (decode_moe relies on it)."""
-  x = _draw(51, (2, 128), jnp.float32)
-  w = _draw(52, (3, 128, 64), jnp.float32)
-  ids = jnp.asarray([-1, 3, 7, 1], jnp.int32)
-  want = _oracle(x, w, jnp.asarray([0, 2, 2, 1], jnp.int32))
+@pytest.mark.parametrize("m", [1, 2])
+def test_ids_outside_the_experts_are_slots_with_no_expert(m):
+  """An id past [0, E) gives zero rows on every backend, on the one-row and the dot paths, and zero
+  cotangents for its slot (decode_moe pads its distinct experts with E); scales and int8 too."""
+  x = _draw(51 + m, (m, 128), jnp.float32)
+  q, s = quantize_weight(_draw(52, (3, 128, 64), jnp.float32))
+  ids = jnp.asarray([-1, 2, 3, 7, 1], jnp.int32)
+  want = _oracle(x, q, ids, s)
+  assert not np.any(want[[0, 2, 3]]) and np.all(np.any(want[[1, 4]], axis=-1))
   for impl in ("triton", "xla"):
-    np.testing.assert_allclose(np.asarray(skinny_matmul(x, w, experts=ids, impl=impl)), want, **TOL[jnp.float32])
+    got = skinny_matmul(x, q, experts=ids, scale=s, impl=impl)
+    np.testing.assert_allclose(np.asarray(got), want, **TOL[jnp.float32])
+  w = _draw(53, (3, 128, 64), jnp.float32)
+  xs = _draw(54, (5, m, 128), jnp.float32)
+  grad = jax.grad(lambda xs, w: jnp.sum(skinny_matmul(xs, w, experts=ids, impl="triton") ** 2), argnums=(0, 1))
+  gx, gw = grad(xs, w)
+  assert not np.any(np.asarray(gx)[[0, 2, 3]]) and np.all(np.any(np.asarray(gx)[[1, 4]], axis=-1))
+  assert not np.any(np.asarray(gw)[0])
 
 
 @pytest.mark.parametrize("m,k", [(1, 256), (5, 512)])

@@ -2,7 +2,8 @@
 
   w [k, n]:               y[r]    = x[r] @ w, r over x's leading axes          (* scale[n])
   w [e, k, n], experts:   y[s, m] = x_s[m] @ w[experts[s]]   (* scale[experts[s], n])
-with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. Weights enter the
+with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. A slot whose id is outside
+[0, E) holds no expert: its rows are zero and it reads no weight. Weights enter the
 product as x's dtype, cast where they are loaded: int8 exactly (|q| <= 127), with the per-column
 scale on the float32 result, so no dequantized (or float32-to-bf16) copy of a weight is ever
 written. Only the chosen experts' weights are read.
@@ -101,7 +102,7 @@ def _source(x, norm):
 def _kernel_product(x, w3, ids, norm):
   """[slots, m, n] float32 from the kernel (no scale), differentiable through the reference."""
   m, k = x.shape[-2:]
-  cfg = triton.default_config(m, k, w3.shape[-1])
+  cfg = triton.default_config(m, k, w3.shape[-1], ids.shape[0])
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
 
   def kernel(x, w3, ids, ns):
@@ -178,15 +179,15 @@ def _as3(w, scale):
   return w[None], None if scale is None else scale[None]
 
 
-def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto") -> bool:
+def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto", slots: int = 1) -> bool:
   """Whether skinny_ffn runs the hidden layer inside W_out's kernel (else as an XLA kernel between
   the products): both products run the kernel, the activation is one a kernel body computes
   (sparsejax.activations.PLAIN), and each program's share of the partials is small (hidden_fits)."""
   if not (runs_kernel(m, d, f, impl) and runs_kernel(m, f, d, impl) and activation in PLAIN):
     return False
-  cfg_in = triton.default_config(m, d, f)
+  cfg_in = triton.default_config(m, d, f, slots)
   parts_rows = triton.padded_rows(m, cfg_in.use_dot)
-  return triton.hidden_fits(parts_rows, d // cfg_in.rows_per_program, m, f, d)
+  return triton.hidden_fits(parts_rows, d // cfg_in.rows_per_program, m, f, d, slots)
 
 
 def _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl):
@@ -238,7 +239,8 @@ def skinny_ffn(
   m, d = x.shape[-2:]
   f = w_in.shape[-1]
   dt = x.dtype
-  if not fuses_hidden(m, d, f, activation, impl):
+  slots = 1 if dense else experts.shape[0]
+  if not fuses_hidden(m, d, f, activation, impl, slots):
     first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl).astype(dt)
     h = first(w_in, w_in_scale)
     h = activation(first(w_gate, w_gate_scale)) * h if w_gate is not None else activation(h)
@@ -247,7 +249,7 @@ def skinny_ffn(
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   (w_in3, s_in), (w_gate3, s_gate), (w_out3, s_out) = (
       _as3(w_in, w_in_scale), _as3(w_gate, w_gate_scale), _as3(w_out, w_out_scale))
-  cfg_in, cfg_out = triton.default_config(m, d, f), triton.default_config(m, f, d)
+  cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
   hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,
                          up_scaled=s_in is not None, gated=w_gate is not None, gate_scaled=s_gate is not None)

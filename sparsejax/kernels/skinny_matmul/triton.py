@@ -44,15 +44,32 @@ def _largest_dividing(n: int, candidates) -> int | None:
   return next((c for c in candidates if n % c == 0), None)
 
 
-def default_config(m: int, k: int, n: int) -> Config | None:
-  """Tiles picked from an H100 sweep (experiments/results/skinny_matmul_sweep_H100.json): 64 columns,
-  128 K rows a program for one row and K <= 2048, else a dot over 256 (512 for K >= 2048) rows.
-  None when k or n is not a multiple of 16 (the caller then uses the reference)."""
+# Tiles of the dot form for more rows through several experts, most weight a program first:
+# (block_n, rows_per_program), taken when they leave at least about a wave of programs (the H100 has 132
+# SMs). From the m = 32 sweeps on an H100 (experiments/results/skinny_matmul_sweep_H100_m32*.json):
+# through 22 experts, 128 columns by 1,024 (W_in) or 2,048 (W_out) K rows beat the 64 by 256-512 tiles by
+# 15-24% (bf16) and 30-35% (int8). Through one weight the sweep's best tiles moved too (-6 to -9% on two of four
+# shapes), but medium-dense's batch-32 step did not get faster (A-B-A-B 1.407 / 1.423 against 1.495 /
+# 1.415 ms; experiments/notes_decode.md), so one weight keeps its tiles.
+_WIDE_TILES = ((128, 2048), (128, 1024), (64, 512))
+_MIN_WIDE_PROGRAMS = 128
+
+
+def default_config(m: int, k: int, n: int, slots: int = 1) -> Config | None:
+  """Tiles picked from H100 sweeps (experiments/results/skinny_matmul_sweep_H100*.json). One row: 64
+  columns, 128 K rows a program for K <= 2048, else a dot over 512 rows. More rows (the dot form)
+  through several experts: the widest of _WIDE_TILES that leaves slots x (n / block_n) x (k / rows) >=
+  _MIN_WIDE_PROGRAMS programs; else 64 columns by 256 (512 for K >= 2048) rows. None when k or n is not
+  a multiple of 16 (the caller then uses the reference)."""
   block_n = _largest_dividing(n, (64, 32, 16))
   block_k = _largest_dividing(k, (128, 64, 32, 16))
   if block_n is None or block_k is None:
     return None
   use_dot = not (m == 1 and k <= 2048)
+  if m > 1 and slots > 1:
+    for bn, rows in _WIDE_TILES:
+      if n % bn == 0 and k % rows == 0 and slots * (n // bn) * (k // rows) >= _MIN_WIDE_PROGRAMS:
+        return Config(block_n=bn, block_k=128, rows_per_program=rows, use_dot=True)
   target = 128 if not use_dot else (512 if k >= 2048 else 256)
   rows = max(r for r in range(block_k, max(target, block_k) + 1, block_k) if k % r == 0)
   return Config(block_n=block_n, block_k=block_k, rows_per_program=rows, use_dot=use_dot)
@@ -71,11 +88,11 @@ def norm_fits(m: int, k: int) -> bool:
   return k & (k - 1) == 0 and padded_rows(m, m > 1 or k > 2048) * k <= 4096
 
 
-def hidden_fits(parts_rows: int, splits: int, m: int, k: int, n: int) -> bool:
+def hidden_fits(parts_rows: int, splits: int, m: int, k: int, n: int, slots: int = 1) -> bool:
   """Whether the kernel takes x as Hidden (the first product's [splits, parts_rows, k] partials): each
   program loads splits x parts_rows x rows_per_program float32 numbers of them, allowed up to 4,096
   (one row against medium-moe's 8 x 512); the parts come with one row or the kernel's own padded rows."""
-  cfg = default_config(m, k, n)
+  cfg = default_config(m, k, n, slots)
   if cfg is None:
     return False
   return parts_rows in (1, padded_rows(m, cfg.use_dot)) and splits * parts_rows * cfg.rows_per_program <= 4096
@@ -151,8 +168,12 @@ class Hidden:
 def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
   x_refs, (w_ref, out_ref) = refs[:source.operands], refs[source.operands:]
   s, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  # Ids outside [0, E) are clamped here (the op's contract), so the caller needs no kernel for it.
-  expert = jnp.clip(experts_ref[s], 0, w_ref.shape[0] - 1)
+  # A slot whose id is outside [0, E) holds no expert (the op's contract): it skips the loop, so it reads no
+  # weight, and writes zeros. decode_moe pads its distinct experts with such slots, two in three
+  # of them at batch 32, which would otherwise each stream an expert through the SMs again.
+  e = experts_ref[s]
+  present = (e >= 0) & (e < w_ref.shape[0])
+  expert = jnp.clip(e, 0, w_ref.shape[0] - 1)
   cols = pl.ds(pl.multiple_of(j * cfg.block_n, cfg.block_n), cfg.block_n)
   rows = out_ref.shape[-2]
 
@@ -166,10 +187,15 @@ def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
     # One row: a multiply-reduce in float32 (no tensor-core tile to fill; exact for int8 weights).
     return acc + jnp.sum(xs.astype(jnp.float32)[:, :, None] * ws.astype(jnp.float32)[None], axis=1)
 
-  acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, cfg.block_n), jnp.float32))
-  if isinstance(source, Normed):
-    acc = source.finish(x_refs, acc)
-  out_ref[...] = acc
+  zeros = jnp.zeros((rows, cfg.block_n), jnp.float32)
+
+  def product(_):
+    acc = jax.lax.fori_loop(0, steps, step, zeros)
+    return source.finish(x_refs, acc) if isinstance(source, Normed) else acc
+
+  # A branch, not a trip count of zero: Pallas Triton lowers a loop with a traced bound to an scf.while
+  # that Triton failed to compile (H100, jax 0.11.2).
+  out_ref[...] = jax.lax.cond(present, product, lambda _: zeros, None)
 
 
 @shared_lowering("source", "m", "dtype", "cfg")
