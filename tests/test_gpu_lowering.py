@@ -180,6 +180,27 @@ def test_triton_kernel_lowers_once_for_all_its_call_sites():
   assert text.count("xla.gpu.triton") == 2
 
 
+def test_triton_gmm_lowers_once_for_all_its_call_sites(monkeypatch):
+  """The gmm and tgmm of GPUs other than Hopper (and of float32 on Hopper) lower for CUDA, each once
+  for its alike calls; a transposed gmm is a kernel of its own."""
+  from sparsejax.kernels.gmm import triton as gmm_triton
+  from sparsejax.topology import make_topology
+  monkeypatch.setattr(gmm_triton, "_interpret", lambda: False)
+  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
+                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+
+  def layers(x, w, h):
+    for _ in range(3):
+      x = gmm_triton.gmm(x, w, topo, False, jnp.float32)
+    dx = gmm_triton.gmm(x, w, topo, True, jnp.float32)
+    return dx, [gmm_triton.tgmm(x, h, topo, jnp.float32) for _ in range(3)]
+
+  f32 = jnp.float32
+  args = [jax.ShapeDtypeStruct(s, f32) for s in ((1024, 512), (4, 512, 512), (1024, 384))]
+  text = jax.jit(layers).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 3
+
+
 def test_mosaic_kernel_lowers_once_for_all_its_call_sites(monkeypatch):
   """As the Triton kernels, Mosaic GPU kernels called alike are lowered once, and so compiled once
   on the GPU (jaxlib 0.11 gives every lowering a module of its own, whose hash the compile cache

@@ -26,6 +26,7 @@ from jaxtyping import Array, Float
 
 from sparsejax._precision import dot_precision
 from sparsejax.kernels.gmm.padding import pad_to
+from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.topology import Topology
 
 
@@ -119,7 +120,7 @@ def gmm(
 ) -> Float[Array, "rows n"]:
   """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs); zero rows past the active blocks."""
   tiling = _for_dtype(tiling or DEFAULT_TILING, lhs.dtype)
-  num_rows, k = lhs.shape
+  k = lhs.shape[1]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   block_m = topo.block_size
   block_n, block_k = _tile(n, tiling.block_n), _tile(k, tiling.block_k)
@@ -128,22 +129,32 @@ def gmm(
     rhs_p = pad_to(pad_to(rhs, 1, block_n), 2, block_k)
   else:
     rhs_p = pad_to(pad_to(rhs, 1, block_k), 2, block_n)
-  n_p = -(-n // block_n) * block_n
+  out = _gmm_padded(topo.row_block_expert, topo.row_block_rows, lhs_p, rhs_p, block_m=block_m, block_n=block_n,
+                    block_k=block_k, transpose_rhs=transpose_rhs, out_dtype=jnp.dtype(out_dtype),
+                    num_warps=tiling.num_warps, num_stages=tiling.num_stages, interpret=_interpret())
+  return out[:, :n]
+
+
+# One lowering per program for the layers' alike calls (shared_lowering.py); the topology is traced.
+@shared_lowering("block_m", "block_n", "block_k", "transpose_rhs", "out_dtype", "num_warps", "num_stages")
+def _gmm_padded(row_block_expert, row_block_rows, lhs_p, rhs_p, *, block_m, block_n, block_k, transpose_rhs,
+                out_dtype, num_warps, num_stages, interpret):
+  """gmm on operands already padded to the tiles: [rows, n_p]."""
+  n_p = rhs_p.shape[1] if transpose_rhs else rhs_p.shape[2]
   kernel = functools.partial(
       _gmm_kernel, block_m=block_m, block_n=block_n, block_k=block_k,
       num_k_steps=lhs_p.shape[1] // block_k, transpose_rhs=transpose_rhs,
-      precision=dot_precision(lhs.dtype))
-  out = pl.pallas_call(
+      precision=dot_precision(lhs_p.dtype))
+  return pl.pallas_call(
       kernel,
-      grid=(num_rows // block_m, n_p // block_n),
+      grid=(lhs_p.shape[0] // block_m, n_p // block_n),
       in_specs=[pl.no_block_spec] * 4,
       out_specs=pl.BlockSpec((block_m, block_n), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((num_rows, n_p), out_dtype),
-      interpret=_interpret(),
-      compiler_params=None if _interpret() else _compiler_params(tiling.num_warps, tiling.num_stages),
+      out_shape=jax.ShapeDtypeStruct((lhs_p.shape[0], n_p), out_dtype),
+      interpret=interpret,
+      compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
       name="sparsejax_gmm_t" if transpose_rhs else "sparsejax_gmm",
-  )(topo.row_block_expert, topo.row_block_rows, lhs_p, rhs_p)
-  return out[:, :n]
+  )(row_block_expert, row_block_rows, lhs_p, rhs_p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -181,17 +192,26 @@ def tgmm(
   k, n = lhs.shape[1], dout.shape[1]
   block_k, block_n = _tile(k, tiling.tgmm_block_k), _tile(n, tiling.tgmm_block_n)
   lhs_p, dout_p = pad_to(lhs, 1, block_k), pad_to(dout, 1, block_n)
-  kernel = functools.partial(_tgmm_kernel, block_m=topo.block_size, block_k=block_k,
-                             block_n=block_n, precision=dot_precision(lhs.dtype))
-  out = pl.pallas_call(
+  out = _tgmm_padded(topo.expert_block_offsets, topo.row_block_rows, lhs_p, dout_p, block_m=topo.block_size,
+                     block_k=block_k, block_n=block_n, out_dtype=jnp.dtype(out_dtype),
+                     num_warps=tiling.tgmm_num_warps, num_stages=tiling.tgmm_num_stages, interpret=_interpret())
+  return out[:, :k, :n]
+
+
+@shared_lowering("block_m", "block_k", "block_n", "out_dtype", "num_warps", "num_stages")
+def _tgmm_padded(expert_block_offsets, row_block_rows, lhs_p, dout_p, *, block_m, block_k, block_n, out_dtype,
+                 num_warps, num_stages, interpret):
+  """tgmm on operands already padded to the tiles: [E, k_p, n_p]; E = len(expert_block_offsets) - 1."""
+  num_experts = expert_block_offsets.shape[0] - 1
+  kernel = functools.partial(_tgmm_kernel, block_m=block_m, block_k=block_k, block_n=block_n,
+                             precision=dot_precision(lhs_p.dtype))
+  return pl.pallas_call(
       kernel,
-      grid=(topo.num_experts, lhs_p.shape[1] // block_k, dout_p.shape[1] // block_n),
+      grid=(num_experts, lhs_p.shape[1] // block_k, dout_p.shape[1] // block_n),
       in_specs=[pl.no_block_spec] * 4,
       out_specs=pl.BlockSpec((None, block_k, block_n), lambda e, i, j: (e, i, j)),
-      out_shape=jax.ShapeDtypeStruct((topo.num_experts, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
-      interpret=_interpret(),
-      compiler_params=None if _interpret() else _compiler_params(
-          tiling.tgmm_num_warps, tiling.tgmm_num_stages),
+      out_shape=jax.ShapeDtypeStruct((num_experts, lhs_p.shape[1], dout_p.shape[1]), out_dtype),
+      interpret=interpret,
+      compiler_params=None if interpret else _compiler_params(num_warps, num_stages),
       name="sparsejax_tgmm",
-  )(topo.expert_block_offsets, topo.row_block_rows, lhs_p, dout_p)
-  return out[:, :k, :n]
+  )(expert_block_offsets, row_block_rows, lhs_p, dout_p)
