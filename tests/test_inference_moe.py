@@ -61,6 +61,21 @@ def test_equals_moe_mlp(name, dtype):
   assert int(stats.num_dropped) == 0
 
 
+def test_padding_slots_hold_no_expert(monkeypatch):
+  """The static min(T k, E) slots hold each distinct chosen expert once and pad with E (no expert, which
+  the kernels neither read nor compute), not with a repeat of an expert: a repeat ran its FFN again."""
+  from sparsejax.inference import decode_moe
+  seen = []
+  real = decode_moe.skinny_ffn
+  monkeypatch.setattr(decode_moe, "skinny_ffn", lambda *a, experts, **kw: seen.append(experts) or real(
+      *a, experts=experts, **kw))
+  x, _, cw, w = _case(6, 8, 1, seed=3)
+  ids = jnp.asarray([[1], [5], [1], [NO_EXPERT], [5], [1]], jnp.int32)
+  got = _decode(x, ids, cw, w)
+  np.testing.assert_array_equal(np.asarray(seen[-1]), [1, 5, 8, 8, 8, 8])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_moe_mlp(x, ids, cw, w)), **TOL[jnp.float32])
+
+
 def test_gradients_match_moe_mlp():
   x, ids, cw, w = _case(4, 8, 2, glu=True, seed=1)
   loss = lambda f: lambda x, cw, w: jnp.sum(jnp.sin(f(x, ids, cw, w)))
