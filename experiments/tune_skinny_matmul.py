@@ -2,10 +2,11 @@
 
 For each product of a medium decode step (x [m, K], one row by default, against a weight [K, N]: the
 attention's qkv and output projections, the MLP's up and down), every variant is checked against a
-float32 numpy product, then timed by its kernels' device time under jax.profiler (the sum of the durations of the
-kernels one call runs, the split-K partial sum included), best of three: in a decode step the calls
-run back to back in one CUDA graph, so launch overhead is not what separates them. Each call chains
-48 products over 48 distinct weights (no weight reused from L2).
+float32 product at HIGHEST precision, then timed by its kernels' device time under jax.profiler (the
+sum of the durations of the kernels one call runs, the split-K partial sum included), best of three:
+in a decode step the calls run back to back in one CUDA graph, so launch overhead is not what
+separates them. Each call chains 48 products (--chain) over distinct weights (no weight reused from
+L2); --slots runs each product through that many experts in one kernel, as a decode step's MoE layer.
 
   python experiments/tune_skinny_matmul.py            # GPU: the sweep, the best five per shape
   python experiments/tune_skinny_matmul.py --rows 32 --slots 22 --chain 8 --int8 --shapes 1024x4096
