@@ -98,6 +98,14 @@ def _mosaic_lowers(monkeypatch, fn, *args):
   return text
 
 
+def _topo():
+  """Four experts of 256, 0, 128 and 384 padded rows (250, 0, 40 and 300 tokens) in 1,024 rows of
+  128-row blocks: an empty expert, partial blocks, 192 rows an expert on average (the short forms)."""
+  from sparsejax.topology import make_topology
+  return make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
+                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+
+
 @pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg"])
 def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   """Every gmm kind (plain, transposed, act, dact, glu, dglu) on each schedule: the defaults
@@ -107,7 +115,6 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   import dataclasses
 
   from sparsejax.kernels.gmm import mosaic
-  from sparsejax.topology import make_topology
   from sparsejax.kernels.gmm import mosaic_epilogue
   pp = mosaic.DEFAULT_CONFIGS.gmm_act
   # The test's experts average 192 rows, so gmm_glu takes gmm_glu_short (ping-pong by default).
@@ -116,8 +123,7 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
           "pingpong_all": dict(gmm=pp, gmm_t=pp, gmm_act=pp, gmm_dact=pp, gmm_glu=pp, gmm_glu_short=pp, gmm_dglu=pp),
           "epilogue_wg": mosaic_epilogue.CONFIGS}
   cfgs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **sets[schedule])
-  sizes = jnp.asarray([256, 0, 128, 384], jnp.int32)
-  topo = make_topology(sizes, 1024, 128, jnp.asarray([250, 0, 40, 300], jnp.int32))
+  topo = _topo()
   x, w, w_t = (jax.ShapeDtypeStruct(s, bf16) for s in [(1024, 512), (4, 512, 384), (4, 384, 512)])
   pre = jax.ShapeDtypeStruct((1024, 384), bf16)
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.gmm(a, b, topo, False, bf16, cfgs), x, w)
@@ -138,10 +144,8 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
 def test_mosaic_tgmm_kernels_lower(monkeypatch, schedule, out_dtype):
   """tgmm on each of its schedules (the per-tile pipeline, ping-pong, one streamed ring)."""
   from sparsejax.kernels.gmm import mosaic
-  from sparsejax.topology import make_topology
   cfgs = mosaic.DEFAULT_CONFIGS.with_tgmm(**schedule)
-  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
-                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+  topo = _topo()
   x, dy = jax.ShapeDtypeStruct((1024, 512), bf16), jax.ShapeDtypeStruct((1024, 384), bf16)
   _mosaic_lowers(monkeypatch, lambda a, b: mosaic.tgmm(a, b, topo, out_dtype, cfgs), x, dy)
 
@@ -150,9 +154,7 @@ def test_mosaic_kernels_carry_their_kind_and_schedule_in_their_names(monkeypatch
   """Each Mosaic kernel is named for its variant and schedule (sparsejax_gmm_act_pingpong, ...), so
   a profile tells the expert MLP's six kernels apart (all were body_mosaic_gpu_kernel)."""
   from sparsejax.kernels.gmm import mosaic
-  from sparsejax.topology import make_topology
-  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
-                       jnp.asarray([250, 0, 40, 300], jnp.int32))  # 192 rows an expert: the short forms
+  topo = _topo()  # 192 rows an expert: the short forms
   x, w = jax.ShapeDtypeStruct((1024, 512), bf16), jax.ShapeDtypeStruct((4, 512, 384), bf16)
   h = jax.ShapeDtypeStruct((1024, 384), bf16)
   for fn, args, name in [
@@ -184,10 +186,8 @@ def test_triton_gmm_lowers_once_for_all_its_call_sites(monkeypatch):
   """The gmm and tgmm of GPUs other than Hopper (and of float32 on Hopper) lower for CUDA, each once
   for its alike calls; a transposed gmm is a kernel of its own."""
   from sparsejax.kernels.gmm import triton as gmm_triton
-  from sparsejax.topology import make_topology
   monkeypatch.setattr(gmm_triton, "_interpret", lambda: False)
-  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
-                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+  topo = _topo()
 
   def layers(x, w, h):
     for _ in range(3):
@@ -206,9 +206,7 @@ def test_mosaic_kernel_lowers_once_for_all_its_call_sites(monkeypatch):
   on the GPU (jaxlib 0.11 gives every lowering a module of its own, whose hash the compile cache
   keys on, so each call site paid its own compile)."""
   from sparsejax.kernels.gmm import mosaic
-  from sparsejax.topology import make_topology
-  topo = make_topology(jnp.asarray([256, 0, 128, 384], jnp.int32), 1024, 128,
-                       jnp.asarray([250, 0, 40, 300], jnp.int32))
+  topo = _topo()
 
   def layers(x, w, w_other):
     for _ in range(3):
