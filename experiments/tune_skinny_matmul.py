@@ -11,11 +11,13 @@ L2); --slots runs each product through that many experts in one kernel, as a dec
   python experiments/tune_skinny_matmul.py            # GPU: the sweep, the best five per shape
   python experiments/tune_skinny_matmul.py --rows 32 --slots 22 --chain 8 --int8 --shapes 1024x4096
                                                       # batch 32's expert products, int8 weights
+  python experiments/tune_skinny_matmul.py --int8 --k-steps --chain 24 --shapes 1024x4096,4096x1024
+                                                      # one row, int8, the K rows a program reads at a time
   python experiments/tune_skinny_matmul.py --smoke    # any backend: one small shape, interpret mode
 
 int8 weights enter the kernel as stored and are cast where they are loaded, as in the decode step
 (the per-column scale multiplies the result outside the kernel, so it is left out here). Writes
-experiments/results/skinny_matmul_sweep_<gpu>[_m<rows>][_int8].json (and a copy under $OUT when set).
+experiments/results/skinny_matmul_sweep_<gpu>[_m<rows>][_s<slots>][_int8][_ksteps].json (and a copy under $OUT when set).
 """
 from __future__ import annotations
 
@@ -39,10 +41,21 @@ from out_dir import copy_to_out  # noqa: E402
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
 
 
-def configs(m: int, k: int, n: int) -> list[triton.Config]:
+def configs(m: int, k: int, n: int, k_steps: bool = False) -> list[triton.Config]:
   """One row: both forms over 64-256 columns and 128-512 K rows. More rows take the dot form only (the
-  multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows."""
+  multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows. Each program reads its rows
+  128 at a time (block_k); k_steps (one row): 64-128 columns, 128-1024 rows read in steps of 128-512."""
   out = []
+  if k_steps:
+    for use_dot in (False, True):
+      for block_n in (64, 128):
+        for rows, block_k in ((128, 128), (256, 128), (256, 256), (512, 256), (512, 512), (1024, 256), (1024, 512)):
+          if k % rows or n % block_n:
+            continue
+          for warps in (4, 8):
+            out.append(triton.Config(block_n=block_n, block_k=block_k, rows_per_program=rows, use_dot=use_dot,
+                                     num_warps=warps))
+    return out
   wide = m > 1
   for use_dot in ((True,) if wide else (False, True)):
     for block_n in (64, 128, 256):
@@ -83,7 +96,8 @@ def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
   return tuple(jax.random.normal(jax.random.key(10 + i), (slots, k, n), jnp.bfloat16) for i in range(chain))
 
 
-def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False, slots: int = 1) -> list[dict]:
+def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False, slots: int = 1,
+          k_steps: bool = False) -> list[dict]:
   """Each call: x [m, k] through `slots` experts of [k, n] (one kernel, as decode_moe runs a step's distinct
   experts), chained over `chain` distinct weights."""
   interpret = jax.default_backend() != "gpu"
@@ -97,9 +111,9 @@ def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False,
     want = np.asarray(exact(x, ws))
     variants = {"xla_dot": lambda x, w: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
                                                    preferred_element_type=jnp.float32)}
-    for cfg in configs(m, k, n)[:limit]:
+    for cfg in configs(m, k, n, k_steps)[:limit]:
       name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
-              f"_w{cfg.num_warps}" + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else ""))
+              + (f"_bk{cfg.block_k}" if k_steps else "") + f"_w{cfg.num_warps}" + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else ""))
       variants[name] = (lambda cfg: lambda x, w: triton.skinny_matmul_parts(
           (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
           interpret=interpret).sum(axis=1)[:, :m])(cfg)
@@ -129,20 +143,26 @@ def main(argv=None):
   ap.add_argument("--int8", action="store_true", help="int8 weights, cast where the kernel loads them")
   ap.add_argument("--slots", type=int, default=1, help="experts a call reads (one kernel over all of them)")
   ap.add_argument("--chain", type=int, default=48, help="calls chained over distinct weights")
+  ap.add_argument("--k-steps", action="store_true",
+                  help="one row: sweep the K rows a program reads at a time (block_k) too")
   ap.add_argument("--shapes", default=None, help="comma-separated KxN (default: a medium decode step's)")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
   if not 1 <= args.rows <= 64:
     ap.error(f"--rows must be in [1, 64]; got {args.rows}")
+  if args.k_steps and args.rows != 1:
+    ap.error("--k-steps sweeps the one-row tiles: drop --rows")
   try:
     shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
   except ValueError:
     ap.error(f"--shapes takes comma-separated KxN pairs, e.g. 1024x4096; got {args.shapes!r}")
   if args.smoke:
-    return sweep([(256, 128)], chain=2, limit=2, m=args.rows, int8=args.int8, slots=args.slots)
-  rows = sweep(shapes, chain=args.chain, limit=None, m=args.rows, int8=args.int8, slots=args.slots)
+    return sweep([(256, 128)], chain=2, limit=2, m=args.rows, int8=args.int8, slots=args.slots,
+                 k_steps=args.k_steps)
+  rows = sweep(shapes, chain=args.chain, limit=None, m=args.rows, int8=args.int8, slots=args.slots,
+               k_steps=args.k_steps)
   suffix = (f"_m{args.rows}" if args.rows > 1 else "") + (f"_s{args.slots}" if args.slots > 1 else "") + (
-      "_int8" if args.int8 else "")
+      "_int8" if args.int8 else "") + ("_ksteps" if args.k_steps else "")
   name = f"skinny_matmul_sweep_{jax.devices()[0].device_kind.replace(' ', '_')}{suffix}.json"
   path = os.path.join(args.out_dir, name)
   with open(path, "w") as f:

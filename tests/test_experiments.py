@@ -144,6 +144,29 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   assert [r["variant"] for r in rows] == ["xla_dot", "pallas_dot_n64_rows256_w4", "pallas_dot_n64_rows256_w8"]
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
   assert all((r["weight"], r["m"], r["slots"]) == ("int8", 5, 3) for r in rows)
+  # --k-steps names each program's K step too.
+  rows = tune_skinny_matmul.main(["--smoke", "--int8", "--k-steps"])
+  assert [r["variant"] for r in rows] == ["xla_dot", "pallas_mulsum_n64_rows128_bk128_w4",
+                                          "pallas_mulsum_n64_rows128_bk128_w8"]
+  assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
+  with pytest.raises(SystemExit):
+    tune_skinny_matmul.main(["--smoke", "--k-steps", "--rows", "5"])
+
+
+def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
+  """probe_pdl's kernels, lowered for CUDA: the wait forms carry griddepcontrol.wait, the plain one none;
+  on a CPU the probe stops with one line (its PTX cannot run here)."""
+  import jax
+  import jax.numpy as jnp
+  import probe_pdl
+  x = jax.ShapeDtypeStruct((probe_pdl.K,), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((probe_pdl.K, probe_pdl.N), jnp.bfloat16)
+  for mode in ("plain", "wait_first", "prefetch"):
+    text = jax.jit(lambda x, w, mode=mode: probe_pdl.matvec(x, w, mode)).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert ("griddepcontrol.wait" in text) == (mode != "plain"), mode
+  with pytest.raises(SystemExit, match="needs a GPU"):
+    probe_pdl.main([])
 
 
 def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypatch):
