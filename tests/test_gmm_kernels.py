@@ -330,6 +330,44 @@ def test_expert_bands_needs_row_blocks_minor():
     mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
 
 
+@pytest.mark.parametrize("active_tiles,num_sms,want", [
+    (672, 132, (4, 660)),   # skewed E64 top-1's gmm: 12 tiles past 5 waves -> 48 quarter pieces
+    (640, 132, (1, 640)),   # 112 past 4 waves: halves would be 224 pieces, two on some SMs
+    (700, 132, (2, 660)),   # 40 past: 80 halves, 160 quarters would not fit one wave
+    (660, 132, (4, 660)),   # whole waves: no tail
+    (3, 2, (2, 2)), (5, 11, (2, 0)), (2, 11, (4, 0)), (8, 3, (1, 8))])
+def test_tail_split_cuts_the_last_wave_into_one_piece_an_sm(active_tiles, num_sms, want):
+  split, main_end, tail = jax.jit(mosaic.tail_split, static_argnums=(1, 2))(jnp.int32(active_tiles), num_sms, (2, 4))
+  assert (int(split), int(main_end)) == want
+  assert int(tail) == active_tiles % num_sms
+  assert int(split) == 1 or int(split) * int(tail) <= num_sms
+
+
+@pytest.mark.parametrize("num_sms", [5, 11, 4, 7])  # split 2, split 4, no tail, a tail too long to split
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_mosaic_gmm_with_its_last_wave_split(monkeypatch, num_sms, transpose_rhs):
+  """The cooperative gmm with Config.split_tail: 12 active tiles (6 row blocks x 2 column tiles of 256)
+  on num_sms interpreted SMs, so the tail runs as half- or quarter-width pieces, or whole; each
+  case against the float32 reference, padding rows zero, inactive rows unwritten."""
+  monkeypatch.setattr(mosaic, "_num_sms", lambda: num_sms)
+  topo, lhs, rhs, rhs_t, _ = _operands([300, 0, 70, 129], jnp.bfloat16, 256, 512, 40 + num_sms)
+  # The quarter pieces take K steps of 256 (tail_tile_k), the halves 128 (256 would not fit 2 slots).
+  cfg = mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2, expert_bands=True, grid_tile_width=2,
+                      split_tail=True, tail_tile_k=256)
+  configs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=cfg, gmm_t=cfg)
+  w = rhs_t if transpose_rhs else rhs
+  out = mosaic.gmm(lhs, w, topo, transpose_rhs, jnp.bfloat16, configs)
+  check_rows(out, G.gmm_reference(lhs, w, topo, transpose_rhs=transpose_rhs), topo, TOL[jnp.bfloat16])
+
+
+def test_split_tail_needs_the_cooperative_kernel_in_expert_bands():
+  topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
+  for cfg in (mosaic.Config(split_tail=True), mosaic.Config(split_tail=True, expert_bands=True, pingpong=True)):
+    bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=cfg)
+    with pytest.raises(ValueError, match="split_tail serves the cooperative kernel"):
+      mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, bad)
+
+
 def test_heaviest_first_orders_experts_by_row_blocks():
   """The tgmm tile order's expert permutation: most row blocks first, ties by index (a stable sort)."""
   rng = np.random.default_rng(0)

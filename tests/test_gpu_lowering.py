@@ -106,7 +106,7 @@ def _topo():
                        jnp.asarray([250, 0, 40, 300], jnp.int32))
 
 
-@pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg"])
+@pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg", "split_tail"])
 def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   """Every gmm kind (plain, transposed, act, dact, glu, dglu) on each schedule: the defaults
   (gmm_act and gmm_dact ping-pong), the cooperative kernel, the ping-pong kernel for all, and
@@ -121,7 +121,12 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   sets = {"default": {}, "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT,
                                              gmm_glu_short=mosaic.DEFAULT_CONFIGS.gmm_glu),
           "pingpong_all": dict(gmm=pp, gmm_t=pp, gmm_act=pp, gmm_dact=pp, gmm_glu=pp, gmm_glu_short=pp, gmm_dglu=pp),
-          "epilogue_wg": mosaic_epilogue.CONFIGS}
+          "epilogue_wg": mosaic_epilogue.CONFIGS,
+          # The last wave's pieces (half and quarter width) in pipelines of their own, every cooperative kind.
+          "split_tail": {k: dataclasses.replace(c, split_tail=True) for k, c in dict(
+              gmm=mosaic.DEFAULT_CONFIGS.gmm, gmm_t=mosaic.DEFAULT_CONFIGS.gmm_t, gmm_act=mosaic.COOPERATIVE_ACT,
+              gmm_dact=mosaic.COOPERATIVE_DACT, gmm_glu_short=mosaic.DEFAULT_CONFIGS.gmm_glu,
+              gmm_dglu=mosaic.DEFAULT_CONFIGS.gmm_dglu).items()}}
   cfgs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **sets[schedule])
   topo = _topo()
   x, w, w_t = (jax.ShapeDtypeStruct(s, bf16) for s in [(1024, 512), (4, 512, 384), (4, 384, 512)])

@@ -17,6 +17,11 @@ from its zero-step reduction. Rows that hold no token
 padding: gmm's consumer of that half issues no wgmma, and tgmm stops its reduction at the
 expert's last real row (masking the padding rows of its last step).
 
+The plain products' persistent loop (gmm, gmm_t) ends with a partial wave: a few SMs would each
+run one more whole tile while the rest idle. With Config(split_tail=True) those tiles run as half-
+or quarter-width column pieces, one an SM, from a pipeline of their own after the main loop
+(tail_split).
+
 gmm's tile order is `expert_band_order`: planar-snake bands of at most grid_tile_width row
 blocks that never straddle two experts, so the CTAs in flight share each expert's weight tiles
 in L2 and read them from DRAM once (plain `planar_snake` over all row blocks with
@@ -108,6 +113,13 @@ class Config:
   # the next tile's rows while the consumers finish this one and store it; epi_slots pieces of
   # epi_tile_n columns buffer the stores. False: a pipeline per tile (_tgmm_padded).
   streamed: bool = False
+  # gmm, cooperative kernel with expert_bands: the persistent loop's last, partial wave (the active
+  # tiles past a multiple of the SMs) runs as half- or quarter-width column pieces side by side
+  # (tail_split), so its few SMs do not each run one whole tile while the rest idle.
+  split_tail: bool = False
+  # tile_k of the tail's pieces (where it divides K): fewer, deeper K steps for the pieces' narrow
+  # wgmmas, whose time is the steps' count more than their bytes.
+  tail_tile_k: int = 128
 
 
 # mosaic._gmm_padded's (the cooperative kernel's) best configs for gmm_act and gmm_dact, the
@@ -121,8 +133,12 @@ COOPERATIVE_DACT = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, gri
 
 @dataclasses.dataclass(frozen=True)
 class Configs:
-  gmm: Config = Config(grid_tile_width=8, expert_bands=True)
-  gmm_t: Config = Config(expert_bands=True)
+  # h W_out and dX W_in^T. split_tail: on the skewed E64 top-1 MLP (672 tiles of 128 x 256, 12 past
+  # five waves of 132) each ran 20 us (6%) faster with the last wave in quarter pieces, and the same
+  # where no tail was cut (E64 top-1, 640 tiles); K steps of 64 or 256 for the pieces ran 3-6 us
+  # slower than 128 (experiments/results/split_tail_H100.log).
+  gmm: Config = Config(grid_tile_width=8, expert_bands=True, split_tail=True)
+  gmm_t: Config = Config(expert_bands=True, split_tail=True)
   # x W_in writing (pre, act(pre)) and dY W_out^T * act'(pre): the ping-pong schedule
   # (mosaic_pingpong.gmm_padded), one consumer's epilogue under the other's wgmmas, one 6-deep ring
   # (gmm_dact's pre tiles leave room for 4). On an H200, gmm_act ran 0.322 ms against 0.364 for
@@ -428,8 +444,20 @@ def _launch(body, out_shape, *args, name: str, num_threads=3):
 # ----------------------------------------------------------------------------------------------
 # gmm: out[r] = lhs[r] @ rhs[e(r)] (or rhs[e(r)]^T)
 # ----------------------------------------------------------------------------------------------
+def tail_split(active_tiles, num_sms: int, splits: tuple[int, ...]):
+  """(split, main_end, tail) for a persistent loop over active_tiles equal tiles on num_sms SMs:
+  the last, partial wave's tail = active_tiles % num_sms tiles are cut into `split` column pieces
+  each (the largest s of splits with s * tail <= num_sms, else 1: one piece an SM at most, so the
+  pieces run side by side); the main loop runs the tiles before main_end whole."""
+  tail = lax.rem(active_tiles, num_sms)
+  split = jnp.int32(1)
+  for s in sorted(splits):
+    split = jnp.where(s * tail <= num_sms, jnp.int32(s), split)
+  return split, jnp.where(split > 1, active_tiles - tail, active_tiles), tail
+
+
 def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_m, transpose_rhs,
-                out_dtype, cfg: Config, activation=None, order=None):
+                out_dtype, cfg: Config, activation=None, order=None, active=None):
   """The gmm kernel and its epilogue variants. weights: (W,), or (W_gate, W_in) for the GLU
   form (two accumulators per consumer over the same lhs tile); pre: the forward's products that
   a backward epilogue reads, each consumer's tile arriving by TMA while its K loop runs.
@@ -442,127 +470,174 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
     W          (g, u)   acc * u * act'(g), acc * act(g)         dY W_out^T
 
   order: expert_band_order's tile table, or None for planar_snake over all row blocks.
+  active: [1] active row blocks, with order and cfg.split_tail: the last wave's tiles are cut
+  into narrower column pieces that run side by side (tail_split), in a second loop with its own
+  pipeline, after the main loop has left that wave out.
   """
   rows, k = lhs.shape
   n = weights[0].shape[1] if transpose_rhs else weights[0].shape[2]
-  tile_n, tile_k, epi_tile_n = cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
+  tile_n, tile_k = cfg.tile_n, cfg.tile_k
   delay = min(cfg.delay_release, cfg.max_concurrent_steps - 1)
   half = block_m // 2  # rows per consumer warpgroup: one wgmma M of 64
-  m_iters, n_iters, k_iters = rows // block_m, n // tile_n, k // tile_k
+  m_iters, n_iters = rows // block_m, n // tile_n
   dtype = lhs.dtype
   num_w, num_pre = len(weights), len(pre)
   num_out = num_pre if num_pre else 3 if num_w == 2 else 2 if activation is not None else 1
-  a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
-                           delay_release=delay)
-  if transpose_rhs:
-    b_spec = plgpu.BlockSpec((tile_n, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
+  num_sms = _num_sms()
+  splits = tuple(s for s in (2, 4) if tile_n // s >= 64) if active is not None else ()
+  if active is not None and order is None:
+    raise ValueError("the tail split walks expert_band_order's table: pass order with active")
+
+  def specs_of(width, tk):
+    a_spec = plgpu.BlockSpec((block_m, tk), lambda s: (0, s), transforms=_transforms(tk, dtype),
                              delay_release=delay)
-  else:
-    b_spec = plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_transforms(tile_n, dtype),
-                             delay_release=delay)
-  specs = [a_spec] + [b_spec] * num_w
-  out_transforms = _transforms(epi_tile_n, out_dtype)
-  scratch = {}
-  if num_pre:
-    # Each consumer's [64, tile_n] tiles of the pre-activations, one barrier per copy.
-    scratch = dict(pre_smem=plgpu.SMEM((2, num_pre, half, tile_n), pre[0].dtype,
-                                       transforms=_transforms(epi_tile_n, pre[0].dtype)),
-                   pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
+    if transpose_rhs:
+      b_spec = plgpu.BlockSpec((width, tk), lambda s: (0, s), transforms=_transforms(tk, dtype),
+                               delay_release=delay)
+    else:
+      b_spec = plgpu.BlockSpec((tk, width), lambda s: (s, 0), transforms=_transforms(width, dtype),
+                               delay_release=delay)
+    return [a_spec] + [b_spec] * num_w
+
   window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
 
   def body(*refs):
     order_gmem = refs[0] if order is not None else None
-    rbe_gmem, rbr_gmem, lhs_gmem, *refs = refs[order is not None:]
+    refs = refs[order is not None:]
+    active_gmem = refs[0] if active is not None else None
+    rbe_gmem, rbr_gmem, lhs_gmem, *refs = refs[active is not None:]
     w_gmems, pre_gmems, out_gmems = refs[:num_w], refs[num_w:num_w + num_pre], refs[num_w + num_pre:]
-    ignore = lambda *_, **__: None
-    # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
-    # (a shorter static grid would shrink it below the dynamic pipeline's).
-    allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), specs, cfg,
-                               ignore).get_allocations(
-        lhs_gmem.at[pl.ds(0, block_m), :], *[window(w.at[0], pl.ds(0, tile_n)) for w in w_gmems])
+    if splits:
+      split, main_end, tail = tail_split(active_gmem[0] * n_iters, num_sms, splits)
 
-    @functools.partial(
-        pl.run_scoped, pipeline_allocs=allocs,
-        out_smem=plgpu.SMEM((2, cfg.epi_slots, half, epi_tile_n), out_dtype, transforms=out_transforms),
-        tile_done=plgpu.Barrier(num_arrivals=2), collective_axes="wg", **scratch)
-    def _scope(pipeline_allocs, out_smem, tile_done, pre_smem=None, pre_ready=None):
-      wg_idx = lax.axis_index("wg")
+    def run_tiles(width, count, coords):
+      """One persistent loop of `count` items over the SMs, each an output tile of `width` columns
+      from its own pipeline: coords(i) -> (row block, first column, whether it runs)."""
+      # A tail piece's ring holds at most the main ring's bytes, in at least 2 slots.
+      stage = lambda w, kk: (block_m + num_w * w) * kk
+      ring_bytes = cfg.max_concurrent_steps * stage(tile_n, tile_k)
+      tk = cfg.tail_tile_k if width < tile_n else tile_k
+      while tk > tile_k and (k % tk or 2 * stage(width, tk) > ring_bytes):
+        tk //= 2
+      tk = max(tk, tile_k)
+      ring = dataclasses.replace(cfg, max_concurrent_steps=max(2, ring_bytes // stage(width, tk)))
+      width_k_iters = k // tk
+      specs = specs_of(width, tk)
+      epi_tile_n = min(cfg.epi_tile_n, width)
+      scratch = {}
+      if num_pre:
+        # Each consumer's [64, width] tiles of the pre-activations, one barrier per copy.
+        scratch = dict(pre_smem=plgpu.SMEM((2, num_pre, half, width), pre[0].dtype,
+                                           transforms=_transforms(epi_tile_n, pre[0].dtype)),
+                       pre_ready=plgpu.Barrier(num_arrivals=1, num_barriers=2 * num_pre))
+      ignore = lambda *_, **__: None
+      # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
+      # (a shorter static grid would shrink it below the dynamic pipeline's).
+      allocs = _warp_specialized(ignore, (ring.max_concurrent_steps,), specs, ring,
+                                 ignore).get_allocations(
+          lhs_gmem.at[pl.ds(0, block_m), :], *[window(w.at[0], pl.ds(0, width)) for w in w_gmems])
 
-      @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
-      def _tile(info):
-        if order is None:
-          m_idx, n_idx = _tile_coords(info.index[0], (m_iters, n_iters), cfg)
-        else:
-          code = order_gmem[info.index[0]]
-          m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
-        expert = rbe_gmem[m_idx]
-        num_real = rbr_gmem[m_idx]
-        # Inactive blocks run zero K steps (and store nothing, below).
-        steps = jnp.where(num_real > 0, k_iters, 0)
-        m_slice = pl.ds(m_idx * block_m, block_m)
-        n_slice = pl.ds(n_idx * tile_n, tile_n)
-        wg_m = pl.ds(wg_idx * half, half)
-        # A consumer whose 64 rows hold no token issues no wgmma: its zero accumulator is right.
-        has_rows = num_real > wg_idx * half
-        outs = [o.at[m_slice, n_slice].at[wg_m] for o in out_gmems]
-        ready = lambda i: pre_ready.at[wg_idx * num_pre + i]
-        pre_tile = lambda i, j: _load_wgmma(
-            pre_smem.at[wg_idx, i, :, pl.ds(j * epi_tile_n, epi_tile_n)]).astype(jnp.float32)
+      # Scopes in sequence share their shared memory: the tail's loop reuses the main loop's.
+      @functools.partial(
+          pl.run_scoped, pipeline_allocs=allocs,
+          out_smem=plgpu.SMEM((2, cfg.epi_slots, half, epi_tile_n), out_dtype,
+                              transforms=_transforms(epi_tile_n, out_dtype)),
+          tile_done=plgpu.Barrier(num_arrivals=2), collective_axes="wg", **scratch)
+      def _scope(pipeline_allocs, out_smem, tile_done, pre_smem=None, pre_ready=None):
+        wg_idx = lax.axis_index("wg")
 
-        def compute_context(eval_pipeline):
-          if num_pre:
-            @pl.when(has_rows)
-            def _():
-              plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
-              for i, p in enumerate(pre_gmems):
-                plgpu.copy_gmem_to_smem(p.at[m_slice, n_slice].at[wg_m], pre_smem.at[wg_idx, i],
-                                        ready(i))
+        @plgpu.nd_loop((count,), collective_axes="sm")
+        def _tile(info):
+          m_idx, col0, runs = coords(info.index[0])
+          expert = rbe_gmem[m_idx]
+          num_real = rbr_gmem[m_idx]
+          # Inactive blocks (and items that do not run) take zero K steps and store nothing.
+          steps = jnp.where((num_real > 0) & runs, width_k_iters, 0)
+          m_slice = pl.ds(m_idx * block_m, block_m)
+          n_slice = pl.ds(col0, width)
+          wg_m = pl.ds(wg_idx * half, half)
+          # A consumer whose 64 rows hold no token issues no wgmma: its zero accumulator is right.
+          has_rows = (num_real > wg_idx * half) & (steps > 0)
+          outs = [o.at[m_slice, n_slice].at[wg_m] for o in out_gmems]
+          ready = lambda i: pre_ready.at[wg_idx * num_pre + i]
+          pre_tile = lambda i, j: _load_wgmma(
+              pre_smem.at[wg_idx, i, :, pl.ds(j * epi_tile_n, epi_tile_n)]).astype(jnp.float32)
 
-          @functools.partial(pl.run_scoped, **{f"acc{i}": plgpu.ACC((half, tile_n), jnp.float32)
-                                               for i in range(num_w)})
-          def _acc(**acc_refs):
-            accs = tuple(acc_refs[f"acc{i}"] for i in range(num_w))
-            eval_pipeline(accs)
-            real = _row_iota((half, tile_n)) < num_real - wg_idx * half
-            accs = tuple(jnp.where(real, a[...], 0.0) for a in accs)
-            _consumer_done(steps, tile_done)
-            piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
+          def compute_context(eval_pipeline):
             if num_pre:
               @pl.when(has_rows)
               def _():
-                for i in range(num_pre):
-                  plgpu.barrier_wait(ready(i))
+                plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
+                for i, p in enumerate(pre_gmems):
+                  plgpu.copy_gmem_to_smem(p.at[m_slice, n_slice].at[wg_m], pre_smem.at[wg_idx, i],
+                                          ready(i))
 
-            # A consumer without rows never loaded pre_smem: the epilogue selects, so stale bits stay out.
-            epilogue = gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real)
-            # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
-            # kernels run zero steps on them), so they are left unwritten: under expert
-            # parallelism about half the worst-case receive buffer is inactive.
-            @pl.when(num_real > 0)
+            @functools.partial(pl.run_scoped, **{f"acc{i}": plgpu.ACC((half, width), jnp.float32)
+                                                 for i in range(num_w)})
+            def _acc(**acc_refs):
+              accs = tuple(acc_refs[f"acc{i}"] for i in range(num_w))
+              eval_pipeline(accs)
+              real = _row_iota((half, width)) < num_real - wg_idx * half
+              accs = tuple(jnp.where(real, a[...], 0.0) for a in accs)
+              _consumer_done(steps, tile_done)
+              piece_real = lambda j: real[:, j * epi_tile_n:(j + 1) * epi_tile_n]
+              if num_pre:
+                @pl.when(has_rows)
+                def _():
+                  for i in range(num_pre):
+                    plgpu.barrier_wait(ready(i))
+
+              # A consumer without rows never loaded pre_smem: the epilogue selects, so stale bits stay out.
+              epilogue = gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real)
+              # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
+              # kernels run zero steps on them), so they are left unwritten: under expert
+              # parallelism about half the worst-case receive buffer is inactive.
+              @pl.when(steps > 0)
+              def _():
+                _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
+
+          def mma(_, a_smem, *refs):
+            *b_smems, accs = refs
+
+            @pl.when(has_rows)
             def _():
-              _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
+              for b_smem, acc_ref in zip(b_smems, accs, strict=True):
+                b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
+                plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
 
-        def mma(_, a_smem, *refs):
-          *b_smems, accs = refs
+            plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
+            return accs
 
-          @pl.when(has_rows)
-          def _():
-            for b_smem, acc_ref in zip(b_smems, accs, strict=True):
-              b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
-              plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
+          _warp_specialized(mma, (steps,), specs, ring, compute_context)(
+              lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems],
+              allocations=pipeline_allocs)
+          _producer_waits_for_tile(wg_idx, steps, tile_done)
 
-          plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
-          return accs
+      # The stores read out_smem: done before a later scope takes its memory.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
-            lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems],
-            allocations=pipeline_allocs)
-        _producer_waits_for_tile(wg_idx, steps, tile_done)
+    def main_coords(i):
+      if order is None:
+        m_idx, n_idx = _tile_coords(i, (m_iters, n_iters), cfg)
+      else:
+        code = order_gmem[i]
+        m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+      return m_idx, n_idx * tile_n, (i < main_end) if splits else True
 
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    run_tiles(tile_n, m_iters * n_iters, main_coords)
+    for s in splits:
+      def tail_coords(p, s=s):
+        # Piece p % s of the tail's tile p // s (expert_band_order lists the active tiles first).
+        code = order_gmem[jnp.minimum(main_end + p // s, m_iters * n_iters - 1)]
+        m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+        return m_idx, n_idx * tile_n + lax.rem(p, s) * (tile_n // s), (split == s) & (p < s * tail)
+
+      run_tiles(tile_n // s, num_sms, tail_coords)
 
   out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
   args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
+  if active is not None:
+    args = (active,) + args
   if order is not None:
     args = (order,) + args
   return _launch(body, (out_shape,) * num_out if num_out > 1 else out_shape, *args,
@@ -653,13 +728,18 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
       cfg = _gmm_config(lhs, n, topo, base, out_dtype, len(weights), pre)
       padded = _gmm_padded
     static, dynamic = {}, {}
+    if cfg.split_tail:
+      if padded is not _gmm_padded or not cfg.expert_bands:
+        raise ValueError(f"Config.split_tail serves the cooperative kernel in expert_band_order "
+                         f"(expert_bands=True, pingpong=False); {kind} got {cfg}")
+      dynamic["active"] = topo.num_active_blocks
     if cfg.expert_bands:
       if cfg.grid_minor_dim != M_DIM:
         raise ValueError(f"Config.expert_bands orders row blocks within column tiles: it needs "
                          f"grid_minor_dim=M_DIM; got {cfg.grid_minor_dim} for {kind}")
       n_iters = -(-n // cfg.tile_n)
-      dynamic = dict(order=expert_band_order(
-          topo.row_block_expert, topo.expert_block_offsets, n_iters, cfg.grid_tile_width))
+      dynamic["order"] = expert_band_order(
+          topo.row_block_expert, topo.expert_block_offsets, n_iters, cfg.grid_tile_width)
   lhs_p = pad_to(lhs, 1, cfg.tile_k)
   if transpose_rhs:
     weights = tuple(pad_to(pad_to(w, 1, cfg.tile_n), 2, cfg.tile_k) for w in weights)
