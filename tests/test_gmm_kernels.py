@@ -343,8 +343,8 @@ def test_tail_split_cuts_the_last_wave_into_one_piece_an_sm(active_tiles, num_sm
   assert int(split) == 1 or int(split) * int(tail) <= num_sms
 
 
-@pytest.mark.parametrize("num_sms", [5, 11, 4, 7])  # split 2, split 4, no tail, a tail too long to split
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+# Halves (5 SMs: 2 tiles past two waves), quarters (11: 1 past one) and a tail too long to split (7: 5).
+@pytest.mark.parametrize("num_sms,transpose_rhs", [(5, False), (11, True), (7, False)])
 def test_mosaic_gmm_with_its_last_wave_split(monkeypatch, num_sms, transpose_rhs):
   """The cooperative gmm with Config.split_tail: 12 active tiles (6 row blocks x 2 column tiles of 256)
   on num_sms interpreted SMs, so the tail runs as half- or quarter-width pieces, or whole; each
