@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import sparsejax as sj  # noqa: E402
-from bench_expert_parallel import time_fn  # noqa: E402
+from peers.common import time_fn  # noqa: E402
 from sparsejax import mesh as meshlib, parallel  # noqa: E402
 from sparsejax.exchange import dense_all_to_all, ragged_all_to_all_rows  # noqa: E402
 

@@ -38,6 +38,8 @@ from sparsejax import mesh as meshlib, parallel  # noqa: E402
 from sparsejax.exchange import dense_all_to_all, ragged_all_to_all_rows  # noqa: E402
 from sparsejax.grouped_matmul import resolve_impl  # noqa: E402
 
+from peers.common import time_fn  # noqa: E402
+
 START = time.perf_counter()
 
 
@@ -66,18 +68,6 @@ def parse_args():
     a.tokens_per_gpu, a.d_model, a.d_ff, a.experts, a.dtype = 64, 32, 64, 8, "float32"
     a.warmup, a.iters = 1, 3
   return a
-
-
-def time_fn(f, *args, warmup, iters):
-  """Median wall seconds of f(*args), each call blocked on, after warm-up calls (compile included there)."""
-  for _ in range(warmup):
-    jax.block_until_ready(f(*args))
-  times = []
-  for _ in range(iters):
-    t = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
 
 
 def make_problem(key, tokens, d, f, experts, k, dtype, token_sharding=None, layout=None):

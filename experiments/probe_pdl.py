@@ -26,13 +26,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from peers.common import time_fn
 
 K, N, LAYERS, BLOCK_N = 1024, 4096, 24, 32
 # Weights drawn at this scale keep the chain's values at about unit size over 192 products (at 0.03
@@ -95,16 +95,6 @@ def oracle(x, ws, repeat: int) -> np.ndarray:
   return xo
 
 
-def median_ms(f, *args, n: int = 30) -> float:
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(ts)
-
-
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--repeat", type=int, default=8, help="passes over the 24 weights in one call")
@@ -125,7 +115,7 @@ def main(argv=None):
   fns = {m: jax.jit(functools.partial(chain, mode=m, repeat=args.repeat)) for m in MODES}
   for rnd in range(args.rounds):
     for mode, f in fns.items():
-      ms = median_ms(f, x, ws)
+      ms = 1e3 * time_fn(f, x, ws, warmup=1, iters=30)
       print(f"round {rnd} {mode:10s} {ms:.3f} ms a call, {1e3 * ms / args.repeat / LAYERS:.2f} us a product, "
             f"{gbytes / ms * 1e3:.0f} GB/s", flush=True)
 

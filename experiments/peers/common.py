@@ -216,6 +216,18 @@ def jax_case(variant: str, f: Callable, args: tuple, ct, useful_rows: int, check
               jax.block_until_ready, check, useful_rows, info)
 
 
+def time_fn(f, *args, warmup, iters):
+  """Median wall seconds of f(*args), each call blocked on, after warm-up calls (compile included there)."""
+  for _ in range(warmup):
+    jax.block_until_ready(f(*args))
+  times = []
+  for _ in range(iters):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t)
+  return float(np.median(times))
+
+
 @dataclasses.dataclass(frozen=True)
 class Timer:
   """The one timer of every peer (JAX and torch alike).
