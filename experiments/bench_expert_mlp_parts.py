@@ -93,10 +93,6 @@ CONFIG_SETS = {
     # The plain products (h W_out, dX) with the last wave of their persistent loop cut into half- or
     # quarter-width pieces (Config.split_tail), and without it.
     "split_tail": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=True) for k in ("gmm", "gmm_t")},
-    "split_tail_k64": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=True, tail_tile_k=64)
-                       for k in ("gmm", "gmm_t")},
-    "split_tail_k256": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=True, tail_tile_k=256)
-                        for k in ("gmm", "gmm_t")},
     "whole_tail": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=False) for k in ("gmm", "gmm_t")},
     # The defaults again, as a set of their own: in one process the first set profiled read 5-30%
     # slow (probe_gmm_waves.py), so a second copy measured after the others shows the drift.

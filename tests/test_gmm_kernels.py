@@ -351,9 +351,8 @@ def test_mosaic_gmm_with_its_last_wave_split(monkeypatch, num_sms, transpose_rhs
   case against the float32 reference, padding rows zero, inactive rows unwritten."""
   monkeypatch.setattr(mosaic, "_num_sms", lambda: num_sms)
   topo, lhs, rhs, rhs_t, _ = _operands([300, 0, 70, 129], jnp.bfloat16, 256, 512, 40 + num_sms)
-  # The quarter pieces take K steps of 256 (tail_tile_k), the halves 128 (256 would not fit 2 slots).
   cfg = mosaic.Config(tile_n=256, tile_k=128, max_concurrent_steps=2, expert_bands=True, grid_tile_width=2,
-                      split_tail=True, tail_tile_k=256)
+                      split_tail=True)
   configs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=cfg, gmm_t=cfg)
   w = rhs_t if transpose_rhs else rhs
   out = mosaic.gmm(lhs, w, topo, transpose_rhs, jnp.bfloat16, configs)

@@ -117,9 +117,6 @@ class Config:
   # tiles past a multiple of the SMs) runs as half- or quarter-width column pieces side by side
   # (tail_split), so its few SMs do not each run one whole tile while the rest idle.
   split_tail: bool = False
-  # tile_k of the tail's pieces (where it divides K): fewer, deeper K steps for the pieces' narrow
-  # wgmmas, whose time is the steps' count more than their bytes.
-  tail_tile_k: int = 128
 
 
 # mosaic._gmm_padded's (the cooperative kernel's) best configs for gmm_act and gmm_dact, the
@@ -135,8 +132,9 @@ COOPERATIVE_DACT = Config(tile_n=128, max_concurrent_steps=5, epi_tile_n=64, gri
 class Configs:
   # h W_out and dX W_in^T. split_tail: on the skewed E64 top-1 MLP (672 tiles of 128 x 256, 12 past
   # five waves of 132) each ran 20 us (6%) faster with the last wave in quarter pieces, and the same
-  # where no tail was cut (E64 top-1, 640 tiles); K steps of 64 or 256 for the pieces ran 3-6 us
-  # slower than 128 (experiments/results/split_tail_H100.log).
+  # where no tail was cut (E64 top-1, 640 tiles). The pieces' pipeline takes the main one's tile_k
+  # and ring: deeper rings or K steps of 128 or 256 for them ran within 2-4 us of it
+  # (experiments/results/split_tail_H100.log).
   gmm: Config = Config(grid_tile_width=8, expert_bands=True, split_tail=True)
   gmm_t: Config = Config(expert_bands=True, split_tail=True)
   # x W_in writing (pre, act(pre)) and dY W_out^T * act'(pre): the ping-pong schedule
@@ -488,14 +486,16 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
   if active is not None and order is None:
     raise ValueError("the tail split walks expert_band_order's table: pass order with active")
 
-  def specs_of(width, tk):
-    a_spec = plgpu.BlockSpec((block_m, tk), lambda s: (0, s), transforms=_transforms(tk, dtype),
+  k_iters = k // tile_k
+
+  def specs_of(width):
+    a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
                              delay_release=delay)
     if transpose_rhs:
-      b_spec = plgpu.BlockSpec((width, tk), lambda s: (0, s), transforms=_transforms(tk, dtype),
+      b_spec = plgpu.BlockSpec((width, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
                                delay_release=delay)
     else:
-      b_spec = plgpu.BlockSpec((tk, width), lambda s: (s, 0), transforms=_transforms(width, dtype),
+      b_spec = plgpu.BlockSpec((tile_k, width), lambda s: (s, 0), transforms=_transforms(width, dtype),
                                delay_release=delay)
     return [a_spec] + [b_spec] * num_w
 
@@ -513,16 +513,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
     def run_tiles(width, count, coords):
       """One persistent loop of `count` items over the SMs, each an output tile of `width` columns
       from its own pipeline: coords(i) -> (row block, first column, whether it runs)."""
-      # A tail piece's ring holds at most the main ring's bytes, in at least 2 slots.
-      stage = lambda w, kk: (block_m + num_w * w) * kk
-      ring_bytes = cfg.max_concurrent_steps * stage(tile_n, tile_k)
-      tk = cfg.tail_tile_k if width < tile_n else tile_k
-      while tk > tile_k and (k % tk or 2 * stage(width, tk) > ring_bytes):
-        tk //= 2
-      tk = max(tk, tile_k)
-      ring = dataclasses.replace(cfg, max_concurrent_steps=max(2, ring_bytes // stage(width, tk)))
-      width_k_iters = k // tk
-      specs = specs_of(width, tk)
+      specs = specs_of(width)
       epi_tile_n = min(cfg.epi_tile_n, width)
       scratch = {}
       if num_pre:
@@ -533,7 +524,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
       ignore = lambda *_, **__: None
       # The allocation's grid is static and as long as the ring, so the ring keeps all its slots
       # (a shorter static grid would shrink it below the dynamic pipeline's).
-      allocs = _warp_specialized(ignore, (ring.max_concurrent_steps,), specs, ring,
+      allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), specs, cfg,
                                  ignore).get_allocations(
           lhs_gmem.at[pl.ds(0, block_m), :], *[window(w.at[0], pl.ds(0, width)) for w in w_gmems])
 
@@ -552,7 +543,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
           expert = rbe_gmem[m_idx]
           num_real = rbr_gmem[m_idx]
           # Inactive blocks (and items that do not run) take zero K steps and store nothing.
-          steps = jnp.where((num_real > 0) & runs, width_k_iters, 0)
+          steps = jnp.where((num_real > 0) & runs, k_iters, 0)
           m_slice = pl.ds(m_idx * block_m, block_m)
           n_slice = pl.ds(col0, width)
           wg_m = pl.ds(wg_idx * half, half)
@@ -608,7 +599,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
             plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
             return accs
 
-          _warp_specialized(mma, (steps,), specs, ring, compute_context)(
+          _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
               lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems],
               allocations=pipeline_allocs)
           _producer_waits_for_tile(wg_idx, steps, tile_done)
@@ -616,20 +607,19 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
       # The stores read out_smem: done before a later scope takes its memory.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    def ordered(i):  # (row block, column tile) of the order table's i-th tile
+      code = order_gmem[i]
+      return lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+
     def main_coords(i):
-      if order is None:
-        m_idx, n_idx = _tile_coords(i, (m_iters, n_iters), cfg)
-      else:
-        code = order_gmem[i]
-        m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+      m_idx, n_idx = _tile_coords(i, (m_iters, n_iters), cfg) if order is None else ordered(i)
       return m_idx, n_idx * tile_n, (i < main_end) if splits else True
 
     run_tiles(tile_n, m_iters * n_iters, main_coords)
     for s in splits:
       def tail_coords(p, s=s):
         # Piece p % s of the tail's tile p // s (expert_band_order lists the active tiles first).
-        code = order_gmem[jnp.minimum(main_end + p // s, m_iters * n_iters - 1)]
-        m_idx, n_idx = lax.div(code, jnp.int32(n_iters)), lax.rem(code, jnp.int32(n_iters))
+        m_idx, n_idx = ordered(jnp.minimum(main_end + p // s, m_iters * n_iters - 1))
         return m_idx, n_idx * tile_n + lax.rem(p, s) * (tile_n // s), (split == s) & (p < s * tail)
 
       run_tiles(tile_n // s, num_sms, tail_coords)
