@@ -283,7 +283,10 @@ def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype):
   assert not np.any(want[~present]) and np.all(np.any(want[present], axis=-1))
   np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
   two_calls = skinny_ffn(x, w_in, w_out, experts=experts, impl="xla")
-  np.testing.assert_allclose(np.asarray(got), np.asarray(two_calls), **TOL[dtype])
+  # The two forms round h alike (the activation in float32 on u rounded to dtype), so they agree far
+  # inside bf16's tolerance; a bf16 GELU in bf16 arithmetic was off by up to 7e-3 here.
+  same_rounding = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=1e-3, atol=1e-3)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(two_calls), **same_rounding)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

@@ -179,6 +179,15 @@ def _as3(w, scale):
   return w[None], None if scale is None else scale[None]
 
 
+def _hidden(up, gate, activation, dtype):
+  """h = act(g) * u, or act(u), rounded to dtype, from the float32 products: u and g are rounded to dtype
+  first and the activation runs in float32 (as the kernel's Hidden source does), so the two-call and
+  fused forms round alike. (In dtype's own arithmetic a bf16 GELU is off by a few ulps of h.)"""
+  f32 = lambda v: v.astype(dtype).astype(jnp.float32)
+  h = activation(f32(up)) if gate is None else activation(f32(gate)) * f32(up)
+  return h.astype(dtype)
+
+
 def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto", slots: int = 1) -> bool:
   """Whether skinny_ffn runs the hidden layer inside W_out's kernel (else as an XLA kernel between
   the products): both products run the kernel, the activation is one a kernel body computes
@@ -241,10 +250,9 @@ def skinny_ffn(
   dt = x.dtype
   slots = 1 if dense else experts.shape[0]
   if not fuses_hidden(m, d, f, activation, impl, slots):
-    first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl).astype(dt)
-    h = first(w_in, w_in_scale)
-    h = activation(first(w_gate, w_gate_scale)) * h if w_gate is not None else activation(h)
-    return skinny_matmul(h, w_out, experts=experts, scale=w_out_scale, impl=impl)
+    first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl)
+    return skinny_matmul(_hidden(first(w_in, w_in_scale), None if w_gate is None else first(w_gate, w_gate_scale),
+                                 activation, dt), w_out, experts=experts, scale=w_out_scale, impl=impl)
   x, norm = _norm_unless_folded(x, norm, m, d, f, impl)
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   (w_in3, s_in), (w_gate3, s_gate), (w_out3, s_out) = (
@@ -265,12 +273,9 @@ def skinny_ffn(
 
   def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
     xs = _slots(_normed(x, ns, eps), ids)
-    h = skinny_matmul_reference(xs, w_in3, ids, s_in).astype(dt)
-    if w_gate3 is not None:
-      h = activation(skinny_matmul_reference(xs, w_gate3, ids, s_gate).astype(dt)) * h
-    else:
-      h = activation(h)
-    return skinny_matmul_reference(h, w_out3, ids)
+    gate = None if w_gate3 is None else skinny_matmul_reference(xs, w_gate3, ids, s_gate)
+    return skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
+                                   w_out3, ids)
 
   y = with_reference_vjp(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
                       None if norm is None else norm[0], ids)
