@@ -295,3 +295,22 @@ def test_results_go_to_out_once_and_never_onto_themselves(tmp_path, monkeypatch)
   assert (out / "s.json").read_text() == "2" and sorted(p.name for p in out.iterdir()) == ["r.json", "s.json"]
   monkeypatch.delenv("OUT")
   copy_to_out(other / "s.json")  # no $OUT: nothing happens
+
+
+def test_energy_probe_reads_the_sustained_samples_and_refuses_a_cpu(capsys):
+  """probe_energy: the clock and power medians leave out the first third of nvidia-smi's samples (the
+  ramp to the power cap); too few samples, no shapes, or no GPU stop it with one line."""
+  import probe_energy
+
+  ramp = ["1980, 300.5", "1900, 500.0"]
+  held = ["1500, 695.0", "1530, 700.0", "1545, 693.0", "1500, 690.0"]
+  assert probe_energy.sustained_medians(ramp + held + [""]) == (1515.0, 694.0)
+  with pytest.raises(ValueError, match="too few power samples"):
+    probe_energy.sustained_medians(["1500, 700.0"])
+  line = probe_energy.report("x", 2e-3, 1500.0, 700.0, 1e12)
+  assert "1400.0 mJ a call" in line and "1400.0 J/PFLOP" in line and "3.000 Mcycles" in line
+  with pytest.raises(SystemExit):
+    probe_energy.main([])
+  assert "nothing to do" in capsys.readouterr().err
+  with pytest.raises(SystemExit, match="needs a GPU and nvidia-smi"):
+    probe_energy.main(["--kernels", "E64_top1"])
