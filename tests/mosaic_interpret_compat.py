@@ -9,7 +9,8 @@ one that reads the operand through its indexers and then applies the transpose; 
 under test are unchanged. Nothing here runs on the GPU or outside the tests.
 
 `compile_thread_bodies_once` is for speed only: the interpreter recompiles each kernel thread's
-body on every call, and this compiles it once.
+body on every call, and this compiles it once. It also hands the interpreter's host callbacks their
+operands as numpy arrays (`_numpy_callback_operands`), again for speed only.
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ def compile_thread_bodies_once() -> None:
   jaxpr, compiled the same way, with the same arguments); only the repeated compiles go. Test speed
   only; without the private function it leaves the interpreter as it is.
   """
+  _numpy_callback_operands()
   try:
     from jax._src.pallas.mosaic.interpret import thread_map
   except ImportError:
@@ -111,3 +113,37 @@ def compile_thread_bodies_once() -> None:
 
   run_jaxpr.sparsejax_compat = True
   thread_map._run_jaxpr = run_jaxpr
+
+
+def _numpy_callback_operands() -> None:
+  """Runs the GPU interpreter's io_callbacks on numpy copies of their operands.
+
+  Each interpreted load, store, barrier and wgmma is a host callback, and jax's io_callback turns
+  the callback's numpy operands into device arrays first (a device_put per call), which the
+  interpreter's callbacks then read back one scalar at a time (int(device_id), ...): about 40% of an
+  interpreted kernel's time. The interpreter's callbacks (and this module's wgmma) read their
+  operands as values (int(), np.asarray, indexing), so numpy arrays serve them alike; they are
+  copies, so nothing aliases XLA's buffers past the call. Every other io_callback takes jax's own
+  path. Test speed only; without the private function it leaves io_callback as it is.
+  """
+  try:
+    from jax._src import callback as jax_callback
+    from jax._src import tree_util
+  except ImportError:
+    return
+  original = getattr(jax_callback, "io_callback_impl", None)
+  if original is None or getattr(original, "sparsejax_compat", False):
+    return
+
+  def interpreters(callback) -> bool:
+    fn = getattr(callback, "callback_func", None)
+    module = getattr(getattr(fn, "func", fn), "__module__", None) or ""
+    return module.startswith("jax._src.pallas.mosaic_gpu.interpret") or module == __name__
+
+  def io_callback_impl(*args, callback, **params):
+    if not interpreters(callback):
+      return original(*args, callback=callback, **params)
+    return tree_util.tree_map(np.asarray, callback(*(np.array(a) for a in args)))
+
+  io_callback_impl.sparsejax_compat = True
+  jax_callback.io_callback_impl = io_callback_impl

@@ -53,7 +53,7 @@ def test_kernel_equals_oracle(name, dtype):
   assert got.dtype == dtype and got.shape == (b, h, dh)
   want = _oracle(q, k, v, np.asarray(start), index)
   np.testing.assert_allclose(np.asarray(got, np.float32), want, **TOL[dtype])
-  ref = decode_attention_reference(q, k, v, start, jnp.int32(index))
+  ref = jax.jit(decode_attention_reference)(q, k, v, start, jnp.int32(index))
   np.testing.assert_allclose(np.asarray(ref, np.float32), want, **TOL[dtype])
 
 
@@ -62,9 +62,10 @@ def test_reference_matches_the_cache_mask_of_dot_product_attention():
   b, s, h, dh = 3, 40, 2, 16
   q, k, v = _case(b, s, h, dh, jnp.float32, 5)
   start, index = jnp.asarray([0, 7, 30], jnp.int32), jnp.int32(20)
-  mask = kv_cache.mask(index, start, 1, s)
-  want = jax.nn.dot_product_attention(q[:, None], k, v, mask=mask)[:, 0]
-  got = decode_attention(q, k, v, start, index, impl="triton")
+  want = jax.jit(lambda q, k, v, start, index: jax.nn.dot_product_attention(
+      q[:, None], k, v, mask=kv_cache.mask(index, start, 1, s))[:, 0])(q, k, v, start, index)
+  got = jax.jit(lambda q, k, v, start, index: decode_attention(q, k, v, start, index, impl="triton"))(
+      q, k, v, start, index)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
@@ -74,8 +75,10 @@ def test_gradients_equal_the_reference():
   start, index = jnp.asarray([0, 40], jnp.int32), jnp.int32(80)
   g = jnp.asarray(np.random.default_rng(7).standard_normal((b, h, dh)), jnp.float32)
   loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * g)
-  got = jax.grad(loss(lambda q, k, v: decode_attention(q, k, v, start, index, impl="triton")), (0, 1, 2))(q, k, v)
-  want = jax.grad(loss(lambda q, k, v: decode_attention_reference(q, k, v, start, index)), (0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(loss(lambda q, k, v: decode_attention(q, k, v, start, index, impl="triton")), (0, 1, 2)))(
+      q, k, v)
+  want = jax.jit(jax.grad(loss(lambda q, k, v: decode_attention_reference(q, k, v, start, index)), (0, 1, 2)))(
+      q, k, v)
   for a, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=1e-5, atol=1e-6)
 

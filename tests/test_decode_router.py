@@ -57,7 +57,7 @@ def test_kernel_equals_oracle_and_the_routing_functions(name, dtype):
   want_ids, want_wts = _oracle(x.astype(jnp.float32), w, k, renorm)
   np.testing.assert_array_equal(np.asarray(ids), want_ids)
   np.testing.assert_allclose(np.asarray(wts), want_wts, **TOL)
-  ref_ids, ref_wts = decode_router_reference(x, w, k, renorm)
+  ref_ids, ref_wts = jax.jit(decode_router_reference, static_argnums=(2, 3))(x, w, k, renorm)
   np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
   np.testing.assert_allclose(np.asarray(wts), np.asarray(ref_wts), **TOL)
 
@@ -78,8 +78,8 @@ def test_gradients_are_the_references():
   x, w = _case("tiles_top2", jnp.float32)
   r = jnp.asarray(np.random.default_rng(1).standard_normal((3, 2)), jnp.float32)
   loss = lambda impl: lambda x, w: jnp.sum(decode_router(x, w, 2, impl=impl)[1] * r)
-  got = jax.grad(loss("triton"), argnums=(0, 1))(x, w)
-  want = jax.grad(loss("xla"), argnums=(0, 1))(x, w)
+  got = jax.jit(jax.grad(loss("triton"), argnums=(0, 1)))(x, w)
+  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1)))(x, w)
   for g, h in zip(got, want):
     assert float(jnp.max(jnp.abs(h))) > 0
     np.testing.assert_allclose(np.asarray(g), np.asarray(h), rtol=1e-5, atol=1e-7)
@@ -161,8 +161,8 @@ def test_folded_norm_routes_the_normalized_rows(name, dtype):
   np.testing.assert_allclose(np.asarray(wts), want_wts, **TOL)
   assert norm_fits(d) == (d & (d - 1) == 0)
   # Its gradient is the reference's on the normalized rows, in x, W_r and g.
-  f = lambda impl: jax.grad(lambda x, w, g: jnp.sum(decode_router(
-      x.astype(dtype), w, k, renormalize=renorm, norm=(g, 1e-6), impl=impl)[1] ** 2), argnums=(0, 1, 2))
+  f = lambda impl: jax.jit(jax.grad(lambda x, w, g: jnp.sum(decode_router(
+      x.astype(dtype), w, k, renormalize=renorm, norm=(g, 1e-6), impl=impl)[1] ** 2), argnums=(0, 1, 2)))
   # bf16 rows: the kernel's weights (the cotangent's source) differ from XLA's in the last float32
   # bits, which can flip a bf16 rounding in the backward's rms_norm (an H100 run saw 0.6% on 4 of
   # 1,536 entries of dx, 1.5e-5 absolute).

@@ -25,6 +25,12 @@ mosaic_interpret_compat.compile_thread_bodies_once()
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
+# The references and row masks, jitted: one program each, not op by op.
+gmm_reference = jax.jit(G.gmm_reference, static_argnames=("transpose_rhs", "out_dtype"))
+tgmm_reference = jax.jit(G.tgmm_reference, static_argnames=("out_dtype",))
+real_rows = jax.jit(G.reference.real_rows)
+written_rows = jax.jit(G.reference.written_rows)
+
 
 def rel_err(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -35,8 +41,8 @@ def check_rows(out, ref, topo, tol):
   """out against ref on the rows where gmm's output is defined (active blocks), with the rows
   there that hold no token exactly zero. Rows of inactive blocks are unspecified (the interpreter
   leaves unwritten memory NaN, so a kernel that read them would fail the comparisons after it)."""
-  written = np.asarray(G.reference.written_rows(topo))
-  real = np.asarray(G.reference.real_rows(topo))
+  written = np.asarray(written_rows(topo))
+  real = np.asarray(real_rows(topo))
   out = np.asarray(out)
   assert rel_err(out[written], np.asarray(ref)[written]) < tol
   assert np.all(out[written & ~real] == 0)
@@ -61,9 +67,9 @@ GROUPS = [
 ]
 
 
-def _operands(groups, dtype, k, n, seed):
+def _operands(groups, dtype, k, n, seed, num_rows_bound=None):
   keys = jax.random.split(jax.random.key(seed), 4)
-  topo = topology_for(groups)
+  topo = topology_for(groups, num_rows_bound)
   rows = topo.num_row_blocks * topo.block_size
   e = len(groups)
   return (topo, jax.random.normal(keys[0], (rows, k), dtype), jax.random.normal(keys[1], (e, k, n), dtype),
@@ -77,20 +83,25 @@ def _triton_products(lhs, rhs, rhs_t, dout, topo):
           G.tgmm(lhs, dout, topo, backend="triton"))
 
 
+# One row count for every grouping (the largest's active blocks and a spare one; the others have more
+# inactive blocks), so that groupings of as many experts share their compiles.
+GROUPS_ROWS = max(int(sum(-(-g // 128) * 128 for g in gs)) for gs in GROUPS) + 128
+
+
 @pytest.mark.parametrize("groups", GROUPS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("k,n", [(32, 48), (300, 330)])  # one tile; several K and N tiles
 def test_triton_kernels_match_reference(groups, dtype, k, n):
-  topo, lhs, rhs, rhs_t, dout = _operands(groups, dtype, k, n, hash((tuple(groups), k)) % 2**31)
+  topo, lhs, rhs, rhs_t, dout = _operands(groups, dtype, k, n, hash((tuple(groups), k)) % 2**31, GROUPS_ROWS)
   rows = lhs.shape[0]
   out, out_t, dw = _triton_products(lhs, rhs, rhs_t, dout, topo)
   assert out.dtype == dtype and out.shape == (rows, n)
-  check_rows(out, G.gmm_reference(lhs, rhs, topo), topo, TOL[dtype])
+  check_rows(out, gmm_reference(lhs, rhs, topo), topo, TOL[dtype])
   # Beyond the shared contract, the Triton kernels write zeros in inactive blocks too (triton.py).
-  assert np.all(np.asarray(out)[~np.asarray(G.reference.real_rows(topo))] == 0)
-  check_rows(out_t, G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[dtype])
+  assert np.all(np.asarray(out)[~np.asarray(real_rows(topo))] == 0)
+  check_rows(out_t, gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[dtype])
   assert dw.shape == (len(groups), k, n)
-  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[dtype]
+  assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[dtype]
   empty = [i for i, g in enumerate(groups) if g == 0]
   assert np.all(np.asarray(dw)[empty] == 0)
 
@@ -144,7 +155,7 @@ def _by_reference(monkeypatch, *kernels):
   def tgmm(lhs, dout, topo, out_dtype):
     # Only the real rows, as the kernel reads them: the rows of inactive blocks are unwritten (NaN
     # in the interpreter), and the reference's einsum would carry them as NaN * 0.
-    real = G.reference.real_rows(topo)[:, None]
+    real = real_rows(topo)[:, None]
     return G.tgmm_reference(jnp.where(real, lhs, 0), jnp.where(real, dout, 0), topo, out_dtype)
 
   gmm = jax.jit(G.gmm_reference, static_argnums=(3, 4))
@@ -208,7 +219,7 @@ def test_mosaic_gmm_act_outputs_follow_the_contract(schedule):
   cfgs = {"pingpong": None, "epilogue_wg": _interpret_epilogue_configs(),
           "cooperative": dataclasses.replace(mosaic.INTERPRET_CONFIGS, **mosaic.INTERPRET_COOPERATIVE)}[schedule]
   pre, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
-  want = G.gmm_reference(lhs, rhs, topo)
+  want = gmm_reference(lhs, rhs, topo)
   check_rows(pre, want, topo, TOL[jnp.bfloat16])
   check_rows(h, jax.nn.gelu(want.astype(jnp.float32)), topo, TOL[jnp.bfloat16])
 
@@ -218,10 +229,10 @@ def test_mosaic_epilogue_warpgroup_dact_zeroes_padding_rows_whatever_pre_holds()
   any caller's may be anything): those rows of active blocks are still exactly zero."""
   from sparsejax.activations import DERIVATIVES
   topo, lhs, _, rhs_t, pre = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 2)
-  real = G.reference.real_rows(topo)[:, None]
+  real = real_rows(topo)[:, None]
   pre = jnp.where(real, pre, jnp.nan)
   out = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, _interpret_epilogue_configs())
-  want = (G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
+  want = (gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
           * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
   check_rows(out, jnp.where(real, want, 0.0), topo, TOL[jnp.bfloat16])
 
@@ -268,7 +279,7 @@ def test_mosaic_tgmm_of_a_single_output_tile():
   topo, lhs, _, _, dout = _operands([130, 0, 40], jnp.bfloat16, 128, 256, 4)
   dw = G.tgmm(lhs, dout, topo, backend="mosaic")
   assert dw.shape == (3, 128, 256) and dw.dtype == jnp.bfloat16
-  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
+  assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[1] == 0)
 
 
@@ -356,7 +367,7 @@ def test_mosaic_gmm_with_its_last_wave_split(monkeypatch, num_sms, transpose_rhs
   configs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=cfg, gmm_t=cfg)
   w = rhs_t if transpose_rhs else rhs
   out = mosaic.gmm(lhs, w, topo, transpose_rhs, jnp.bfloat16, configs)
-  check_rows(out, G.gmm_reference(lhs, w, topo, transpose_rhs=transpose_rhs), topo, TOL[jnp.bfloat16])
+  check_rows(out, gmm_reference(lhs, w, topo, transpose_rhs=transpose_rhs), topo, TOL[jnp.bfloat16])
 
 
 def test_split_tail_needs_the_cooperative_kernel_in_expert_bands():
@@ -399,7 +410,7 @@ def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance, streamed):
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=cfg))
   topo, lhs, _, _, dout = _operands([40, 0, 300, 130], jnp.bfloat16, 128, 256, 5)
   dw = G.tgmm(lhs, dout, topo, backend="mosaic")
-  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
+  assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[1] == 0)
 
 
@@ -424,7 +435,7 @@ def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance
   topo, lhs, _, _, dout = _operands(groups, jnp.bfloat16, k, n, 17 + len(groups))
   dw = mosaic.tgmm(lhs, dout, topo, out_dtype, _pingpong_configs(balance_experts=balance))
   assert dw.dtype == out_dtype and dw.shape == (len(groups), k, n)
-  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo, jnp.float32)) < TOL[out_dtype]
+  assert rel_err(dw, tgmm_reference(lhs, dout, topo, jnp.float32)) < TOL[out_dtype]
   empty = [i for i, g in enumerate(groups) if g == 0]
   assert np.all(np.asarray(dw)[empty] == 0)
 
@@ -465,20 +476,20 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
   lhs = jax.random.normal(keys[0], (rows, 256), jnp.bfloat16)
   rhs = jax.random.normal(keys[1], (len(groups), 256, n), jnp.bfloat16)
   rhs_t = jax.random.normal(keys[2], (len(groups), n, 256), jnp.bfloat16)
-  real = G.reference.real_rows(topo)[:, None]
+  real = real_rows(topo)[:, None]
   pre = jnp.where(real, jax.random.normal(keys[3], (rows, n), jnp.bfloat16), jnp.nan)
   cfgs = _pingpong_gmm_configs(slots)
   if bands:
     cfgs = _with_expert_bands(cfgs, width=2)
-  want = G.gmm_reference(lhs, rhs, topo)
+  want = gmm_reference(lhs, rhs, topo)
   check_rows(mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, cfgs), want, topo, TOL[jnp.bfloat16])
   check_rows(mosaic.gmm(lhs, rhs_t, topo, True, jnp.bfloat16, cfgs),
-             G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[jnp.bfloat16])
+             gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[jnp.bfloat16])
   p, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
   check_rows(p, want, topo, TOL[jnp.bfloat16])
   check_rows(h, jax.nn.gelu(want.astype(jnp.float32)), topo, TOL[jnp.bfloat16])
   d = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, cfgs)
-  want_d = (G.gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
+  want_d = (gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
             * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
   check_rows(d, jnp.where(real, want_d, 0.0), topo, TOL[jnp.bfloat16])
 
@@ -543,7 +554,7 @@ def test_mosaic_streamed_tgmm_across_tiles(monkeypatch, epi_slots, minor, out_dt
   topo, lhs, _, _, dout = _operands([0, 257, 70], jnp.bfloat16, 256, 520, 6)
   dw = G.tgmm(lhs, dout, topo, out_dtype=out_dtype, backend="mosaic")
   assert dw.shape == (3, 256, 520) and dw.dtype == out_dtype
-  assert rel_err(dw, G.tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
+  assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[0] == 0)
 
 
@@ -552,7 +563,7 @@ def test_mosaic_float32_is_exact():
   topo, lhs, rhs, _, _ = _operands([130, 0, 5, 200], jnp.float32, 32, 48, 3)
   out = G.gmm(lhs, rhs, topo, backend="mosaic")
   assert out.dtype == jnp.float32
-  assert rel_err(out, G.gmm_reference(lhs, rhs, topo)) < TOL[jnp.float32]
+  assert rel_err(out, gmm_reference(lhs, rhs, topo)) < TOL[jnp.float32]
 
 
 @pytest.mark.parametrize("groups", GROUPS[:2])

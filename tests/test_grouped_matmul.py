@@ -1,6 +1,8 @@
 """grouped_matmul: every backend against the masked reference, jax.lax.ragged_dot and a numpy loop."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,32 +43,44 @@ def _inputs(name, dtype):
   return lhs, rhs, np.asarray(gs, np.int32), ct
 
 
+def _loss(fn, ct):
+  return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * ct)
+
+
+@functools.lru_cache(maxsize=None)
+def _references(name, dtype):
+  """The inputs, and the f32 masked reference's and jax.lax.ragged_dot's output and gradients on the
+  same (rounded) values: shared by the impls of a case (each jitted, one program apiece)."""
+  lhs, rhs, gs, ct = _inputs(name, dtype)
+  gs_j, ct_j = jnp.asarray(gs), jnp.asarray(ct)
+  ref = lambda a, b: sj.grouped_matmul_reference(a, b, gs_j)
+  lax_rd = lambda a, b: jax.lax.ragged_dot(a, b, gs_j, preferred_element_type=jnp.float32)
+  f32 = lambda a: jnp.asarray(a, jnp.float32)
+  results = {what: jax.jit(lambda a, b, fn=fn: (fn(a, b), jax.grad(_loss(fn, ct_j), argnums=(0, 1))(a, b)))(
+      f32(lhs), f32(rhs)) for what, fn in (("reference", ref), ("lax.ragged_dot", lax_rd))}
+  return (lhs, rhs, gs, ct), results
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", list(GROUPINGS))
 def test_matches_reference_and_ragged_dot(name, dtype, impl):
-  lhs, rhs, gs, ct = _inputs(name, dtype)
+  (lhs, rhs, gs, ct), references = _references(name, dtype)
   jdt = jnp.dtype(dtype)
   lhs_j, rhs_j, gs_j, ct_j = jnp.asarray(lhs, jdt), jnp.asarray(rhs, jdt), jnp.asarray(gs), jnp.asarray(ct)
 
-  def loss(fn):
-    return lambda a, b: jnp.sum(fn(a, b).astype(jnp.float32) * ct_j)
-
   ours = lambda a, b: sj.grouped_matmul(a, b, gs_j, impl=impl)
-  out = jax.jit(ours)(lhs_j, rhs_j)
-  d_lhs, d_rhs = jax.jit(jax.grad(loss(ours), argnums=(0, 1)))(lhs_j, rhs_j)
+  # The output rides along as aux: one program gives the values and the gradients.
+  loss = lambda a, b: (lambda out: (jnp.sum(out.astype(jnp.float32) * ct_j), out))(ours(a, b))
+  (d_lhs, d_rhs), out = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(lhs_j, rhs_j)
   assert out.dtype == jdt and out.shape == (lhs.shape[0], rhs.shape[2])
   assert d_lhs.dtype == jdt and d_rhs.dtype == jdt
 
   # The f32 masked reference on the same (rounded) values, and jax.lax.ragged_dot itself.
-  f32 = lambda a: jnp.asarray(a, jnp.float32)
-  ref = lambda a, b: sj.grouped_matmul_reference(a, b, gs_j)
-  lax_rd = lambda a, b: jax.lax.ragged_dot(a, b, gs_j, preferred_element_type=jnp.float32)
   rtol = 1e-5 if dtype == "float32" else 1e-2
   grad_rtol = 1e-5 if dtype == "float32" else 2e-2
-  for what, fn in (("reference", ref), ("lax.ragged_dot", lax_rd)):
-    assert_close(out, fn(f32(lhs), f32(rhs)), rtol, f"out vs {what}")
-    g_l, g_r = jax.grad(loss(fn), argnums=(0, 1))(f32(lhs), f32(rhs))
+  for what, (want, (g_l, g_r)) in references.items():
+    assert_close(out, want, rtol, f"out vs {what}")
     assert_close(d_lhs, g_l, grad_rtol, f"d_lhs vs {what}")
     assert_close(d_rhs, g_r, grad_rtol, f"d_rhs vs {what}")
   assert_close(out, np_grouped_matmul(lhs, rhs, gs), rtol, "out vs numpy loop")
@@ -92,12 +106,13 @@ def test_vmap_of_grad_with_batched_group_sizes(impl):
   def loss(a, b, g):
     return jnp.sum(jnp.sin(sj.grouped_matmul(a, b, g, impl=impl)))
 
-  out = jax.vmap(lambda a, g: sj.grouped_matmul(a, rhs, g, impl=impl))(lhs, gs)
+  out = jax.jit(jax.vmap(lambda a, g: sj.grouped_matmul(a, rhs, g, impl=impl)))(lhs, gs)
   grads = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1)), in_axes=(0, None, 0)))(lhs, rhs, gs)
+  grad1 = jax.jit(jax.grad(loss, argnums=(0, 1)))  # one compile serves every example
   for b in range(B):
     np.testing.assert_allclose(out[b], np_grouped_matmul(lhs[b], rhs, np.asarray(gs[b])),
                                rtol=1e-5, atol=1e-5)
-    g_l, g_r = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs[b], rhs, gs[b])
+    g_l, g_r = grad1(lhs[b], rhs, gs[b])
     np.testing.assert_allclose(grads[0][b], g_l, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grads[1][b], g_r, rtol=1e-5, atol=1e-6)
 

@@ -44,11 +44,12 @@ def greedy_by_full_forward(model, prompts, steps, *, with_logits=False):
 NEAR_TIE = 1e-4
 
 
-def assert_greedy_matches_full_forward(got, reference, prompts, steps):
+def assert_greedy_matches_full_forward(got, reference, prompts, steps, full=None):
   """got equals the full forward's greedy tokens, except that a row may part from them at a near-tie:
   where it first differs, the two tokens' full-forward logits are within NEAR_TIE of each other. On the
-  CPU the tokens are equal; on a GPU, a random tiny float32 model has such ties."""
-  want, logits = greedy_by_full_forward(reference, prompts, steps, with_logits=True)
+  CPU the tokens are equal; on a GPU, a random tiny float32 model has such ties. full: the result of
+  greedy_by_full_forward(reference, prompts, steps, with_logits=True) where the caller has it."""
+  want, logits = full or greedy_by_full_forward(reference, prompts, steps, with_logits=True)
   got = np.asarray(got)
   for r in range(len(prompts)):
     differ = np.flatnonzero(got[r] != want[r])
@@ -62,10 +63,11 @@ def assert_greedy_matches_full_forward(got, reference, prompts, steps):
     assert jax.default_backend() != "cpu", f"row {r}: tokens {got[r]} vs {want[r]} on the CPU"
 
 
-def decode_logits_error(model, reference, prompts, steps) -> float:
+def decode_logits_error(model, reference, prompts, steps, full=None) -> float:
   """Teacher-forced: the decode step's logits against the full forward's at every step, both fed the
-  full forward's greedy tokens; max |difference| / max |logit|."""
-  want, full = greedy_by_full_forward(reference, prompts, steps, with_logits=True)
+  full forward's greedy tokens; max |difference| / max |logit|. full: as for
+  assert_greedy_matches_full_forward."""
+  want, full = full or greedy_by_full_forward(reference, prompts, steps, with_logits=True)
   tokens, lengths = left_pad(prompts)
   graphdef, params = nnx.split(model)
   decoding = nnx.merge(graphdef, params)
@@ -161,9 +163,11 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   assert steps >= 1 and rest == 0
   assert seen.count("Hidden") >= steps * BASE.num_layers and seen.count("Plain") >= steps * BASE.num_layers
   assert seen.count("Normed") >= (3 if variant.endswith("glu") else 2) * steps * BASE.num_layers
-  assert_greedy_matches_full_forward(got, reference, PROMPTS, 5)
+  # One full forward (its tokens and logits) serves both checks.
+  full = greedy_by_full_forward(reference, PROMPTS, 5, with_logits=True)
+  assert_greedy_matches_full_forward(got, reference, PROMPTS, 5, full)
   # the step's logits, fed the full forward's tokens, are the full forward's to float32 rounding
-  assert decode_logits_error(model, reference, PROMPTS, 5) < 1e-5
+  assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])

@@ -116,6 +116,14 @@ def reference_results(case: Case, dtype: str):
   return params, ct, y_ref, grads_ref
 
 
+@functools.lru_cache(maxsize=None)
+def routing_weights(case: Case):
+  """The library's combine weights for the float32 inputs' logits (the float64 loop's weights): one
+  jitted routing per case, shared by its impls."""
+  logits = jnp.asarray(reference_results(case, "float32")[0]["logits"])
+  return np.asarray(jax.jit(sj.top_k_routing, static_argnums=1)(logits, case.k).combine_weights)
+
+
 # Dropless cases run every grouped-matmul backend. Capacity mode computes its equal-size expert
 # groups with one batched einsum whatever impl says, so it runs once, under "auto".
 GRID = [(c, impl) for c in CASES for impl in (IMPLS if c.cf is None else ["auto"])]
@@ -166,7 +174,7 @@ def test_moe_mlp_matches_reference(case, dtype, impl):
 
   if dtype == "float32":
     # And straight against the float64 loop (forward), sharing no code with the library.
-    w = np.asarray(sj.top_k_routing(jnp.asarray(params["logits"]), case.k).combine_weights)
+    w = routing_weights(case)
     y_loop = np_moe_loop(params["x"], ids, w, params["w_in"], params["w_out"], params["w_gate"],
                          act_name, cap_of(case))
     assert_close(y, y_loop, rtol, "y vs float64 loop")
@@ -191,7 +199,7 @@ def test_reference_matches_float64_loop(case):
 
   # The loop's routing must be the library's routing (no ties in random logits).
   ids_np, w_np, p_np = np_top_k_routing(params["logits"], case.k)
-  r = sj.top_k_routing(jnp.asarray(params["logits"]), case.k)
+  r = jax.jit(sj.top_k_routing, static_argnums=1)(jnp.asarray(params["logits"]), case.k)
   np.testing.assert_array_equal(np.asarray(r.expert_ids), ids_np)
   np.testing.assert_allclose(np.asarray(r.combine_weights), w_np, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(np.asarray(r.router_probs), p_np, rtol=1e-5, atol=1e-7)
@@ -311,22 +319,22 @@ def test_vmap_jit_grad_match_unbatched(impl, cf):
     return y, stats
 
   def loss(x, logits, w_in, w_out):
-    y, _ = jax.vmap(layer, in_axes=(0, 0, None, None))(x, logits, w_in, w_out)
-    return jnp.sum(y**2)
+    y, stats = jax.vmap(layer, in_axes=(0, 0, None, None))(x, logits, w_in, w_out)
+    return jnp.sum(y**2), (y, stats)
 
-  y_b, stats_b = jax.jit(jax.vmap(layer, in_axes=(0, 0, None, None)))(x, logits, w_in, w_out)
-  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+  # The layer's outputs ride along as aux: one jitted program gives the values and the gradients,
+  # batched (vmap) and unbatched alike.
+  grads, (y_b, stats_b) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, logits, w_in, w_out)
   assert y_b.shape == (B, T, d) and stats_b.tokens_per_expert.shape == (B, E)
 
   g_sum = [jnp.zeros_like(w_in), jnp.zeros_like(w_out)]
-  layer1 = jax.jit(layer)
-  grad1 = jax.jit(jax.grad(lambda *a: jnp.sum(layer(*a)[0] ** 2), argnums=(0, 1, 2, 3)))
+  grad1 = jax.jit(jax.grad(lambda *a: (lambda y, stats: (jnp.sum(y ** 2), (y, stats)))(*layer(*a)),
+                           argnums=(0, 1, 2, 3), has_aux=True))
   for b in range(B):
-    y, stats = layer1(x[b], logits[b], w_in, w_out)  # unbatched
+    gb, (y, stats) = grad1(x[b], logits[b], w_in, w_out)  # unbatched
     np.testing.assert_allclose(y_b[b], y, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(stats_b.tokens_per_expert[b], stats.tokens_per_expert)
     np.testing.assert_array_equal(stats_b.num_dropped[b], stats.num_dropped)
-    gb = grad1(x[b], logits[b], w_in, w_out)
     np.testing.assert_allclose(grads[0][b], gb[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(grads[1][b], gb[1], rtol=1e-5, atol=1e-6)
     g_sum = [g_sum[0] + gb[2], g_sum[1] + gb[3]]

@@ -24,6 +24,19 @@ def _ids(T, E, k, seed, none_frac=0.0):
   return ids
 
 
+# The placements, jitted: one program each, not op by op.
+_dropless = jax.jit(permute.dropless_placement, static_argnums=(1,), static_argnames="block_size")
+_capacity = jax.jit(permute.capacity_placement, static_argnums=(1, 2))
+
+
+def _value_and_vjp(fn, *args, ct):
+  """fn(*args) and its vjp of the cotangent ct, as one jitted program."""
+  def run(ct, *args):
+    y, vjp = jax.vjp(fn, *args)
+    return y, vjp(ct)
+  return jax.jit(run)(ct, *args)
+
+
 def _check_placement(p, ids, E, block, capacity=None):
   rows = np.asarray(p.rows)
   valid = ids >= 0
@@ -60,15 +73,14 @@ def _check_placement(p, ids, E, block, capacity=None):
 @pytest.mark.parametrize("T,E,k,none_frac", [(37, 4, 2, 0.0), (130, 8, 3, 0.2), (1, 4, 1, 0.0), (9, 1, 1, 0.0)])
 def test_dropless_placement(T, E, k, none_frac, block):
   ids = _ids(T, E, k, seed_of("place", T, E, k, block), none_frac)
-  p = jax.jit(permute.dropless_placement, static_argnums=(1,), static_argnames="block_size")(
-      jnp.asarray(ids), E, block_size=block)
+  p = _dropless(jnp.asarray(ids), E, block_size=block)
   _check_placement(p, ids, E, block)
 
 
 @pytest.mark.parametrize("T,E,k,C", [(37, 4, 2, 5), (20, 3, 1, 20), (12, 4, 4, 1)])
 def test_capacity_placement(T, E, k, C):
   ids = _ids(T, E, k, seed_of("cap_place", T, E, k, C), 0.1)
-  p = jax.jit(permute.capacity_placement, static_argnums=(1, 2))(jnp.asarray(ids), E, C)
+  p = _capacity(jnp.asarray(ids), E, C)
   _check_placement(p, ids, E, 1, capacity=C)
 
 
@@ -78,6 +90,14 @@ def test_dropless_num_rows_bound_is_tight_enough():
   ids = np.repeat(np.arange(E), b + 1)[:, None].astype(np.int32)  # counts 9, 9, 9, 9
   p = permute.dropless_placement(jnp.asarray(ids), E, block_size=b)
   assert int(np.sum(p.group_sizes)) == E * 2 * b <= p.num_rows
+
+
+@jax.jit
+def _padded_reference(x, cw, w_in, w_out, w_gate, ids):
+  """The reference layer's gradients of sum(sin(y)), and y: the cases below share its compile."""
+  ref = lambda *a: sj.moe_mlp_reference(a[0], ids, *a[1:4], w_gate=a[4], activation=jax.nn.silu)
+  return jax.grad(lambda *a: (lambda y: (jnp.sum(jnp.sin(y)), y))(ref(*a)), argnums=tuple(range(5)),
+                  has_aux=True)(x, cw, w_in, w_out, w_gate)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -97,14 +117,13 @@ def test_block_padded_layout_computes_the_moe(impl, block):
     out = sj.expert_ffn(buf, p.group_sizes, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu, impl=impl)
     return permute.scatter_rows(out, p, cw, x.dtype)
 
-  def ref(x, cw, w_in, w_out, w_gate):
-    return sj.moe_mlp_reference(x, ids, cw, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)
-
   args = (x, cw, w_in, w_out, w_gate)
-  assert_close(jax.jit(padded_moe)(*args), ref(*args), 1e-5, "padded forward")
-  loss = lambda fn: lambda *a: jnp.sum(jnp.sin(fn(*a)))
-  g = jax.jit(jax.grad(loss(padded_moe), argnums=tuple(range(5))))(*args)
-  g_ref = jax.jit(jax.grad(loss(ref), argnums=tuple(range(5))))(*args)
+  # The values ride along as aux: one program gives them and the gradients.
+  value_and_grads = lambda fn: jax.grad(lambda *a: (lambda y: (jnp.sum(jnp.sin(y)), y))(fn(*a)),
+                                        argnums=tuple(range(5)), has_aux=True)
+  g, y = jax.jit(value_and_grads(padded_moe))(*args)
+  g_ref, y_ref = _padded_reference(*args, ids)
+  assert_close(y, y_ref, 1e-5, "padded forward")
   for a, b, n in zip(g, g_ref, ("x", "cw", "w_in", "w_out", "w_gate")):
     assert_close(a, b, 1e-5, n)
 
@@ -131,8 +150,7 @@ def test_gather_and_scatter_gradients_are_the_autodiff_ones(mode, dtype, tol):
   ids = (np.zeros((T, 1), np.int32) if mode == "all_on_one"
          else _ids(T, E, k, seed_of("moves-ids", mode), 0.1 if mode != "k_equals_E" else 0.0))
   ids = jnp.asarray(ids)
-  p = (permute.capacity_placement(ids, E, 6) if mode == "capacity"
-       else permute.dropless_placement(ids, E, block_size=4))
+  p = _capacity(ids, E, 6) if mode == "capacity" else _dropless(ids, E, block_size=4)
   x = jnp.asarray(rand(rng, (T, d))).astype(dtype)
   cw = jnp.asarray(rng.uniform(0.1, 1, (T, k)).astype(np.float32))
 
@@ -167,8 +185,7 @@ def test_scatter_rows_vjp_is_the_autodiff_one(mode, k):
   dropped and unassigned pairs get dw = 0, empty rows get dbuffer = 0."""
   T, E, d = 41, 6, 24
   ids = jnp.asarray(_skewed_ids(T, E, k, seed_of("scatter-vjp", mode, k)))
-  p = (permute.capacity_placement(ids, E, 4 * k) if mode == "capacity"
-       else permute.dropless_placement(ids, E, block_size=8))
+  p = _capacity(ids, E, 4 * k) if mode == "capacity" else _dropless(ids, E, block_size=8)
   rows = np.asarray(p.rows)
   filled = np.zeros(p.num_rows, bool)
   filled[rows[rows < p.num_rows]] = True
@@ -185,10 +202,9 @@ def test_scatter_rows_vjp_is_the_autodiff_one(mode, k):
     picked = jnp.concatenate([buf, jnp.zeros((1, d), buf.dtype)])[p.rows]  # [T, k, d], row num_rows reads 0
     return jnp.sum(w[:, :, None] * picked, axis=1)
 
-  y, vjp = jax.vjp(lambda b, w: permute.scatter_rows(b, p, w, jnp.float32), buf, w)
-  y_ref, vjp_ref = jax.vjp(plain, buf, w)
+  y, (dbuf, dw) = _value_and_vjp(lambda b, w: permute.scatter_rows(b, p, w, jnp.float32), buf, w, ct=dy)
+  y_ref, (dbuf_ref, dw_ref) = _value_and_vjp(plain, buf, w, ct=dy)
   assert_close(y, y_ref, 1e-6, "forward")
-  (dbuf, dw), (dbuf_ref, dw_ref) = vjp(dy), vjp_ref(dy)
   assert dbuf.dtype == buf.dtype and dw.dtype == w.dtype
   np.testing.assert_array_equal(dbuf, dbuf_ref)  # one product per row either way
   np.testing.assert_array_equal(np.asarray(dbuf)[~filled], 0)
@@ -232,7 +248,7 @@ def test_scatter_rows_backward_gathers_a_bf16_cotangent_in_bf16():
   bytes of a float32 copy, and its gradients equal autodiff of the float32 combine cast to bf16."""
   T, E, d, k = 41, 6, 24, 2
   ids = jnp.asarray(_skewed_ids(T, E, k, seed_of("scatter-bf16", k)))
-  p = permute.dropless_placement(ids, E, block_size=8)
+  p = _dropless(ids, E, block_size=8)
   assert p.num_rows != T
   rng = np.random.default_rng(seed_of("scatter-bf16-data", k))
   buf = jnp.asarray(rand(rng, (p.num_rows, d))).astype(jnp.bfloat16)
@@ -244,11 +260,10 @@ def test_scatter_rows_backward_gathers_a_bf16_cotangent_in_bf16():
     picked = jnp.concatenate([buf, jnp.zeros((1, d), buf.dtype)])[p.rows].astype(jnp.float32)
     return jnp.sum(w[:, :, None] * picked, axis=1).astype(jnp.bfloat16)
 
-  y, vjp = jax.vjp(f, buf, w)
-  y_ref, vjp_ref = jax.vjp(plain, buf, w)
+  y, (dbuf, dw) = _value_and_vjp(f, buf, w, ct=dy)
+  y_ref, (dbuf_ref, dw_ref) = _value_and_vjp(plain, buf, w, ct=dy)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
-  (dbuf, dw), (dbuf_ref, dw_ref) = vjp(dy), vjp_ref(dy)
   np.testing.assert_array_equal(np.asarray(dbuf, np.float32), np.asarray(dbuf_ref, np.float32))
   assert_close(dw, dw_ref, 1e-6, "dw")
   backward = jax.make_jaxpr(lambda dy: jax.vjp(f, buf, w)[1](dy))(dy)

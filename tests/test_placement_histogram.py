@@ -84,7 +84,9 @@ def test_placements_pick_the_histogram_on_gpus_with_the_same_result(case, monkey
   """On a GPU backend dropless_placement and capacity_placement rank by histogram; the Placements
   (rows, sizes, counts, drops) are those of the argsort they use elsewhere."""
   ids, E = jnp.asarray(CASES[case]), NUM_EXPERTS[case]
-  make = lambda: (permute.dropless_placement(ids, E, block_size=4), permute.capacity_placement(ids, E, 3))
+  # Jitted (a trace each, made under its backend): one program each, not op by op.
+  make = lambda: jax.jit(lambda ids: (permute.dropless_placement(ids, E, block_size=4),
+                                      permute.capacity_placement(ids, E, 3)))(ids)
   cpu = make()
   used = []
   hist = permute.rank_within_expert_histogram

@@ -70,7 +70,7 @@ def test_kernel_equals_oracle(name, dtype):
   np.testing.assert_allclose(np.asarray(got), _oracle(x, w, experts), **TOL[dtype])
   # one x per slot (the down projection of decode_moe_mlp)
   xs = _draw(seed + 2, (len(ids), m, k), dtype)
-  got = skinny_matmul(xs, w, experts=experts, impl="triton")
+  got = jax.jit(lambda xs, w: skinny_matmul(xs, w, experts=experts, impl="triton"))(xs, w)
   np.testing.assert_allclose(np.asarray(got), _oracle(xs, w, experts), **TOL[dtype])
 
 
@@ -124,9 +124,9 @@ def test_gradients_equal_the_reference():
   experts = jnp.asarray([1, 3, 1], jnp.int32)
   g = _draw(13, (3, 3, 320), jnp.float32)
   loss = lambda f: lambda x, w: jnp.sum(f(x, w) * g)
-  got = jax.grad(loss(lambda x, w: skinny_matmul(x, w, experts=experts, impl="triton")), argnums=(0, 1))(x, w)
-  want = jax.grad(loss(lambda x, w: skinny_matmul_reference(jnp.broadcast_to(x, (3,) + x.shape), w, experts)),
-                  argnums=(0, 1))(x, w)
+  got = jax.jit(jax.grad(loss(lambda x, w: skinny_matmul(x, w, experts=experts, impl="triton")), argnums=(0, 1)))(x, w)
+  want = jax.jit(jax.grad(loss(lambda x, w: skinny_matmul_reference(jnp.broadcast_to(x, (3,) + x.shape), w, experts)),
+                          argnums=(0, 1)))(x, w)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
@@ -210,9 +210,9 @@ def test_folded_norm_gradients_equal_the_reference():
   experts = jnp.asarray([2, 0], jnp.int32)
   ct = _draw(23, (2, 2, 192), jnp.float32)
   folded = lambda x, w, gn: skinny_matmul(x, w, experts=experts, norm=(gn, 1e-6), impl="triton")
-  got = jax.grad(lambda x, w, gn: jnp.sum(folded(x, w, gn) * ct), argnums=(0, 1, 2))(x, w, gn)
-  want = jax.grad(lambda x, w, gn: jnp.sum(skinny_matmul_reference(
-      jnp.broadcast_to(rms_norm(x, gn, 1e-6), (2, 2, 256)), w, experts) * ct), argnums=(0, 1, 2))(x, w, gn)
+  got = jax.jit(jax.grad(lambda x, w, gn: jnp.sum(folded(x, w, gn) * ct), argnums=(0, 1, 2)))(x, w, gn)
+  want = jax.jit(jax.grad(lambda x, w, gn: jnp.sum(skinny_matmul_reference(
+      jnp.broadcast_to(rms_norm(x, gn, 1e-6), (2, 2, 256)), w, experts) * ct), argnums=(0, 1, 2)))(x, w, gn)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
@@ -282,7 +282,7 @@ def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype):
   present = (np.asarray(ids) >= 0) & (np.asarray(ids) < e)
   assert not np.any(want[~present]) and np.all(np.any(want[present], axis=-1))
   np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
-  two_calls = skinny_ffn(x, w_in, w_out, experts=experts, impl="xla")
+  two_calls = jax.jit(lambda x, a, b: skinny_ffn(x, a, b, experts=experts, impl="xla"))(x, w_in, w_out)
   # The two forms round h alike (the activation in float32 on u rounded to dtype), so they agree far
   # inside bf16's tolerance; a bf16 GELU in bf16 arithmetic was off by up to 7e-3 here.
   same_rounding = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=1e-3, atol=1e-3)
@@ -335,8 +335,8 @@ def test_ffn_gradients_equal_the_two_call_form():
   ct = _draw(45, (2, 2, 128), jnp.float32)
   loss = lambda impl: lambda *a: jnp.sum(skinny_ffn(a[0], a[1], a[3], experts=experts, w_gate=a[2],
                                                     activation=jax.nn.silu, impl=impl) * ct)
-  got = jax.grad(loss("triton"), argnums=(0, 1, 2, 3))(x, w_in, w_gate, w_out)
-  want = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(x, w_in, w_gate, w_out)
+  got = jax.jit(jax.grad(loss("triton"), argnums=(0, 1, 2, 3)))(x, w_in, w_gate, w_out)
+  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3)))(x, w_in, w_gate, w_out)
   for a, b in zip(got, want):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
@@ -370,7 +370,8 @@ def test_ids_outside_the_experts_are_slots_with_no_expert(m):
     np.testing.assert_allclose(np.asarray(got), want, **TOL[jnp.float32])
   w = _draw(53, (3, 128, 64), jnp.float32)
   xs = _draw(54, (5, m, 128), jnp.float32)
-  grad = jax.grad(lambda xs, w: jnp.sum(skinny_matmul(xs, w, experts=ids, impl="triton") ** 2), argnums=(0, 1))
+  grad = jax.jit(jax.grad(lambda xs, w: jnp.sum(skinny_matmul(xs, w, experts=ids, impl="triton") ** 2),
+                          argnums=(0, 1)))
   gx, gw = grad(xs, w)
   assert not np.any(np.asarray(gx)[[0, 2, 3]]) and np.all(np.any(np.asarray(gx)[[1, 4]], axis=-1))
   assert not np.any(np.asarray(gw)[0])
@@ -389,8 +390,9 @@ def test_split_k_parts_sum_to_the_product(m, k):
   np.testing.assert_allclose(np.asarray(parts.sum(0)[:m]), np.asarray(want), rtol=1e-5, atol=1e-5)
   assert not np.any(np.asarray(parts[:, m:]))
   ct = _draw(63, (m, 192), jnp.float32)
-  got = jax.grad(lambda x, w: jnp.sum(split_k_parts(x, w, impl="triton").sum(0)[:m] * ct), argnums=(0, 1))(x, w)
-  ref = jax.grad(lambda x, w: jnp.sum(skinny_matmul(x, w, impl="xla") * ct), argnums=(0, 1))(x, w)
+  got = jax.jit(jax.grad(lambda x, w: jnp.sum(split_k_parts(x, w, impl="triton").sum(0)[:m] * ct),
+                         argnums=(0, 1)))(x, w)
+  ref = jax.jit(jax.grad(lambda x, w: jnp.sum(skinny_matmul(x, w, impl="xla") * ct), argnums=(0, 1)))(x, w)
   for a, b in zip(got, ref):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="dense w"):
