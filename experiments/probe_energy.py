@@ -7,9 +7,10 @@ A short profile runs at the boost clock and does not show this; the benchmarks' 
 --kernels SHAPES: each of the six Mosaic kernels of the fused expert MLP alone (bench_expert_mlp_parts'
   problem and arguments) and cuBLAS products of the same useful FLOPs (XLA einsums on the balanced layout
   [E, T k / E, .], and one dense product of all rows): time, SM clock, power, mJ a call, J per useful
-  PFLOP and cycles a call (time x clock).
+  PFLOP and cycles a call (time x clock). Each output is first checked against its float32 reference.
 --mlp SHAPES: bench_moe_layer's sparsejax_pallas and torch_grouped_mm expert MLPs (fwd+bwd), sustained, then
   ten sparsejax calls traced: whether the wall time beyond the kernels is gaps between them or clock.
+  Both are first checked against the float32 reference (output and the three gradients).
 
 Each case runs back to back for --seconds while nvidia-smi samples the SM clock and the board power every
 50 ms; the medians of the last two thirds of the samples (the sustained part) are reported. Needs a GPU
@@ -72,8 +73,11 @@ def report(label: str, dt: float, mhz: float, watts: float, flops: float | None 
 
 
 def kernel_cases(shape: str) -> tuple[dict, float]:
-  """{name: (jitted fn, args)} for the six Mosaic kernels and the cuBLAS peers, and the useful FLOPs of one."""
+  """{name: (jitted fn, args, want)} for the six Mosaic kernels and the cuBLAS peers, and the useful FLOPs
+  of one. want: the float32 reference of the case's (first) output, compared on the real rows."""
   from bench_expert_mlp_parts import mosaic, problem, real_rows
+  from sparsejax.activations import DERIVATIVES
+  from sparsejax.kernels.gmm.reference import gmm_reference, tgmm_reference
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   n, d, f, e = p["N"], p["d"], p["f"], p["E"]
@@ -83,19 +87,39 @@ def kernel_cases(shape: str) -> tuple[dict, float]:
   dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
   tg = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, a.dtype))
   xb, hb, dyb = x[:n].reshape(e, n // e, d), h[:n].reshape(e, n // e, f), dy[:n].reshape(e, n // e, d)
+  # float32 operands, zero outside the real rows (the kernels' outputs leave inactive blocks unwritten)
+  f32 = lambda *a: [jnp.where(real, v, 0).astype(jnp.float32) if v.shape[0] == real.shape[0]
+                    else v.astype(jnp.float32) for v in a]
+  hi = jax.lax.Precision.HIGHEST
+  ein = lambda spec, a, b: jnp.einsum(spec, *f32(a, b), precision=hi)
+  mm = lambda a, w, t=False: gmm_reference(*f32(a, w), topo, transpose_rhs=t, out_dtype=jnp.float32)
   cases = {
-      "gmm_act": (jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in)),
-      "gmm h W_out": (jax.jit(lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype)), (h, w_out)),
-      "gmm_dact": (jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act)), (dy, w_out, pre)),
-      "tgmm h^T dY": (tg, (h, dy)),
-      "tgmm x^T dpre": (tg, (x, dpre)),
-      "gmm_t dX": (jax.jit(lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype)), (dpre, w_in)),
-      "cuBLAS bmm x W_in (balanced)": (jax.jit(lambda a, b: jnp.einsum("ecd,edf->ecf", a, b)), (xb, w_in)),
-      "cuBLAS bmm h W_out (balanced)": (jax.jit(lambda a, b: jnp.einsum("ecf,efd->ecd", a, b)), (hb, w_out)),
-      "cuBLAS bmm h^T dY (balanced)": (jax.jit(lambda a, b: jnp.einsum("ecf,ecd->efd", a, b)), (hb, dyb)),
-      "cuBLAS dense x W_in[0]": (jax.jit(lambda a, b: a @ b), (x[:n], w_in[0])),
+      "gmm_act": (jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in), mm(x, w_in)),
+      "gmm h W_out": (jax.jit(lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype)), (h, w_out), mm(h, w_out)),
+      "gmm_dact": (jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act)), (dy, w_out, pre),
+                   mm(dy, w_out, True) * DERIVATIVES[act](pre.astype(jnp.float32))),
+      "tgmm h^T dY": (tg, (h, dy), tgmm_reference(*f32(h, dy), topo)),
+      "tgmm x^T dpre": (tg, (x, dpre), tgmm_reference(*f32(x, dpre), topo)),
+      "gmm_t dX": (jax.jit(lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype)), (dpre, w_in), mm(dpre, w_in, True)),
+      "cuBLAS bmm x W_in (balanced)": (jax.jit(lambda a, b: jnp.einsum("ecd,edf->ecf", a, b)), (xb, w_in),
+                                       ein("ecd,edf->ecf", xb, w_in)),
+      "cuBLAS bmm h W_out (balanced)": (jax.jit(lambda a, b: jnp.einsum("ecf,efd->ecd", a, b)), (hb, w_out),
+                                        ein("ecf,efd->ecd", hb, w_out)),
+      "cuBLAS bmm h^T dY (balanced)": (jax.jit(lambda a, b: jnp.einsum("ecf,ecd->efd", a, b)), (hb, dyb),
+                                       ein("ecf,ecd->efd", hb, dyb)),
+      "cuBLAS dense x W_in[0]": (jax.jit(lambda a, b: a @ b), (x[:n], w_in[0]), ein("nd,df->nf", x[:n], w_in[0])),
   }
-  return cases, 2.0 * n * d * f
+  return cases, 2.0 * n * d * f, real[:, 0]
+
+
+def output_error(out, want, real) -> float:
+  """rel err of a case's (first) output against its float32 reference; the gmm kinds on the real rows
+  only (rows of inactive blocks are unspecified)."""
+  from peers.common import rel_err
+  out = out[0] if isinstance(out, (tuple, list)) else out
+  if out.shape[0] == real.shape[0] and out.shape == want.shape:
+    out, want = out[real], want[real]
+  return rel_err(out, want)
 
 
 def traced_span(fn, sync, calls: int = 10) -> tuple[float, float, list[tuple[float, str, str]]]:
@@ -119,12 +143,18 @@ def mlp(shape: str, seconds: float, rounds: int) -> None:
   import bench_moe_layer
   from peers import common, sparsejax_variants, torch_grouped_mm
   p = common.make_problem({s.name: s for s in bench_moe_layer.SHAPES}[shape])
-  cases = {"sparsejax": sparsejax_variants.sparsejax_case(p, None, "pallas")}
+  ref = common.dropless_reference(p)
+  cases = {"sparsejax": sparsejax_variants.sparsejax_case(p, ref, "pallas")}
   why_not = torch_grouped_mm.unavailable()
   if why_not:
     print(f"{shape}: torch_grouped_mm skipped ({why_not})", flush=True)
   else:
-    cases["torch_grouped_mm"] = torch_grouped_mm.torch_grouped_mm(p, None)
+    cases["torch_grouped_mm"] = torch_grouped_mm.torch_grouped_mm(p, ref)
+  for name, c in cases.items():
+    got = c.check()
+    print(f"{shape} MLP {name}: y rel err {got['rel_err']:.1e}, grads "
+          + ", ".join(f"{v:.1e}" for v in got["grad_rel_err"]) + ("" if got["check_ok"] else "  CHECK FAILED"),
+          flush=True)
   for _ in range(rounds):
     for name, c in cases.items():
       print(report(f"{shape} MLP fwd+bwd {name}", *sustained(c.fwdbwd, c.sync, seconds)), flush=True)
@@ -150,9 +180,13 @@ def main(argv=None):
     raise SystemExit("probe_energy.py needs a GPU and nvidia-smi (it samples the board's power and clock)")
   print(jax.devices()[0].device_kind, jax.__version__, flush=True)
   for shape in kernels:
-    cases, flops = kernel_cases(shape)
+    cases, flops, real = kernel_cases(shape)
+    for name, (fn, a, want) in cases.items():
+      err = output_error(fn(*a), want, real)
+      print(f"{shape} {name}: output rel err {err:.1e} against float32" + ("" if err < 2e-2 else "  CHECK FAILED"),
+            flush=True)
     for r in range(args.rounds):
-      for name, (fn, a) in cases.items():
+      for name, (fn, a, _) in cases.items():
         stats = sustained(lambda: fn(*a), jax.block_until_ready, args.seconds)
         print(report(f"{shape} round {r} {name}", *stats, flops), flush=True)
   for shape in mlps:

@@ -299,7 +299,11 @@ def test_results_go_to_out_once_and_never_onto_themselves(tmp_path, monkeypatch)
 
 def test_energy_probe_reads_the_sustained_samples_and_refuses_a_cpu(capsys):
   """probe_energy: the clock and power medians leave out the first third of nvidia-smi's samples (the
-  ramp to the power cap); too few samples, no shapes, or no GPU stop it with one line."""
+  ramp to the power cap); outputs are checked on the real rows; too few samples, no shapes, or no GPU
+  stop it with one line."""
+  import math
+
+  import jax.numpy as jnp
   import probe_energy
 
   ramp = ["1980, 300.5", "1900, 500.0"]
@@ -307,6 +311,13 @@ def test_energy_probe_reads_the_sustained_samples_and_refuses_a_cpu(capsys):
   assert probe_energy.sustained_medians(ramp + held + [""]) == (1515.0, 694.0)
   with pytest.raises(ValueError, match="too few power samples"):
     probe_energy.sustained_medians(["1500, 700.0"])
+  real = jnp.asarray([True, False, True])
+  want = jnp.asarray([[1.0, 2.0], [9.0, 9.0], [3.0, 4.0]])
+  got = want.at[1].set(jnp.nan)  # an unspecified row (inactive block): left out of the comparison
+  assert probe_energy.output_error((got, want), want, real) == 0.0
+  assert probe_energy.output_error(want, want * 2, real) == 0.5
+  # rows that are not the gmm rows (a cuBLAS peer's): all compared, so the NaN counts
+  assert math.isnan(probe_energy.output_error(got[:2], want[:2], real))
   line = probe_energy.report("x", 2e-3, 1500.0, 700.0, 1e12)
   assert "1400.0 mJ a call" in line and "1400.0 J/PFLOP" in line and "3.000 Mcycles" in line
   with pytest.raises(SystemExit):
