@@ -67,6 +67,19 @@ def _silu_derivative(x):
   return s * (1.0 + x * (1.0 - s))
 
 
+def _gelu_tanh_and_derivative(x):
+  """(_gelu_tanh(x), _gelu_tanh_derivative(x)), one sigmoid for both."""
+  s = _sigmoid(2.0 * _gelu_tanh_u(x))
+  du = _SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x)
+  return x * s, s + 2.0 * x * s * (1.0 - s) * du
+
+
+def _silu_and_derivative(x):
+  """(_silu(x), _silu_derivative(x)), one sigmoid for both."""
+  s = _sigmoid(x)
+  return x * s, s * (1.0 + x * (1.0 - s))
+
+
 def _relu_derivative(x):
   """1 where x > 0, else 0 (jax.nn.relu's choice at 0)."""
   return jnp.where(x > 0, 1.0, 0.0).astype(x.dtype)
@@ -89,4 +102,12 @@ DERIVATIVES = {
     gelu_exact: _gelu_exact_derivative,
     jax.nn.relu: _relu_derivative,
     jax.nn.silu: _silu_derivative,
+}
+
+# A kernel form's value and derivative from one evaluation of their shared part (the sigmoid): an
+# epilogue that stores both pays for the special functions once (sparsejax.kernels.gmm.mlp).
+VALUE_AND_DERIVATIVE = {
+    jax.nn.gelu: _gelu_tanh_and_derivative,
+    jax.nn.silu: _silu_and_derivative,
+    jax.nn.relu: lambda x: (jnp.maximum(x, 0.0), _relu_derivative(x)),
 }

@@ -39,3 +39,18 @@ def test_plain_forms_match():
       np.testing.assert_allclose(plain(x), want, rtol=1e-5, atol=1e-30)
       np.testing.assert_allclose(plain(x), fn(x), rtol=2e-6, atol=1e-6)
       assert plain(jnp.zeros(())) == 0
+
+
+def test_value_and_derivative_forms_are_the_plain_form_and_its_derivative():
+  """The one-sigmoid pairs the forward epilogue stores (act(x), act'(x)) are exactly PLAIN's form and
+  DERIVATIVES' (the same float32 operations), for every activation the kernels fuse."""
+  from sparsejax.activations import PLAIN, VALUE_AND_DERIVATIVE
+  from sparsejax.kernels.gmm.mlp import FUSED
+  assert set(VALUE_AND_DERIVATIVE) == set(FUSED)
+  x = jnp.concatenate([jax.random.normal(jax.random.key(2), (4096,)) * 3,
+                       jnp.array([0.0, -1e-3, 1e-3, -8.0, 8.0, -30.0, 30.0, -1e4, 1e4])])
+  for fn, both in VALUE_AND_DERIVATIVE.items():
+    value, derivative = jax.jit(both)(x)
+    np.testing.assert_allclose(value, jax.jit(PLAIN[fn])(x), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(derivative, jax.jit(DERIVATIVES[fn])(x), rtol=1e-6, atol=1e-7)
+    assert both(jnp.zeros(()))[0] == 0

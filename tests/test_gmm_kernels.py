@@ -210,18 +210,50 @@ def test_mosaic_epilogue_warpgroup_matches_reference(monkeypatch, activation):
   _check_fused_expert_mlp([130, 0, 70], activation, glu=False, seed=14)
 
 
-@pytest.mark.parametrize("schedule", ["pingpong", "cooperative", "epilogue_wg"])
-def test_mosaic_gmm_act_outputs_follow_the_contract(schedule):
+@pytest.mark.parametrize("schedule,saved", [("pingpong", "pre"), ("cooperative", "pre"), ("epilogue_wg", "pre"),
+                                            ("pingpong", "derivative"), ("cooperative", "derivative")])
+def test_mosaic_gmm_act_outputs_follow_the_contract(schedule, saved):
   """gmm_act alone (ping-pong, cooperative, with the epilogue warpgroup), lhs random on every row:
-  pre and act(pre) match the reference on the real rows and are exactly zero on the rows of active
-  blocks that hold no token (expert_mlp never reads those, so only a direct call sees them)."""
+  pre (or, with SaveDerivative, act'(pre)) and act(pre) match the reference on the real rows and are
+  exactly zero on the rows of active blocks that hold no token (expert_mlp never reads those, so only
+  a direct call sees them; act'(0) is not zero, so the derivative form must select)."""
+  from sparsejax.activations import DERIVATIVES
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 5)
   cfgs = {"pingpong": None, "epilogue_wg": _interpret_epilogue_configs(),
           "cooperative": dataclasses.replace(mosaic.INTERPRET_CONFIGS, **mosaic.INTERPRET_COOPERATIVE)}[schedule]
-  pre, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
+  act = mosaic.SaveDerivative(jax.nn.gelu) if saved == "derivative" else jax.nn.gelu
+  first, h = mosaic.gmm_act(lhs, rhs, topo, act, cfgs)
   want = gmm_reference(lhs, rhs, topo)
-  check_rows(pre, want, topo, TOL[jnp.bfloat16])
+  if saved == "derivative":
+    want_first = jnp.where(real_rows(topo)[:, None], DERIVATIVES[jax.nn.gelu](want.astype(jnp.float32)), 0.0)
+  else:
+    want_first = want
+  check_rows(first, want_first, topo, TOL[jnp.bfloat16])
   check_rows(h, jax.nn.gelu(want.astype(jnp.float32)), topo, TOL[jnp.bfloat16])
+
+
+def test_mosaic_epilogue_warpgroup_refuses_the_saved_derivative():
+  """mosaic_epilogue's kernels apply act or act' to pre themselves: handed act'(pre) forms they
+  would compute something else, so _gmm_call refuses them with one line."""
+  topo, lhs, rhs, rhs_t, pre = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
+  cfgs = _interpret_epilogue_configs()
+  with pytest.raises(ValueError, match="takes pre itself"):
+    mosaic.gmm_act(lhs, rhs, topo, mosaic.SaveDerivative(jax.nn.gelu), cfgs)
+  with pytest.raises(ValueError, match="takes pre itself"):
+    mosaic.gmm_dact(lhs, rhs_t, topo, pre, None, cfgs)
+
+
+@pytest.mark.parametrize("rows_per_expert,activation,want", [
+    (384, jax.nn.gelu, True), (384, jax.nn.silu, True), (384, jax.nn.relu, True),
+    (384, sj.activations.gelu_exact, False),  # no one-sigmoid form (and not fused at all)
+    (2176, jax.nn.gelu, False),  # gmm_act_long is the epilogue warpgroup's kernel
+])
+def test_expert_mlp_saves_the_derivative_where_both_kernels_take_it(rows_per_expert, activation, want):
+  topo = topology_for([rows_per_expert - 128, rows_per_expert - 128])
+  rows = topo.num_row_blocks * 128
+  assert mosaic.saves_derivative(activation, rows, 2, mosaic.DEFAULT_CONFIGS) is want
+  with_dact_wg = dataclasses.replace(mosaic.DEFAULT_CONFIGS, gmm_dact=mosaic_epilogue.CONFIGS["gmm_dact"])
+  assert not mosaic.saves_derivative(activation, rows, 2, with_dact_wg)
 
 
 def test_mosaic_epilogue_warpgroup_dact_zeroes_padding_rows_whatever_pre_holds():
@@ -489,9 +521,15 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
   check_rows(p, want, topo, TOL[jnp.bfloat16])
   check_rows(h, jax.nn.gelu(want.astype(jnp.float32)), topo, TOL[jnp.bfloat16])
   d = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, cfgs)
-  want_d = (gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
-            * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
+  dh = gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
+  want_d = dh * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32))
   check_rows(d, jnp.where(real, want_d, 0.0), topo, TOL[jnp.bfloat16])
+  # The saved-derivative forms: gmm_act's first output act'(pre), gmm_dact's product times pre as given.
+  sd, h2 = mosaic.gmm_act(lhs, rhs, topo, mosaic.SaveDerivative(jax.nn.gelu), cfgs)
+  check_rows(sd, jnp.where(real, DERIVATIVES[jax.nn.gelu](want.astype(jnp.float32)), 0.0), topo, TOL[jnp.bfloat16])
+  np.testing.assert_array_equal(np.asarray(h2)[np.asarray(real[:, 0])], np.asarray(h)[np.asarray(real[:, 0])])
+  d2 = mosaic.gmm_dact(lhs, rhs_t, topo, pre, None, cfgs)
+  check_rows(d2, jnp.where(real, dh * pre.astype(jnp.float32), 0.0), topo, TOL[jnp.bfloat16])
 
 
 def test_mosaic_pingpong_glu_expert_mlp_matches_reference(monkeypatch):

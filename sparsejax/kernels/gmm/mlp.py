@@ -3,10 +3,15 @@ with W_gate the GLU form y[r] = (act(lhs[r] @ W_gate[e(r)]) * (lhs[r] @ W_in[e(r
 
 On the Mosaic backend the activation lives in the kernels' epilogues, so no separate pass reads
 or writes the [rows, d_ff] activations:
-  forward   (pre, h) = gmm_act(lhs, W_in)          h = act(pre), from the float32 accumulator
+  forward   (d, h)   = gmm_act(lhs, W_in)          h = act(pre), d = act'(pre) of the float32 accumulator
             y        = gmm(h, W_out)
-  backward  dpre     = gmm_dact(dy, W_out, pre)    (dy W_out^T) * act'(pre)
+  backward  dpre     = gmm_dact(dy, W_out, d)      (dy W_out^T) * d
             dW_out = tgmm(h, dy), dW_in = tgmm(lhs, dpre), dlhs = gmm(dpre, W_in^T)
+The backward needs pre only through act'(pre), so the forward, which evaluates the sigmoid that
+act and act' share, stores act'(pre) (bf16) where it would store pre, and the backward multiplies
+instead of evaluating exp and rsqrt again (mosaic.SaveDerivative). Where a config puts gmm_act or
+gmm_dact on the epilogue warpgroup's kernel (which applies act or act' to the bf16 pre itself;
+mosaic.saves_derivative), the forward stores pre and the backward takes act'(pre) of it.
 GLU:
   forward   (g, u, h) = gmm_glu(lhs, W_gate, W_in)  two accumulators, h = act(g) * u
             y         = gmm(h, W_out)
@@ -71,18 +76,25 @@ def _fused(lhs, w_in, w_out, topo, activation):
   return _fused_fwd(lhs, w_in, w_out, topo, activation)[0]
 
 
+def _saves_derivative(lhs, topo, activation) -> bool:
+  from sparsejax.kernels.gmm import mosaic
+  return mosaic.saves_derivative(activation, lhs.shape[0], topo.num_experts)
+
+
 def _fused_fwd(lhs, w_in, w_out, topo, activation):
   from sparsejax.kernels.gmm import mosaic
-  pre, h = mosaic.gmm_act(lhs, w_in, topo, activation)
+  derivative = _saves_derivative(lhs, topo, activation)
+  pre, h = mosaic.gmm_act(lhs, w_in, topo, mosaic.SaveDerivative(activation) if derivative else activation)
   y = mosaic.gmm(h, w_out, topo, False, lhs.dtype)
-  return y, (lhs, w_in, w_out, topo, pre, h)
+  return y, (lhs, w_in, w_out, topo, pre, h)  # pre: act'(pre) where derivative
 
 
 def _fused_bwd(activation, res, dy):
   from sparsejax.kernels.gmm import mosaic
   lhs, w_in, w_out, topo, pre, h = res
   dy = dy.astype(lhs.dtype)
-  dpre = mosaic.gmm_dact(dy, w_out, topo, pre, activation)
+  derivative = _saves_derivative(lhs, topo, activation)
+  dpre = mosaic.gmm_dact(dy, w_out, topo, pre, None if derivative else activation)
   dw_out = mosaic.tgmm(h, dy, topo, w_out.dtype)
   dw_in = mosaic.tgmm(lhs, dpre, topo, w_in.dtype)
   dlhs = mosaic.gmm(dpre, w_in, topo, True, lhs.dtype)

@@ -32,7 +32,9 @@ _tgmm_item; -10 to -20% under a training run's routing skew, equal under uniform
 
 The expert MLP (mlp.py) uses epilogue variants of gmm: gmm_act stores pre and act(pre) of the
 float32 accumulator, and gmm_dact, whose consumers TMA-load their pre tile while the K loop runs,
-stores acc * act'(pre). For the GLU form, gmm_glu keeps two accumulators per consumer (x W_gate
+stores acc * act'(pre). With SaveDerivative(act) gmm_act stores act'(pre) in pre's place (one
+sigmoid serves both) and gmm_dact (activation=None) multiplies by it: mlp.py's form wherever
+saves_derivative allows. For the GLU form, gmm_glu keeps two accumulators per consumer (x W_gate
 and x W_in over the same lhs tile) and stores g, u and act(g) * u; gmm_dglu loads g and u and
 stores dh * u * act'(g) and dh * act(g). No separate pass then touches the [rows, d_ff] activations.
 The epilogues compute sparsejax.activations' kernel forms (exp and rsqrt, no tanh or division),
@@ -67,12 +69,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float, Int
 
-from sparsejax.activations import DERIVATIVES, PLAIN
+from sparsejax.activations import DERIVATIVES, PLAIN, VALUE_AND_DERIVATIVE
 from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.kernels.shared_lowering import call_shared
 from sparsejax.topology import Topology
 
 M_DIM, N_DIM = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveDerivative:
+  """gmm_act's activation when its first output is act'(pre) instead of pre (gmm_act's docstring):
+  a key of sparsejax.activations.VALUE_AND_DERIVATIVE."""
+  activation: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -638,11 +647,22 @@ def gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real):
   """The epilogue(pieces, j) of _store_tile for a gmm variant (the table in _gmm_padded), or None
   for a plain product. pieces: the float32 accumulators' j-th epi_tile_n-wide pieces, zero on the
   rows without a token; pre_tile(i, j): pre[i]'s matching piece as float32; piece_real(j): the
-  piece's mask of rows with a token (pre is whatever the caller passed on the others)."""
+  piece's mask of rows with a token (pre is whatever the caller passed on the others).
+  activation: SaveDerivative(act) for gmm_act's (act'(pre), act(pre)); None for gmm_dact whose pre
+  holds act'(pre) already (the product times it)."""
+  if isinstance(activation, SaveDerivative):
+    both = VALUE_AND_DERIVATIVE[activation.activation]
+
+    def epilogue(pieces, j):
+      h, d = both(pieces[0])  # h is zero on the zeroed padding rows; act'(0) need not be
+      return jnp.where(piece_real(j), d, 0.0), h
+    return epilogue
   fn = PLAIN.get(activation, activation)
   if num_pre == 1:
+    derivative = (lambda p: p) if activation is None else DERIVATIVES[activation]
+
     def epilogue(pieces, j):
-      d = pieces[0] * DERIVATIVES[activation](pre_tile(0, j))
+      d = pieces[0] * derivative(pre_tile(0, j))
       return (jnp.where(piece_real(j), d, 0.0),)
   elif num_pre == 2:
     def epilogue(pieces, j):
@@ -705,6 +725,9 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
 
     if kind not in ("gmm_act", "gmm_dact"):
       raise ValueError(f"Config.epilogue_wg serves gmm_act and gmm_dact; got it for {kind}")
+    if isinstance(activation, SaveDerivative) or activation is None:
+      raise ValueError(f"Config.epilogue_wg's {kind} takes pre itself, not act'(pre) (saves_derivative "
+                       f"says which form a config takes); got activation={activation}")
     cfg, n_buf = mosaic_epilogue.fit(base, lhs.shape[1], n, topo.block_size, len(pre))
     padded, static, dynamic = mosaic_epilogue.gmm_padded, dict(n_buf=n_buf), {}
   else:
@@ -768,8 +791,21 @@ def gmm_act(
 ) -> tuple[Float[Array, "rows n"], Float[Array, "rows n"]]:
   """(pre, act(pre)) with pre[r] = lhs[r] @ rhs[e(r)]: one kernel, the activation applied to the
   float32 accumulator in the epilogue (no separate pass over pre). Both zero on the other rows of
-  active blocks. bf16 operands only (the caller routes float32 to the unfused path)."""
+  active blocks. bf16 operands only (the caller routes float32 to the unfused path).
+  activation=SaveDerivative(act): (act'(pre), act(pre)) instead, for a backward that needs pre only
+  through act'(pre) (gmm_dact with activation=None); where saves_derivative allows."""
   return _gmm_call(lhs, (rhs,), topo, False, lhs.dtype, configs, activation=activation)
+
+
+def saves_derivative(activation, rows: int, num_experts: int, configs: Configs | None = None) -> bool:
+  """Whether gmm_act and gmm_dact at this size can pass act'(pre) between them instead of pre
+  (SaveDerivative): the activation has a one-sigmoid VALUE_AND_DERIVATIVE form and neither kernel's
+  config is the epilogue warpgroup's (which applies act or act' to pre itself). The backward then
+  multiplies where it evaluated act'(pre), exp and rsqrt an element: gmm_dact cost 1.25-1.29x a
+  plain product's energy per FLOP (experiments/notes_hopper_kernels.md, twentieth session)."""
+  cfgs = _configs(configs)
+  return activation in VALUE_AND_DERIVATIVE and not any(
+      cfgs.gmm_for(kind, rows, num_experts).epilogue_wg for kind in ("gmm_act", "gmm_dact"))
 
 
 def gmm_dact(
@@ -782,7 +818,8 @@ def gmm_dact(
 ) -> Float[Array, "rows n"]:
   """(lhs[r] @ rhs[e(r)]^T) * act'(pre[r]): dH = dY W_out^T times the activation's derivative, in
   one kernel (each consumer's pre tile arrives by TMA while its K loop runs). activation: a key
-  of sparsejax.activations.DERIVATIVES."""
+  of sparsejax.activations.DERIVATIVES, or None when pre holds act'(pre) (gmm_act with
+  SaveDerivative): then the product times pre."""
   return _gmm_call(lhs, (rhs,), topo, True, lhs.dtype, configs, activation=activation, pre=(pre,))
 
 
