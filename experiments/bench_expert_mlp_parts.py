@@ -1,7 +1,7 @@
 """The Mosaic expert MLP on one shape, product by product, beside the peers a user would compare it to.
 
 Times each of the six kernels of the fused expert MLP alone (gmm_act, gmm, gmm_dact, two tgmm,
-the transposed gmm), then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's
+the transposed gmm; the activation kernels in the forms the MLP runs them, mlp.activation_forms), then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's
 activation), the balanced batched-matmul MLP (XLA, E equal groups) and a dense FFN of the same
 FLOPs (cuBLAS and XLA's GELU: what dense-XS runs); each MLP returns y beside its gradients, so all
 six products run (`fwd_bwd`: until 2026-11-25 these rows timed five). The timer is tune_gmm.timeit (median over
@@ -40,7 +40,9 @@ from peers.common import fwd_bwd  # noqa: E402  (y returned beside the gradients
 from provenance import source_fingerprint  # noqa: E402
 from tune_gmm import problem, rel_err, timeit  # noqa: E402
 
+from sparsejax.activations import DERIVATIVES  # noqa: E402
 from sparsejax.kernels.gmm import expert_mlp, mlp_reference, mosaic, mosaic_epilogue  # noqa: E402
+from sparsejax.kernels.gmm.mlp import activation_forms  # noqa: E402
 from sparsejax.kernels.gmm.reference import real_rows  # noqa: E402
 
 
@@ -139,11 +141,14 @@ def config_set_parts(shape: str, peers: bool, tag: str, first=None) -> tuple[dic
     print(f"{shape} {tag:11s} {name:38s} {t * 1e3:7.3f} ms {f / t / 1e12:6.1f} TF/s", flush=True)
     return out
 
-  pre, h = rec("gmm_act x W_in -> (pre, h)", jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in), flops)
+  # The forms the fused MLP runs at this size: pre is act'(pre) where gmm_act saves the derivative.
+  fwd_act, bwd_act = activation_forms(act, x.shape[0], e)
+  pre, h = rec("gmm_act x W_in -> (pre, h)", jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, fwd_act)), (x, w_in),
+               flops)
   y = rec("gmm h W_out", jax.jit(lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype)), (h, w_out), flops)
   dy = jnp.where(real, jax.random.normal(jax.random.key(9), y.shape, y.dtype), 0)
   dpre = rec("gmm_dact dY W_out^T * act'(pre)",
-             jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act)), (dy, w_out, pre), flops)
+             jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, bwd_act)), (dy, w_out, pre), flops)
   tg = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, a.dtype))
   rec("tgmm h^T dY (dW_out)", tg, (h, dy), flops)
   rec("tgmm x^T dpre (dW_in)", tg, (x, dpre), flops)
@@ -199,14 +204,19 @@ def ab(shape: str, config_sets, rounds: int, names=AB_KERNELS) -> dict:
   dy = jnp.where(real, jax.random.normal(jax.random.key(9), (x.shape[0], w_out.shape[-1]), x.dtype), 0)
   pre, h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)
   dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
+  # gmm_dact's input in either form the sets may run it in: pre, or act'(pre) (zero off the real rows).
+  saved = {act: pre, None: jnp.where(real, DERIVATIVES[act](pre.astype(jnp.float32)), 0).astype(pre.dtype)}
+  forms = {}
 
-  def kernels():
+  def kernels(name):
     # Fresh functions per config set: jit caches a trace by function identity, so reusing one
-    # function object would run the first set's trace (its configs) for every later set.
+    # function object would run the first set's trace (its configs) for every later set. Each
+    # set's activation kernels run in the forms the fused MLP takes under its configs.
+    fwd_act, bwd_act = forms.setdefault(name, activation_forms(act, x.shape[0], topo.num_experts))
     tg = lambda a, b: mosaic.tgmm(a, b, topo, a.dtype)
-    every = {"gmm_act": (lambda a, b: mosaic.gmm_act(a, b, topo, act), (x, w_in)),
+    every = {"gmm_act": (lambda a, b: mosaic.gmm_act(a, b, topo, fwd_act), (x, w_in)),
              "gmm h W_out": (lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype), (h, w_out)),
-             "gmm_dact": (lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act), (dy, w_out, pre)),
+             "gmm_dact": (lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, bwd_act), (dy, w_out, saved[bwd_act])),
              "tgmm h^T dY": (tg, (h, dy)),
              "tgmm x^T dpre": (tg, (x, dpre)),
              "gmm_t dX": (lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype), (dpre, w_in)),
@@ -214,28 +224,30 @@ def ab(shape: str, config_sets, rounds: int, names=AB_KERNELS) -> dict:
                  a, wi, wo, topo, activation=act, backend="mosaic"), dy), (x, w_in, w_out))}
     return {k: every[k] for k in names}
 
-  compiled, outs, programs = {}, {}, {}
+  compiled, outs, programs, args_of = {}, {}, {}, {}
   for name in config_sets:
     with config_set(name):
-      for k, (fn, args) in kernels().items():
+      for k, (fn, args) in kernels(name).items():
+        args_of[k, name] = args
         compiled[k, name] = jax.jit(fn).lower(*args).compile()
         # The traced program, not the compiled text: Mosaic GPU's compiled text differs between
         # two compiles of the same kernel.
         programs[k, name] = str(jax.make_jaxpr(fn)(*args))
         outs[k, name] = jax.block_until_ready(compiled[k, name](*args))
-  args_of = {k: args for k, (_, args) in kernels().items()}
   res = {"rel_err_vs_first": {}, "same_program_as_first": {}, "ms": {k: {c: [] for c in config_sets} for k in names}}
   on_real = lambda v: jnp.where(real, v, 0) if v.shape[0] == x.shape[0] else v
   for k in names:
     for c in config_sets[1:]:
       # A set that traces to the first's program measures nothing: say so beside its times.
       res["same_program_as_first"][f"{k} {c}"] = programs[k, c] == programs[k, config_sets[0]]
-      res["rel_err_vs_first"][f"{k} {c}"] = [rel_err(on_real(a), on_real(b)) for a, b in zip(
-          jax.tree.leaves(outs[k, c]), jax.tree.leaves(outs[k, config_sets[0]]), strict=True)]
+      pairs = list(zip(jax.tree.leaves(outs[k, c]), jax.tree.leaves(outs[k, config_sets[0]]), strict=True))
+      if k == "gmm_act" and forms[c] != forms[config_sets[0]]:
+        pairs = pairs[1:]  # one set's first output is pre, the other's act'(pre): compare act(pre) only
+      res["rel_err_vs_first"][f"{k} {c}"] = [rel_err(on_real(a), on_real(b)) for a, b in pairs]
   for _ in range(rounds):
-    for k, args in args_of.items():
+    for k in names:
       for c in config_sets:
-        res["ms"][k][c].append(1e3 * timeit(compiled[k, c], *args))
+        res["ms"][k][c].append(1e3 * timeit(compiled[k, c], *args_of[k, c]))
   for k in names:
     print(f"{shape} A/B {k:20s} " + "   ".join(
         f"{c} median {statistics.median(v):.3f} ms (min {min(v):.3f}, max {max(v):.3f})"

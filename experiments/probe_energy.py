@@ -77,14 +77,17 @@ def kernel_cases(shape: str) -> tuple[dict, float]:
   of one. want: the float32 reference of the case's (first) output, compared on the real rows."""
   from bench_expert_mlp_parts import mosaic, problem, real_rows
   from sparsejax.activations import DERIVATIVES
+  from sparsejax.kernels.gmm.mlp import activation_forms
   from sparsejax.kernels.gmm.reference import gmm_reference, tgmm_reference
   p = problem(shape)
   topo, x, w_in, w_out = p["topo"], p["x"], p["w_in"], p["w_out"]
   n, d, f, e = p["N"], p["d"], p["f"], p["E"]
   act, real = jax.nn.gelu, real_rows(topo)[:, None]
   dy = jnp.where(real, jax.random.normal(jax.random.key(9), (x.shape[0], d), x.dtype), 0)
-  pre, h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act))(x, w_in)
-  dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act))(dy, w_out, pre)
+  # The forms the fused MLP runs at this size: saved is act'(pre) where gmm_act saves the derivative.
+  fwd_act, bwd_act = activation_forms(act, x.shape[0], e)
+  saved, h = jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, fwd_act))(x, w_in)
+  dpre = jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, bwd_act))(dy, w_out, saved)
   tg = jax.jit(lambda a, b: mosaic.tgmm(a, b, topo, a.dtype))
   xb, hb, dyb = x[:n].reshape(e, n // e, d), h[:n].reshape(e, n // e, f), dy[:n].reshape(e, n // e, d)
   # float32 operands, zero outside the real rows (the kernels' outputs leave inactive blocks unwritten)
@@ -93,11 +96,15 @@ def kernel_cases(shape: str) -> tuple[dict, float]:
   hi = jax.lax.Precision.HIGHEST
   ein = lambda spec, a, b: jnp.einsum(spec, *f32(a, b), precision=hi)
   mm = lambda a, w, t=False: gmm_reference(*f32(a, w), topo, transpose_rhs=t, out_dtype=jnp.float32)
+  derivative = bwd_act is None
+  pre_want = mm(x, w_in)
   cases = {
-      "gmm_act": (jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, act)), (x, w_in), mm(x, w_in)),
+      "gmm_act": (jax.jit(lambda a, b: mosaic.gmm_act(a, b, topo, fwd_act)), (x, w_in),
+                  DERIVATIVES[act](pre_want) if derivative else pre_want),
       "gmm h W_out": (jax.jit(lambda a, b: mosaic.gmm(a, b, topo, False, a.dtype)), (h, w_out), mm(h, w_out)),
-      "gmm_dact": (jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, act)), (dy, w_out, pre),
-                   mm(dy, w_out, True) * DERIVATIVES[act](pre.astype(jnp.float32))),
+      "gmm_dact": (jax.jit(lambda a, b, c: mosaic.gmm_dact(a, b, topo, c, bwd_act)), (dy, w_out, saved),
+                   mm(dy, w_out, True) * (saved.astype(jnp.float32) if derivative
+                                          else DERIVATIVES[act](saved.astype(jnp.float32)))),
       "tgmm h^T dY": (tg, (h, dy), tgmm_reference(*f32(h, dy), topo)),
       "tgmm x^T dpre": (tg, (x, dpre), tgmm_reference(*f32(x, dpre), topo)),
       "gmm_t dX": (jax.jit(lambda a, b: mosaic.gmm(a, b, topo, True, a.dtype)), (dpre, w_in), mm(dpre, w_in, True)),

@@ -103,6 +103,33 @@ def test_ncu_script_checks_its_kernels_on_the_cpu():
   assert len(errs) == 4 and all(0 <= e < 1e-2 for e in errs)
 
 
+@pytest.mark.parametrize("epilogue_wg", [False, True])
+def test_energy_probe_cases_run_the_mlps_forms_and_match_their_references(monkeypatch, epilogue_wg):
+  """probe_energy --kernels, interpreted on a tiny problem: every case's output against its float32
+  reference, with gmm_act and gmm_dact in the forms the fused MLP runs: act'(pre) saved, or pre where
+  gmm_act runs the epilogue warpgroup's kernel. The references follow the form, so a mismatch reads ~1."""
+  import dataclasses
+
+  import jax
+  import mosaic_interpret_compat
+  import probe_energy
+  import tune_gmm
+
+  from sparsejax.kernels.gmm import mlp, mosaic, mosaic_epilogue
+
+  mosaic_interpret_compat.install()
+  mosaic_interpret_compat.compile_thread_bodies_once()
+  monkeypatch.setitem(tune_gmm.SHAPES, "tiny", (256, 128, 128, 2, 1))
+  if epilogue_wg:
+    wg = dataclasses.replace(mosaic_epilogue.CONFIGS["gmm_act"], tile_k=128, max_concurrent_steps=2)
+    monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_act=wg))
+  cases, _, real = probe_energy.kernel_cases("tiny")
+  forward, backward = mlp.activation_forms(jax.nn.gelu, real.shape[0], 2)
+  assert isinstance(forward, mosaic.SaveDerivative) != epilogue_wg and (backward is None) != epilogue_wg
+  for name, (fn, args, want) in cases.items():
+    assert probe_energy.output_error(fn(*args), want, real) < 1e-2, name
+
+
 def test_ep_train_bench_measures_arrival_skew_and_device_load():
   import bench_ep_train as b
   ev = lambda pid, ts, op: {"pid": pid, "ts": ts, "dur": 1, "name": op, "args": {"hlo_op": op}}

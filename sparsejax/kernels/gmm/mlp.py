@@ -76,25 +76,30 @@ def _fused(lhs, w_in, w_out, topo, activation):
   return _fused_fwd(lhs, w_in, w_out, topo, activation)[0]
 
 
-def _saves_derivative(lhs, topo, activation) -> bool:
+def activation_forms(activation, rows: int, num_experts: int, configs=None) -> tuple:
+  """(gmm_act's activation argument, gmm_dact's) as the fused MLP passes them at `rows` padded rows
+  (the benchmarks time the kernels in the same forms): (SaveDerivative(act), None) where
+  mosaic.saves_derivative allows, else (act, act)."""
   from sparsejax.kernels.gmm import mosaic
-  return mosaic.saves_derivative(activation, lhs.shape[0], topo.num_experts)
+  if mosaic.saves_derivative(activation, rows, num_experts, configs):
+    return mosaic.SaveDerivative(activation), None
+  return activation, activation
 
 
 def _fused_fwd(lhs, w_in, w_out, topo, activation):
   from sparsejax.kernels.gmm import mosaic
-  derivative = _saves_derivative(lhs, topo, activation)
-  pre, h = mosaic.gmm_act(lhs, w_in, topo, mosaic.SaveDerivative(activation) if derivative else activation)
+  forward, _ = activation_forms(activation, lhs.shape[0], topo.num_experts)
+  pre, h = mosaic.gmm_act(lhs, w_in, topo, forward)
   y = mosaic.gmm(h, w_out, topo, False, lhs.dtype)
-  return y, (lhs, w_in, w_out, topo, pre, h)  # pre: act'(pre) where derivative
+  return y, (lhs, w_in, w_out, topo, pre, h)  # pre: act'(pre) in the SaveDerivative form
 
 
 def _fused_bwd(activation, res, dy):
   from sparsejax.kernels.gmm import mosaic
   lhs, w_in, w_out, topo, pre, h = res
   dy = dy.astype(lhs.dtype)
-  derivative = _saves_derivative(lhs, topo, activation)
-  dpre = mosaic.gmm_dact(dy, w_out, topo, pre, None if derivative else activation)
+  _, backward = activation_forms(activation, lhs.shape[0], topo.num_experts)
+  dpre = mosaic.gmm_dact(dy, w_out, topo, pre, backward)
   dw_out = mosaic.tgmm(h, dy, topo, w_out.dtype)
   dw_in = mosaic.tgmm(lhs, dpre, topo, w_in.dtype)
   dlhs = mosaic.gmm(dpre, w_in, topo, True, lhs.dtype)
