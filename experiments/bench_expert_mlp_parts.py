@@ -17,7 +17,8 @@ expert_band_order); "epilogue_wg" gmm_act and gmm_dact with the epilogue in a fo
 (mosaic_epilogue.py); "per_tile", "pingpong" and "tgmm_streamed*" put every tgmm config on one
 schedule; "cooperative" puts gmm_act and gmm_dact back on mosaic._gmm_padded's schedule (the
 defaults before the ping-pong one), "pingpong_act" runs them on the ping-pong schedule at every
-length, "pingpong_all" the plain products too. A later set's fused gradients are also checked
+length, "pingpong_all" the plain products too; "dact_pre_from_gmem" gmm_dact reading pre from global
+memory. A later set's fused gradients are also checked
 against the first's.
 --ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
 config set, in R interleaved rounds (each set's outputs checked against the first's): for
@@ -96,6 +97,9 @@ CONFIG_SETS = {
     # quarter-width pieces (Config.split_tail), and without it.
     "split_tail": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=True) for k in ("gmm", "gmm_t")},
     "whole_tail": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=False) for k in ("gmm", "gmm_t")},
+    # gmm_dact (ping-pong, below LONG_ROWS) reading its pre pieces from global memory in the epilogue,
+    # its ring as deep as gmm_act's (Config.pre_from_gmem; not yet measured).
+    "dact_pre_from_gmem": dict(gmm_dact=dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm_dact, pre_from_gmem=True)),
     # The defaults again, as a set of their own: in one process the first set profiled read 5-30%
     # slow (probe_gmm_waves.py), so a second copy measured after the others shows the drift.
     "default_again": {},
