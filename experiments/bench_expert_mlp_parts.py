@@ -1,8 +1,9 @@
 """The Mosaic expert MLP on one shape, product by product, beside the peers a user would compare it to.
 
 Times each of the six kernels of the fused expert MLP alone (gmm_act, gmm, gmm_dact, two tgmm,
-the transposed gmm; the activation kernels in the forms the MLP runs them, mlp.activation_forms), then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's
-activation), the balanced batched-matmul MLP (XLA, E equal groups) and a dense FFN of the same
+the transposed gmm; the activation kernels in the forms the MLP runs them, mlp.activation_forms),
+then forward+backward of `expert_mlp` fused and unfused (op.gmm with XLA's activation), the
+balanced batched-matmul MLP (XLA, E equal groups) and a dense FFN of the same
 FLOPs (cuBLAS and XLA's GELU: what dense-XS runs); each MLP returns y beside its gradients, so all
 six products run (`fwd_bwd`: until 2026-11-25 these rows timed five). The timer is tune_gmm.timeit (median over
 repeats of back-to-back calls after warm-up); useful TFLOP/s count real rows only. The fused MLP's

@@ -39,11 +39,12 @@ float32 accumulator; 64 for the GLU forms' two), walked in mosaic._gmm_padded's 
 (expert_band_order or planar_snake), with its epilogues (mosaic.gmm_epilogue: plain, act, dact,
 glu, dglu). gmm_dact's and gmm_dglu's pre tiles arrive by TMA in shared memory, a tile a consumer,
 or with Config(pre_from_gmem=True) each epilogue piece is read from global memory into registers
-(opt-in, not yet measured), which leaves their shared memory to the ring. A block whose real rows fit in its first 64 runs its wgmmas on those rows only. Same contract as mosaic._gmm_padded: zero on the rows of active blocks that hold no
-token, inactive blocks unwritten. Chosen by Config(pingpong=True) for a gmm kind: Configs.gmm_act
-and gmm_dact (below LONG_ROWS rows an expert) and gmm_glu_short (below SHORT_ROWS); opt-in for the
-others (gmm_dglu on it: 2% faster on E64 top-1, 20% slower on E64 top-8, on an H100:
-results/glu_fusion_pingpong_H100.log). Measured on an H200
+(opt-in, not yet measured), which leaves their shared memory to the ring. A block whose real rows
+fit in its first 64 runs its wgmmas on those rows only. Same contract as mosaic._gmm_padded: zero
+on the rows of active blocks that hold no token, inactive blocks unwritten. Chosen by
+Config(pingpong=True) for a gmm kind: Configs.gmm_act and gmm_dact (below LONG_ROWS rows an
+expert) and gmm_glu_short (below SHORT_ROWS); opt-in for the others (gmm_dglu on it: 2% faster
+on E64 top-1, 20% slower on E64 top-8, on an H100: results/glu_fusion_pingpong_H100.log). Measured on an H200
 (results/act_kernels_pingpong_H200.log; tune_act_kernels.py and bench_expert_mlp_parts.py
 --ab-rounds 5) against the cooperative kernel's best configs: gmm_act 0.322 ms against 0.364
 on E64 top-1 and 0.462 against 0.492 on E64 top-8, gmm_dact 0.349-0.368 against 0.389 and
