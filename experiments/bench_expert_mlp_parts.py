@@ -18,9 +18,8 @@ expert_band_order); "epilogue_wg" gmm_act and gmm_dact with the epilogue in a fo
 (mosaic_epilogue.py); "per_tile", "pingpong" and "tgmm_streamed*" put every tgmm config on one
 schedule; "cooperative" puts gmm_act and gmm_dact back on mosaic._gmm_padded's schedule (the
 defaults before the ping-pong one), "pingpong_act" runs them on the ping-pong schedule at every
-length, "pingpong_all" the plain products too; "dact_pre_from_gmem" gmm_dact reading pre from global
-memory. A later set's fused gradients are also checked
-against the first's.
+length, "pingpong_all" the plain products too; "dact_cooperative" and "dact_cooperative_256" gmm_dact
+alone on the cooperative kernel. A later set's fused gradients are also checked against the first's.
 --ab-rounds R times the six kernels and the fused MLP alone (--ab-kernels picks among them), once per
 config set, in R interleaved rounds (each set's outputs checked against the first's): for
 differences smaller than the drift between sets timed one after the other. A kernel that a set
@@ -88,7 +87,8 @@ CONFIG_SETS = {
     "pingpong_all": dict.fromkeys(("gmm", "gmm_t", "gmm_act", "gmm_act_long", "gmm_dact", "gmm_dact_long"),
                                   _PINGPONG),
     # gmm_act's ping-pong tiles in bands of 4 row blocks (0.308 against 0.322 ms at E64 top-1 in one
-    # sweep, equal at E64 top-8: results/act_kernels_pingpong_H200.log).
+    # sweep, equal at E64 top-8: results/act_kernels_pingpong_H200.log; in 3 interleaved rounds on
+    # an H100 gmm_act and the MLP tied at E64 top-1, skewed or not: results/dact_schedules_ab_H100.log).
     "pingpong_act_bands4": dict(gmm_act=dataclasses.replace(_PINGPONG, grid_tile_width=4)),
     "tgmm_streamed_epi64": _tgmm_set(streamed=True, pingpong=False, max_concurrent_steps=3, epi_tile_n=64, epi_slots=2),
     # The plain products alone (h W_out, dX) on the ping-pong schedule: tied on the skewed E64 top-1,
@@ -98,9 +98,12 @@ CONFIG_SETS = {
     # quarter-width pieces (Config.split_tail), and without it.
     "split_tail": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=True) for k in ("gmm", "gmm_t")},
     "whole_tail": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), split_tail=False) for k in ("gmm", "gmm_t")},
-    # gmm_dact (ping-pong, below LONG_ROWS) reading its pre pieces from global memory in the epilogue,
-    # its ring as deep as gmm_act's (Config.pre_from_gmem; not yet measured).
-    "dact_pre_from_gmem": dict(gmm_dact=dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm_dact, pre_from_gmem=True)),
+    # gmm_dact alone on the cooperative kernel (128- or 256-wide tiles): its epilogue, a multiply by
+    # the saved act'(pre) since gmm_act stores it, is lighter than when the ping-pong kernel won.
+    # On E64 top-1 (skewed and not) 128-wide lost 3-4%, 256-wide tied, and the MLP tied
+    # (results/dact_schedules_ab_H100.log).
+    "dact_cooperative": dict(gmm_dact=mosaic.COOPERATIVE_DACT),
+    "dact_cooperative_256": dict(gmm_dact=dataclasses.replace(mosaic.COOPERATIVE_DACT, tile_n=256, max_concurrent_steps=4)),
     # The defaults again, as a set of their own: in one process the first set profiled read 5-30%
     # slow (probe_gmm_waves.py), so a second copy measured after the others shows the drift.
     "default_again": {},

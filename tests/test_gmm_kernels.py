@@ -532,46 +532,6 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
   check_rows(d2, jnp.where(real, dh * pre.astype(jnp.float32), 0.0), topo, TOL[jnp.bfloat16])
 
 
-@pytest.mark.parametrize("activation", [jax.nn.gelu, None])
-def test_mosaic_pingpong_dact_reads_pre_from_global_memory(activation):
-  """Config(pre_from_gmem=True): the ping-pong gmm_dact (pre, or act'(pre) with activation=None) and
-  gmm_dglu read each epilogue piece of pre straight from global memory. Against the reference, with
-  pre NaN on the rows without a token (those rows of active blocks still exactly zero); an empty
-  expert, one in a first 64-row half, 3 N tiles, a ring that wraps across tiles."""
-  from sparsejax.activations import DERIVATIVES
-  keys = jax.random.split(jax.random.key(21), 4)
-  topo = topology_for([130, 0, 40, 70])
-  rows = topo.num_row_blocks * 128
-  lhs = jax.random.normal(keys[0], (rows, 256), jnp.bfloat16)
-  rhs_t = jax.random.normal(keys[1], (4, 300, 256), jnp.bfloat16)
-  real = real_rows(topo)[:, None]
-  pre = jnp.where(real, jax.random.normal(keys[2], (rows, 300), jnp.bfloat16), jnp.nan)
-  up = jnp.where(real, jax.random.normal(keys[3], (rows, 300), jnp.bfloat16), jnp.nan)
-  pp = mosaic.Config(pingpong=True, tile_n=128, tile_k=64, max_concurrent_steps=3, epi_tile_n=32, pre_from_gmem=True)
-  cfgs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_dact=pp, gmm_dglu=dataclasses.replace(pp, tile_n=64))
-  dh = gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
-  p32, u32 = pre.astype(jnp.float32), up.astype(jnp.float32)
-  d = mosaic.gmm_dact(lhs, rhs_t, topo, pre, activation, cfgs)
-  want = dh * (p32 if activation is None else DERIVATIVES[activation](p32))
-  check_rows(d, jnp.where(real, want, 0.0), topo, TOL[jnp.bfloat16])
-  if activation is not None:
-    dg, du = mosaic.gmm_dglu(lhs, rhs_t, topo, pre, up, activation, cfgs)
-    check_rows(dg, jnp.where(real, dh * u32 * DERIVATIVES[activation](p32), 0.0), topo, TOL[jnp.bfloat16])
-    check_rows(du, jnp.where(real, dh * jax.nn.gelu(p32), 0.0), topo, TOL[jnp.bfloat16])
-
-
-def test_pre_from_gmem_serves_the_pingpong_kernels_with_pre_only():
-  topo, lhs, rhs, rhs_t, pre = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
-  for kind, call in (("gmm_act", lambda c: mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, c)),
-                     ("gmm_dact", lambda c: mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, c))):
-    cooperative = mosaic.Config(tile_n=128, tile_k=128, max_concurrent_steps=2, pre_from_gmem=True)
-    pingpong = dataclasses.replace(cooperative, pingpong=True)
-    bad = [cooperative] + ([pingpong] if kind == "gmm_act" else [])
-    for cfg in bad:
-      with pytest.raises(ValueError, match="pre_from_gmem serves the ping-pong gmm_dact"):
-        call(dataclasses.replace(mosaic.INTERPRET_CONFIGS, **{kind: cfg}))
-
-
 def test_mosaic_pingpong_glu_expert_mlp_matches_reference(monkeypatch):
   """The GLU forms on the ping-pong schedule (gmm_glu_short's; opt-in for gmm_dglu): gmm_glu (two [128, 64] accumulators a
   consumer, act(g) * u in the epilogue) and gmm_dglu (g and u tiles by TMA) through the GLU
@@ -598,10 +558,6 @@ def test_mosaic_pingpong_gmm_fit_shrinks_to_shared_memory():
   assert (glu.tile_n, glu.max_concurrent_steps) == (64, 6)  # two accumulators: half-wide tiles
   dglu = mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 128, 2, jnp.bfloat16, jnp.bfloat16)
   assert (dglu.tile_n, dglu.max_concurrent_steps, dglu.epi_tile_n) == (64, 6, 16)  # narrower, not 2 slots
-  # pre read from global memory takes no shared memory: gmm_dact gets gmm_act's ring.
-  from_gmem = mosaic_pingpong.fit_gmm(dataclasses.replace(cfg, pre_from_gmem=True), 1024, 4096, 128, 1,
-                                      jnp.bfloat16, jnp.bfloat16)
-  assert (from_gmem.tile_n, from_gmem.max_concurrent_steps, from_gmem.epi_tile_n) == (128, 6, 32)
   with pytest.raises(ValueError, match="no tiles of"):
     mosaic_pingpong.fit_gmm(cfg, 1024, 4096, 256, 1, jnp.float32, jnp.float32)
 

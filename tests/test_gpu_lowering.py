@@ -153,21 +153,6 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
          jax.ShapeDtypeStruct((4, 512, 40), bf16))
 
 
-def test_mosaic_pingpong_dact_with_pre_from_global_memory_lowers(monkeypatch):
-  """Config(pre_from_gmem=True): each epilogue piece of pre loaded from GMEM into the WGMMA layout,
-  which Mosaic GPU lowers only as an unoptimized transfer (plgpu.load(..., optimized=False))."""
-  import dataclasses
-
-  from sparsejax.kernels.gmm import mosaic
-  pp = dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm_dact, pre_from_gmem=True)
-  cfgs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, gmm_dact=pp, gmm_dglu=dataclasses.replace(pp, tile_n=64))
-  topo = _topo()
-  x, w_t, pre = (jax.ShapeDtypeStruct(s, bf16) for s in [(1024, 384), (4, 512, 384), (1024, 512)])
-  _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dact(a, b, topo, p, None, cfgs), x, w_t, pre)
-  _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dact(a, b, topo, p, jax.nn.silu, cfgs), x, w_t, pre)
-  _mosaic_lowers(monkeypatch, lambda a, b, p: mosaic.gmm_dglu(a, b, topo, p, p, jax.nn.silu, cfgs), x, w_t, pre)
-
-
 @pytest.mark.parametrize("schedule", [dict(pingpong=False), dict(pingpong=True),
                                       dict(streamed=True, max_concurrent_steps=3, epi_slots=4)],
                          ids=["per_tile", "pingpong", "streamed"])

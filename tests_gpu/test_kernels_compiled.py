@@ -211,9 +211,7 @@ def test_expert_mlp_compiled_in_either_tile_order(monkeypatch, shape, expert_ban
 _PINGPONG = mosaic.Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
                           grid_tile_width=8, expert_bands=True)
 GMM_SCHEDULES = {"pingpong": dict(gmm=_PINGPONG, gmm_t=_PINGPONG, gmm_act=_PINGPONG, gmm_dact=_PINGPONG),
-                 "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT),
-                 # gmm_dact reading pre straight from global memory (Config.pre_from_gmem; opt-in).
-                 "pingpong_pre_from_gmem": dict(gmm_dact=dataclasses.replace(_PINGPONG, pre_from_gmem=True))}
+                 "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT)}
 
 
 @pytest.mark.parametrize("schedule", list(GMM_SCHEDULES) if HOPPER else [])

@@ -122,11 +122,6 @@ class Config:
   # the next tile's rows while the consumers finish this one and store it; epi_slots pieces of
   # epi_tile_n columns buffer the stores. False: a pipeline per tile (_tgmm_padded).
   streamed: bool = False
-  # gmm_dact / gmm_dglu on the ping-pong schedule: each epilogue piece reads its pre piece straight
-  # from global memory into registers (an unvectorized load in the WGMMA layout) instead of the
-  # consumer's pre tiles arriving by TMA in shared memory, which shorten the ring (6 slots to 4 for
-  # gmm_dact). Opt-in, not yet measured on a GPU (experiments/notes_hopper_kernels.md).
-  pre_from_gmem: bool = False
   # gmm, cooperative kernel with expert_bands: the persistent loop's last, partial wave (the active
   # tiles past a multiple of the SMs) runs as half- or quarter-width column pieces side by side
   # (tail_split), so its few SMs do not each run one whole tile while the rest idle.
@@ -167,6 +162,9 @@ class Configs:
   # counterpart lost 17% at every length. Below LONG_ROWS the ping-pong kernel (gmm_act) won.
   gmm_act_long: Config = Config(epilogue_wg=True, tile_n=128, max_concurrent_steps=4, epi_tile_n=64,
                                 grid_tile_width=8)
+  # gmm_dact since gmm_act saves act'(pre): on E64 top-1 (skewed or not) the cooperative kernel's
+  # 128 x 256 tiles tied it, its 128 x 128 tiles lost 3-4%, and pre read from global memory (no pre
+  # tiles, a 6-slot ring) lost 5% skewed (H100, results/dact_schedules_ab_H100.log).
   gmm_dact: Config = Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
                             grid_tile_width=8, expert_bands=True)
   # gmm_dact at LONG_ROWS rows an expert or more (E8 top-2, MoE-XS): the cooperative kernel, as
@@ -697,14 +695,6 @@ def _load_wgmma(ref):
   return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)  # jax 0.10 takes the index separately
 
 
-def _load_wgmma_from_gmem(ref):
-  """A global-memory tile read into registers in the accumulator's (wgmma) layout: Mosaic GPU has
-  only an unvectorized transfer for it (optimized=False; no TMA, no shared memory)."""
-  if _interpret() is not None:
-    return ref[...]
-  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA, optimized=False)
-
-
 def _gmm_config(lhs, n, topo, cfg, out_dtype, num_w=1, pre=()):
   """cfg fitted to one gmm call; num_w weights share each lhs tile (GLU: 2); pre: the backward
   epilogue's extra tiles."""
@@ -733,8 +723,6 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   base = _configs(configs).gmm_for(kind, lhs.shape[0], topo.num_experts)
   if base.pingpong and base.epilogue_wg:
     raise ValueError(f"Config.pingpong and Config.epilogue_wg are two schedules; {kind} got both")
-  if base.pre_from_gmem and not (base.pingpong and pre):
-    raise ValueError(f"Config.pre_from_gmem serves the ping-pong gmm_dact and gmm_dglu; {kind} got {base}")
   if base.epilogue_wg:
     from sparsejax.kernels.gmm import mosaic_epilogue
 

@@ -37,11 +37,11 @@ Configs.tgmm_short picks it below SHORT_ROWS rows an expert.
 gmm: output tiles are one 128-row block x tile_n (at most 128: a consumer holds a [128, tile_n]
 float32 accumulator; 64 for the GLU forms' two), walked in mosaic._gmm_padded's order
 (expert_band_order or planar_snake), with its epilogues (mosaic.gmm_epilogue: plain, act, dact,
-glu, dglu). gmm_dact's and gmm_dglu's pre tiles arrive by TMA in shared memory, a tile a consumer,
-or with Config(pre_from_gmem=True) each epilogue piece is read from global memory into registers
-(opt-in, not yet measured), which leaves their shared memory to the ring. A block whose real rows
-fit in its first 64 runs its wgmmas on those rows only. Same contract as mosaic._gmm_padded: zero
-on the rows of active blocks that hold no token, inactive blocks unwritten. Chosen by
+glu, dglu). gmm_dact's and gmm_dglu's pre tiles arrive by TMA in shared memory, a tile a consumer
+(read from global memory into registers instead, which gave gmm_dact a 6-slot ring, it ran 5%
+slower skewed and tied balanced: results/dact_schedules_ab_H100.log). A block whose real rows fit
+in its first 64 runs its wgmmas on those rows only. Same contract as mosaic._gmm_padded: zero on
+the rows of active blocks that hold no token, inactive blocks unwritten. Chosen by
 Config(pingpong=True) for a gmm kind: Configs.gmm_act and gmm_dact (below LONG_ROWS rows an
 expert) and gmm_glu_short (below SHORT_ROWS); opt-in for the others (gmm_dglu on it: 2% faster
 on E64 top-1, 20% slower on E64 top-8, on an H100: results/glu_fusion_pingpong_H100.log). Measured on an H200
@@ -242,7 +242,7 @@ def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, oper
   a ring at least 3 deep, as deep as fits, with the widest store pieces beside it (down to 16
   columns); then narrower tiles (down to 64), then 2 slots, then tile_k down to 64 for a config
   given by hand. The GLU forms (num_w 2) hold two [block_m, tile_n] accumulators a consumer, so
-  their tiles are at most half as wide. With cfg.pre_from_gmem the pre tiles take no shared memory."""
+  their tiles are at most half as wide."""
   size, out_size = jnp.dtype(operand_dtype).itemsize, jnp.dtype(out_dtype).itemsize
   widest = min(cfg.tile_n, MAX_TILE_N // num_w, max(64, pl.next_power_of_2(n)))
   tile_k = min(cfg.tile_k, max(64, pl.next_power_of_2(k)))
@@ -250,7 +250,7 @@ def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, oper
     for min_slots in (3, 2):
       tile_n = widest
       while tile_n >= 64:
-        pre = 0 if cfg.pre_from_gmem else 2 * num_pre * block_m * tile_n * size
+        pre = 2 * num_pre * block_m * tile_n * size
         for slots in range(cfg.max_concurrent_steps, min_slots - 1, -1):
           epi = min(cfg.epi_tile_n, tile_n)
           while epi >= 16:
@@ -301,7 +301,6 @@ def gmm_padded(
   total = m_iters * n_iters
   num_pre = len(pre)
   num_out = num_pre if num_pre else 3 if num_w == 2 else 2 if activation is not None else 1
-  staged_pre = num_pre and not cfg.pre_from_gmem  # pre tiles by TMA into shared memory
   num_sms = mosaic._num_sms()
   dtype = lhs.dtype
   b_shape = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
@@ -324,7 +323,7 @@ def gmm_padded(
                             transforms=mosaic._transforms(epi_n, out_dtype)))
     if num_w == 2:
       scratch.update(b2_smem=b_smem())  # W_in's, beside W_gate's
-    if staged_pre:
+    if num_pre:
       # A consumer's pre tiles ((2, block_m, tile_n) for one, so the one-pre kernel keeps its layout).
       scratch.update(pre_smem=plgpu.SMEM((2, *((num_pre,) if num_pre > 1 else ()), block_m, tile_n),
                                          pre[0].dtype, transforms=mosaic._transforms(epi_n, pre[0].dtype)),
@@ -376,7 +375,7 @@ def gmm_padded(
           m_idx, n_idx, num_real, steps = tile(local)
           rows_, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
 
-          if staged_pre:
+          if num_pre:
             @pl.when(steps > 0)
             def _():
               plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
@@ -428,14 +427,10 @@ def gmm_padded(
             @pl.when(steps > 0)
             def _():
               plgpu.barrier_arrive(consumed.at[lax.rem(step0 + steps - 1, slots)])
-              if staged_pre:
-                pre_tile = lambda i, j: mosaic._load_wgmma(
-                    pre_smem.at[pre_idx(i) + (slice(None), pl.ds(j * epi_n, epi_n))]).astype(jnp.float32)
-              else:
-                pre_tile = lambda i, j: mosaic._load_wgmma_from_gmem(
-                    pre_gmems[i].at[rows_, pl.ds(n_idx * tile_n + j * epi_n, epi_n)]).astype(jnp.float32)
+              pre_tile = lambda i, j: mosaic._load_wgmma(
+                  pre_smem.at[pre_idx(i) + (slice(None), pl.ds(j * epi_n, epi_n))]).astype(jnp.float32)
               piece_real = lambda j: real[:, j * epi_n:(j + 1) * epi_n]
-              if staged_pre:
+              if num_pre:
                 plgpu.barrier_wait(pre_ready.at[wg_idx])
               epilogue = mosaic.gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real)
               # The stores overlap the other consumer's K loop (and this one's next).
