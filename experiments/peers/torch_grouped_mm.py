@@ -64,7 +64,8 @@ def torch_grouped_mm(p: Problem, ref: Reference) -> Case:
   # [E, out, in] storage, used transposed: [E, in, out] with column-major strides.
   w_in = to_torch(jnp.swapaxes(p.w_in, 1, 2)).transpose(-2, -1)
   w_out = to_torch(jnp.swapaxes(p.w_out, 1, 2)).transpose(-2, -1)
-  offs = torch.cumsum(torch.as_tensor(p.counts, device="cuda"), 0).to(torch.int32)
+  # A copy: p.counts may be a read-only view of a jax array, which torch.as_tensor warns about.
+  offs = torch.cumsum(torch.as_tensor(np.array(p.counts), device="cuda"), 0).to(torch.int32)
 
   def mlp(x, w_in, w_out):
     h = torch._grouped_mm(x, w_in, offs=offs)
