@@ -4,7 +4,9 @@ The step is the library's own (sparsejax.train: init_model, make_optimizer, make
 batch per GPU: on one GPU without a mesh, on n GPUs with `--mesh data=1,expert=n` (what
 `sparsejax-train --mesh` builds: the MoE layers expert-parallel, expert weights and their AdamW
 moments sharded over "expert", the rest data-parallel), once per exchange ("ragged": only the
-real rows cross; "dense": the whole static buffer).
+real rows cross; "dense": the whole static buffer). With --expert-groups G, n GPUs are also measured
+as a two-level mesh `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense)
+all-to-all, as `sparsejax-train --mesh data=1,expert_group=G,expert=n/G` runs it.
 
 Timing: after --warmup steps, --steps steps back to back (as the training loop runs them), one
 sync at the end; the median of --repeats such windows. Then --steps more are traced with
@@ -25,6 +27,7 @@ and a markdown table (and copies under $OUT when set).
   python experiments/bench_ep_train.py --smoke         # CPU, 8 host devices, a tiny model
   python experiments/bench_ep_train.py --exchanges dense --token-chunks 1,2   # exchange/compute overlap
   python experiments/bench_ep_train.py --pretrain-steps 300 --tag _trained      # past the router's first steps
+  python experiments/bench_ep_train.py --gpus 1,2,4 --exchanges dense --expert-groups 2   # and 4 GPUs as 2 x 2
 """
 from __future__ import annotations
 
@@ -53,8 +56,8 @@ from ep_balance import shard_load  # noqa: E402
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
-from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_parallel_state, functional,  # noqa: E402
-                             global_batch, init_model, make_optimizer, make_steps, mesh_from_config)
+from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_axes, expert_parallel_state,  # noqa: E402
+                             functional, global_batch, init_model, make_optimizer, make_steps, mesh_from_config)
 
 SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=32)
 
@@ -66,6 +69,9 @@ def parse_args(argv=None):
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--gpus", default="", help="comma list of device counts (default: 1 and all)")
   p.add_argument("--exchanges", default="ragged,dense")
+  p.add_argument("--expert-groups", default="",
+                 help="comma list of G: each GPU count n > G that G divides is also run on the two-level mesh "
+                      "(G groups of n/G) with the hierarchical exchange")
   p.add_argument("--ragged-chunks", type=int, default=ExpertParallelConfig.ragged_chunks)
   p.add_argument("--token-chunks", default="1",
                  help="comma list: each multi-GPU exchange is measured with each (ExpertParallelConfig.token_chunks)")
@@ -85,6 +91,12 @@ def parse_args(argv=None):
     a.pretrain_steps = min(a.pretrain_steps, 2)
   if a.pretrain_steps < 0:
     p.error(f"--pretrain-steps must be >= 0, got {a.pretrain_steps}")
+  try:
+    a.expert_groups = [int(g) for g in a.expert_groups.split(",") if g]
+  except ValueError:
+    p.error(f"--expert-groups takes a comma list of integers, got {a.expert_groups!r}")
+  if any(g < 2 for g in a.expert_groups):
+    p.error(f"--expert-groups: each group count must be >= 2, got {a.expert_groups}")
   return a
 
 
@@ -146,17 +158,37 @@ def device_load(tokens_per_expert, n: int) -> dict | None:
   return None if load is None else {"mean": load[0], "max": load[1]}
 
 
-def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None):
+def configs(counts, exchanges, groups) -> list[tuple[int, str | None, int | None]]:
+  """(GPUs, exchange, expert groups) to measure: one GPU alone; n > 1 over one expert axis with each
+  exchange, then as G groups of n / G (hierarchical, dense) for each G that divides n with n / G > 1."""
+  out = []
+  for n in counts:
+    if n == 1:
+      out.append((1, None, None))
+      continue
+    out += [(n, exchange, None) for exchange in exchanges]
+    out += [(n, "dense", g) for g in groups if n % g == 0 and n // g > 1]
+  return out
+
+
+def mesh_spec(n: int, groups: int | None) -> str | None:
+  """The --mesh of n GPUs: None for one, data=1,expert=n, or data=1,expert_group=G,expert=n/G."""
+  if n == 1:
+    return None
+  return f"data=1,expert={n}" if groups is None else f"data=1,expert_group={groups},expert={n // groups}"
+
+
+def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None):
   overrides = SMOKE_MODEL if args.smoke else {}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
-                    steps=10**6, model_overrides=overrides,
-                    mesh=None if n == 1 else f"data=1,expert={n}")
+                    steps=10**6, model_overrides=overrides, mesh=mesh_spec(n, groups))
   model_cfg = cfg.model_config()
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   mesh = mesh_from_config(cfg)
+  two_level = {} if groups is None else dict(expert_axis=expert_axes(mesh), hierarchical=True)
   parallel = None if exchange is None else ExpertParallelConfig(
-      exchange=exchange, ragged_chunks=args.ragged_chunks, token_chunks=chunks)
+      exchange=exchange, ragged_chunks=args.ragged_chunks, token_chunks=chunks, **two_level)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
@@ -190,8 +222,9 @@ def pretrain(args, corpus) -> tuple:
   return jax.device_get((params, opt_state))
 
 
-def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None) -> dict:
-  cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start)
+def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None) -> dict:
+  cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start,
+                                                                         groups)
   first = args.pretrain_steps if start is not None else 0  # the step index the schedule sees
   t0 = time.perf_counter()
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(first), copy).compile()
@@ -217,7 +250,10 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     run(lo, lo + args.steps)
     windows.append((time.perf_counter() - t) / args.steps)
   step_s = statistics.median(windows)
-  rec = {"gpus": n, "exchange": exchange or "none (one device)", "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+  name = exchange or "none (one device)"
+  if groups is not None:
+    name = f"{exchange}, hierarchical {groups}x{n // groups}"
+  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "pretrain_steps": first,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
@@ -305,12 +341,11 @@ def main(argv=None) -> dict:
             "device_kind": kind, "jax": jax.__version__, "pretrain_steps": args.pretrain_steps,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "runs": []}
   start = pretrain(args, corpus) if args.pretrain_steps else None
-  for n in counts:
-    for exchange in ([None] if n == 1 else args.exchanges.split(",")):
-      for chunks in ([1] if n == 1 else [int(c) for c in args.token_chunks.split(",")]):
-        rec = measure(args, corpus, n, exchange, chunks, start)
-        report["runs"].append(rec)
-        print(json.dumps(rec), flush=True)
+  for n, exchange, groups in configs(counts, args.exchanges.split(","), args.expert_groups):
+    for chunks in ([1] if n == 1 else [int(c) for c in args.token_chunks.split(",")]):
+      rec = measure(args, corpus, n, exchange, chunks, start, groups)
+      report["runs"].append(rec)
+      print(json.dumps(rec), flush=True)
   base = next((r for r in report["runs"] if r["gpus"] == 1), None)
   for r in report["runs"]:
     r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None

@@ -81,6 +81,35 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
   assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1
 
 
+def test_ep_train_bench_lists_the_two_level_meshes_it_measures():
+  import bench_ep_train as b
+  assert b.configs([1, 2, 4], ["dense"], [2]) == [(1, None, None), (2, "dense", None), (4, "dense", None), (4, "dense", 2)]
+  assert b.configs([8], ["ragged", "dense"], [2, 4, 3]) == [(8, "ragged", None), (8, "dense", None), (8, "dense", 2),
+                                                           (8, "dense", 4)]
+  assert b.mesh_spec(1, None) is None and b.mesh_spec(4, None) == "data=1,expert=4"
+  assert b.mesh_spec(8, 2) == "data=1,expert_group=2,expert=4"
+
+
+def test_ep_train_bench_runs_the_hierarchical_exchange_to_the_flat_ones_losses(tmp_path):
+  """--smoke on 8 host devices: the two-level mesh's step trains from the same state and batches as
+  the flat one, so their losses agree; the JSON and table name the exchange."""
+  import bench_ep_train as b
+  report = b.main(["--smoke", "--no-trace", "--exchanges", "dense", "--expert-groups", "2", "--out", str(tmp_path)])
+  flat, two_level = [r for r in report["runs"] if r["gpus"] == 8]
+  assert two_level["exchange"] == "dense, hierarchical 2x4" and two_level["expert_groups"] == 2
+  assert abs(two_level["loss_first"] - flat["loss_first"]) < 1e-5
+  assert abs(two_level["loss_last"] - flat["loss_last"]) < 1e-4
+  assert "| 8 | dense, hierarchical 2x4 | 1 |" in (tmp_path / "ep_train_cpu_smoke_x8.md").read_text()
+
+
+def test_ep_train_bench_refuses_bad_group_counts(capsys):
+  import bench_ep_train as b
+  for bad in ("1", "two"):
+    with pytest.raises(SystemExit):
+      b.parse_args(["--expert-groups", bad])
+    assert "--expert-groups" in capsys.readouterr().err
+
+
 def test_ep_train_bench_counts_only_exchange_time_under_other_kernels_of_its_device():
   import bench_ep_train as b
   ev = lambda pid, ts, dur, op: {"pid": pid, "ts": ts, "dur": dur, "name": op, "args": {"hlo_op": op}}
