@@ -6,7 +6,9 @@ batch per GPU: on one GPU without a mesh, on n GPUs with `--mesh data=1,expert=n
 moments sharded over "expert", the rest data-parallel), once per exchange ("ragged": only the
 real rows cross; "dense": the whole static buffer). With --expert-groups G, n GPUs are also measured
 as a two-level mesh `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense)
-all-to-all, as `sparsejax-train --mesh data=1,expert_group=G,expert=n/G` runs it.
+all-to-all, as `sparsejax-train --mesh data=1,expert_group=G,expert=n/G` runs it. --buffer-factors
+sizes each peer's exchange buffer (ExpertParallelConfig.buffer_factor: "none" is the safe T_local * k
+rows, f is f times the mean; a step that overflows it reruns the exchange with the safe one).
 
 Timing: after --warmup steps, --steps steps back to back (as the training loop runs them), one
 sync at the end; the median of --repeats such windows. Then --steps more are traced with
@@ -28,6 +30,7 @@ and a markdown table (and copies under $OUT when set).
   python experiments/bench_ep_train.py --exchanges dense --token-chunks 1,2   # exchange/compute overlap
   python experiments/bench_ep_train.py --pretrain-steps 300 --tag _trained      # past the router's first steps
   python experiments/bench_ep_train.py --gpus 1,2,4 --exchanges dense --expert-groups 2   # and 4 GPUs as 2 x 2
+  python experiments/bench_ep_train.py --gpus 1,4 --buffer-factors none,2      # the exchange buffer at 2x the mean
 """
 from __future__ import annotations
 
@@ -69,6 +72,8 @@ def parse_args(argv=None):
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--gpus", default="", help="comma list of device counts (default: 1 and all)")
   p.add_argument("--exchanges", default="ragged,dense")
+  p.add_argument("--buffer-factors", default="none",
+                 help="comma list: each multi-GPU config with each exchange buffer (none = the safe bound, or f x the mean)")
   p.add_argument("--expert-groups", default="",
                  help="comma list of G: each GPU count n > G that G divides is also run on the two-level mesh "
                       "(G groups of n/G) with the hierarchical exchange")
@@ -97,6 +102,12 @@ def parse_args(argv=None):
     p.error(f"--expert-groups takes a comma list of integers, got {a.expert_groups!r}")
   if any(g < 2 for g in a.expert_groups):
     p.error(f"--expert-groups: each group count must be >= 2, got {a.expert_groups}")
+  try:
+    a.buffer_factors = [None if f == "none" else float(f) for f in a.buffer_factors.split(",")]
+  except ValueError:
+    p.error(f"--buffer-factors takes 'none' or positive numbers, got {a.buffer_factors!r}")
+  if any(f is not None and f <= 0 for f in a.buffer_factors):
+    p.error(f"--buffer-factors takes 'none' or positive numbers, got {a.buffer_factors}")
   return a
 
 
@@ -178,7 +189,8 @@ def mesh_spec(n: int, groups: int | None) -> str | None:
   return f"data=1,expert={n}" if groups is None else f"data=1,expert_group={groups},expert={n // groups}"
 
 
-def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None):
+def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
+          buffer_factor: float | None = None):
   overrides = SMOKE_MODEL if args.smoke else {}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
                     steps=10**6, model_overrides=overrides, mesh=mesh_spec(n, groups))
@@ -188,7 +200,8 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=Non
   mesh = mesh_from_config(cfg)
   two_level = {} if groups is None else dict(expert_axis=expert_axes(mesh), hierarchical=True)
   parallel = None if exchange is None else ExpertParallelConfig(
-      exchange=exchange, ragged_chunks=args.ragged_chunks, token_chunks=chunks, **two_level)
+      exchange=exchange, ragged_chunks=args.ragged_chunks, token_chunks=chunks, buffer_factor=buffer_factor,
+      **two_level)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
@@ -222,9 +235,10 @@ def pretrain(args, corpus) -> tuple:
   return jax.device_get((params, opt_state))
 
 
-def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None) -> dict:
+def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
+            buffer_factor: float | None = None) -> dict:
   cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start,
-                                                                         groups)
+                                                                         groups, buffer_factor)
   first = args.pretrain_steps if start is not None else 0  # the step index the schedule sees
   t0 = time.perf_counter()
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(first), copy).compile()
@@ -253,7 +267,9 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
   name = exchange or "none (one device)"
   if groups is not None:
     name = f"{exchange}, hierarchical {groups}x{n // groups}"
-  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+  if buffer_factor is not None:
+    name += f", buffer {buffer_factor:g}x mean"
+  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "buffer_factor": buffer_factor, "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "pretrain_steps": first,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
@@ -343,9 +359,10 @@ def main(argv=None) -> dict:
   start = pretrain(args, corpus) if args.pretrain_steps else None
   for n, exchange, groups in configs(counts, args.exchanges.split(","), args.expert_groups):
     for chunks in ([1] if n == 1 else [int(c) for c in args.token_chunks.split(",")]):
-      rec = measure(args, corpus, n, exchange, chunks, start, groups)
-      report["runs"].append(rec)
-      print(json.dumps(rec), flush=True)
+      for factor in ([None] if n == 1 else args.buffer_factors):
+        rec = measure(args, corpus, n, exchange, chunks, start, groups, factor)
+        report["runs"].append(rec)
+        print(json.dumps(rec), flush=True)
   base = next((r for r in report["runs"] if r["gpus"] == 1), None)
   for r in report["runs"]:
     r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
