@@ -12,7 +12,7 @@
 3. All-to-all alone: a jitted function doing only the exchange of one [n, S, d] buffer, timed the
    same way; a forward+backward does four of them (dispatch and return, and their transposes).
 Warm-up, then the median of timed calls (each blocked on). Prints a markdown table last; writes JSON to
-experiments/results/expert_parallel_<gpu>.json and to $OUT if set.
+experiments/results/expert_parallel_<gpu>_x<n>[_top<k>].json and to $OUT if set.
 """
 from __future__ import annotations
 
@@ -168,7 +168,8 @@ def main():
   counts = [int(c) for c in args.gpus.split(",")] if args.gpus else [
       c for c in (1, 2, 4, 8) if c <= ndev and args.experts % c == 0]
   kind = jax.devices()[0].device_kind.lower().replace(" ", "_").replace("nvidia_", "")
-  gpu = f"{'cpu_smoke' if args.smoke else kind}_x{max(counts)}"
+  # top-k beyond 1 in the name, so a top-2 run does not overwrite the top-1 one.
+  gpu = f"{'cpu_smoke' if args.smoke else kind}_x{max(counts)}" + (f"_top{args.top_k}" if args.top_k != 1 else "")
   print(f"devices: {ndev} x {jax.devices()[0].device_kind}; jax {jax.__version__}; counts {counts}",
         flush=True)
   report = {"gpu": gpu, "jax": jax.__version__, "device_kind": jax.devices()[0].device_kind,

@@ -3,10 +3,11 @@ buffer to peer p and receives, in block s, what peer s sent it.
 
 Two ways, one result:
   dense:  `all_to_all` of the whole static buffer; moves P * S rows per device whatever is real.
-          The default ("auto"; see resolve_exchange for the measurement).
   ragged: `ragged_all_to_all` of the first n_p rows of block p only (n_p = the rows really placed
           there; the rest of a block is zeros in both ways), so it moves the real rows. The counts
           travel first, by a dense all-to-all of P integers.
+"auto" (the default) takes ragged from RAGGED_FROM_PEERS peers up where XLA has the op, else dense
+(resolve_exchange has the measurements).
 
 XLA:CPU has no ragged-all-to-all ("HLO opcode ragged-all-to-all is not supported", jax 0.10.2), so on
 the CPU the ragged way runs `ragged_all_to_all_reference`, which computes the op's result from dense
@@ -23,6 +24,8 @@ from sparsejax.mesh import ExpertLayout
 EXCHANGES = ("auto", "dense", "ragged")
 # Backends whose XLA implements ragged-all-to-all (GPU: NCCL send/recv; TPU: native).
 RAGGED_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+# "auto" sends only the real rows from this many peers up (a single-stage exchange).
+RAGGED_FROM_PEERS = 4
 
 
 def check_exchange(exchange: str, hierarchical: bool) -> None:
@@ -32,16 +35,27 @@ def check_exchange(exchange: str, hierarchical: bool) -> None:
     raise ValueError("exchange='ragged' is a single-stage exchange; use hierarchical=False or exchange='dense'.")
 
 
-def resolve_exchange(exchange: str, hierarchical: bool) -> str:
-  """"auto" is dense: on 2 H200s (jax 0.11.2, NVLink) the ragged exchange measured no faster
-  (experiments/results/exchange_h200_x2.log: 0.56-0.71 ms against 0.48-0.64 ms with the row
-  gather), and it cost the training step 3 points of weak scaling. Ragged stays opt-in, for more
-  peers, where the dense buffer grows with P and the ragged one does not."""
+def resolve_exchange(exchange: str, hierarchical: bool, *, num_peers: int, platform: str) -> str:
+  """The exchange to run: `exchange` itself, or for "auto" ragged when the all-to-all is single-stage
+  over num_peers >= RAGGED_FROM_PEERS devices of a platform whose XLA has ragged-all-to-all, else dense.
+
+  The dense buffer holds P * S rows a device whatever is real (S = T_local * k by default), so it
+  grows with P and the ragged exchange does not. On 2 GPUs dense won: the exchange alone on 2 H200s
+  (experiments/results/exchange_h200_x2.log: ragged 0.56-0.71 ms against 0.48-0.64), and the MoE-XS
+  training step 3 points of weak scaling. On 4 H100s ragged won: the step from a trained router's
+  state 88.0% against dense's 77.6% (results/ep_train_h100_80gb_hbm3_x4_trained_buffers.md), the
+  layer 60.3% / 55.1% against 52.9% / 47.0% at top-1 / top-2 (results/expert_parallel_h100_x4_top*.log),
+  where on 2 of those GPUs dense led, 70.3% / 62.4% against 66.5% / 60.1%. On the CPU ragged is an
+  emulation (dense collectives), so "auto" stays dense there."""
   check_exchange(exchange, hierarchical)
-  return "dense" if exchange == "auto" else exchange
+  if exchange != "auto":
+    return exchange
+  ragged = not hierarchical and num_peers >= RAGGED_FROM_PEERS and platform in RAGGED_PLATFORMS
+  return "ragged" if ragged else "dense"
 
 
-def _platform(layout: ExpertLayout) -> str:
+def exchange_platform(layout: ExpertLayout) -> str:
+  """The platform of the layout's devices ("cpu", "gpu", "tpu")."""
   return layout.mesh.devices.flat[0].platform
 
 
@@ -85,7 +99,7 @@ def ragged_all_to_all_rows(buf, send_sizes: Int[Array, "peers"], recv_sizes: Int
   # Block p of ours lands in block `me` of peer p.
   where_on_peer = jnp.broadcast_to(me * slots + at, (num_peers, chunks)).reshape(-1).astype(jnp.int32)
   if emulate is None:
-    emulate = _platform(layout) not in RAGGED_PLATFORMS
+    emulate = exchange_platform(layout) not in RAGGED_PLATFORMS
   op = ragged_all_to_all_reference if emulate else jax.lax.ragged_all_to_all
   out = op(flat, jnp.zeros_like(flat), starts, part(send_sizes), where_on_peer, part(recv_sizes),
            axis_name=name)

@@ -56,7 +56,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
-from sparsejax.exchange import check_exchange, dense_all_to_all, ragged_all_to_all_rows, resolve_exchange
+from sparsejax.exchange import (check_exchange, dense_all_to_all, exchange_platform, ragged_all_to_all_rows,
+                                resolve_exchange)
 from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
@@ -80,8 +81,8 @@ class ExpertParallelConfig:
     the exchange with the worst-case buffer T_local * k (exact, slower for that call), "raise"
     raises at run time. With buffer_factor=None an overflow (repeated ids) always falls back.
   exchange: how dropless rows travel: "dense" (all_to_all of the whole buffer), "ragged"
-    (ragged_all_to_all of the real rows only; single-stage), "auto" (dense: measured as fast on
-    2 GPUs, see sparsejax.exchange). Capacity mode always sends its whole [E, C] buffer (dense).
+    (ragged_all_to_all of the real rows only; single-stage), "auto" (ragged from 4 peers up on GPUs
+    and TPUs, dense below and on the CPU: exchange.resolve_exchange has the measurements). Capacity mode always sends its whole [E, C] buffer (dense).
   ragged_chunks: the ragged exchange sends each peer's rows as this many updates (XLA's GPU kernel
     copies the updates in parallel: one update per peer ran 15x slower than 64 on 2 H200s).
   token_chunks: dropless only: split each device's tokens into this many contiguous chunks, each
@@ -407,7 +408,8 @@ def expert_parallel_moe_mlp(
     raise ValueError(f"{x.shape[0] // shards} tokens per device do not split into "
                      f"token_chunks={parallel.token_chunks} equal chunks.")
   st = _Static(layout, parallel, num_experts, activation, capacity_factor, resolve_impl(impl),
-               precision, resolve_exchange(parallel.exchange, parallel.hierarchical))
+               precision, resolve_exchange(parallel.exchange, parallel.hierarchical, num_peers=layout.num_peers,
+                                           platform=exchange_platform(layout)))
   tok = layout.tokens
   in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in())
   out_specs = (tok, P(), P(), P())

@@ -409,9 +409,30 @@ def test_ragged_exchange_over_two_axes_and_expert_slices():
   _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed", num_experts=2, glu=True), config=RAGGED)
 
 
+@pytest.mark.parametrize("peers,want", [(2, "dense"), (8, "ragged")])
+def test_auto_exchange_takes_the_layouts_peer_count(monkeypatch, peers, want):
+  """The layer resolves "auto" with its all-to-all group's size: on a platform with ragged-all-to-all
+  (here the resolver is told "gpu"; the exchange itself still emulates on the CPU), 8 peers take the
+  ragged exchange and 2 the dense one, and either equals the single-device layer."""
+  monkeypatch.setattr(parallel, "exchange_platform", lambda layout: "gpu")
+  calls = []
+  real = parallel.ragged_all_to_all_rows
+  monkeypatch.setattr(parallel, "ragged_all_to_all_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+  _jitted_value_and_grads.cache_clear()
+  _check_matches(meshlib.make_expert_mesh(8 // peers, peers), _problem("skewed"))
+  _jitted_value_and_grads.cache_clear()
+  assert bool(calls) == (want == "ragged")
+
+
 def test_exchange_choice_and_bad_options():
-  assert exchange.resolve_exchange("auto", hierarchical=False) == "dense"
-  assert exchange.resolve_exchange("ragged", hierarchical=False) == "ragged"
+  choose = lambda ex, peers, platform="gpu", hierarchical=False: exchange.resolve_exchange(
+      ex, hierarchical, num_peers=peers, platform=platform)
+  # "auto": dense on 2 GPUs (where it measured faster), ragged from 4 (where it did), dense on the
+  # CPU (an emulation there) and for the two-stage exchange (single-stage only).
+  assert [choose("auto", p) for p in (2, 3, 4, 8)] == ["dense", "dense", "ragged", "ragged"]
+  assert choose("auto", 8, "tpu") == "ragged" and choose("auto", 8, "cpu") == "dense"
+  assert choose("auto", 8, hierarchical=True) == "dense"
+  assert choose("ragged", 2, "cpu") == "ragged" and choose("dense", 8) == "dense"
   with pytest.raises(ValueError, match="ragged_chunks"):
     ExpertParallelConfig(exchange="ragged", ragged_chunks=0)
   with pytest.raises(ValueError, match="exchange must be one of"):
