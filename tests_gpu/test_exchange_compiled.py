@@ -68,7 +68,10 @@ def test_layer_with_each_exchange_matches_one_device(kind):
       return jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(x, r.combine_weights, w_in, w_out)
 
   want = value_and_grads(sj.moe_mlp)
-  for ex in ("ragged", "dense"):
+  # "auto" is the ragged exchange from RAGGED_FROM_PEERS GPUs up, the dense one below.
+  assert exchange.resolve_exchange("auto", False, num_peers=N, platform=jax.devices()[0].platform) == (
+      "ragged" if N >= exchange.RAGGED_FROM_PEERS else "dense")
+  for ex in ("ragged", "dense", "auto"):
     got = value_and_grads(functools.partial(parallel.expert_parallel_moe_mlp, mesh=mesh,
                                             parallel=ExpertParallelConfig(exchange=ex)))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
