@@ -4,7 +4,8 @@ The step is the library's own (sparsejax.train: init_model, make_optimizer, make
 batch per GPU: on one GPU without a mesh, on n GPUs with `--mesh data=1,expert=n` (what
 `sparsejax-train --mesh` builds: the MoE layers expert-parallel, expert weights and their AdamW
 moments sharded over "expert", the rest data-parallel), once per exchange ("ragged": only the
-real rows cross; "dense": the whole static buffer). With --expert-groups G, n GPUs are also measured
+real rows cross; "ragged_compact": the same from a send buffer without the per-peer blocks'
+padding, ExpertParallelConfig.compact_send; "dense": the whole static buffer). With --expert-groups G, n GPUs are also measured
 as a two-level mesh `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense)
 all-to-all, as `sparsejax-train --mesh data=1,expert_group=G,expert=n/G` runs it. --buffer-factors
 sizes each peer's exchange buffer (ExpertParallelConfig.buffer_factor: "none" is the safe T_local * k
@@ -62,6 +63,7 @@ from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
 from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_axes, expert_parallel_state,  # noqa: E402
                              functional, global_batch, init_model, make_optimizer, make_steps, mesh_from_config)
 
+EXCHANGES = ("ragged", "ragged_compact", "dense")
 SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=32)
 
 
@@ -71,7 +73,7 @@ def parse_args(argv=None):
   p.add_argument("--batch-per-gpu", type=int, default=32)
   p.add_argument("--seq-len", type=int, default=1024)
   p.add_argument("--gpus", default="", help="comma list of device counts (default: 1 and all)")
-  p.add_argument("--exchanges", default="ragged,dense")
+  p.add_argument("--exchanges", default="ragged,dense", help="comma list of " + ", ".join(EXCHANGES))
   p.add_argument("--buffer-factors", default="none",
                  help="comma list: each multi-GPU config with each exchange buffer (none = the safe bound, or f x the mean)")
   p.add_argument("--expert-groups", default="",
@@ -96,6 +98,9 @@ def parse_args(argv=None):
     a.pretrain_steps = min(a.pretrain_steps, 2)
   if a.pretrain_steps < 0:
     p.error(f"--pretrain-steps must be >= 0, got {a.pretrain_steps}")
+  bad = [e for e in a.exchanges.split(",") if e not in EXCHANGES]
+  if bad:
+    p.error(f"--exchanges takes a comma list of {', '.join(EXCHANGES)}; got {bad}")
   try:
     a.expert_groups = [int(g) for g in a.expert_groups.split(",") if g]
   except ValueError:
@@ -199,9 +204,10 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=Non
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   mesh = mesh_from_config(cfg)
   two_level = {} if groups is None else dict(expert_axis=expert_axes(mesh), hierarchical=True)
+  compact = exchange == "ragged_compact"
   parallel = None if exchange is None else ExpertParallelConfig(
-      exchange=exchange, ragged_chunks=args.ragged_chunks, token_chunks=chunks, buffer_factor=buffer_factor,
-      **two_level)
+      exchange="ragged" if compact else exchange, compact_send=compact, ragged_chunks=args.ragged_chunks,
+      token_chunks=chunks, buffer_factor=buffer_factor, **two_level)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
   tx = make_optimizer(cfg)

@@ -64,6 +64,11 @@ def _axis_name(layout: ExpertLayout):
   return axes[0] if len(axes) == 1 else axes
 
 
+def peer_index(layout: ExpertLayout):
+  """This device's index in the all-to-all group (inside shard_map): its flattened expert-axes index."""
+  return jax.lax.axis_index(_axis_name(layout))
+
+
 def dense_all_to_all(buf, layout: ExpertLayout, hierarchical: bool):
   """buf[p] goes to peer p; returns out[s] = what peer s sent here. Its own inverse."""
   axes = layout.expert_axes
@@ -89,21 +94,33 @@ def ragged_all_to_all_rows(buf, send_sizes: Int[Array, "peers"], recv_sizes: Int
   that many updates of ceil(S / chunks) rows (same result; XLA's GPU kernel works per update).
   """
   num_peers, slots = buf.shape[:2]
-  flat = buf.reshape(num_peers * slots, *buf.shape[2:])
-  name = _axis_name(layout)
-  me = jax.lax.axis_index(name)
-  width = -(-slots // chunks)
-  at = jnp.arange(chunks, dtype=jnp.int32) * width  # [chunks]: each update's first row in a block
+  me = peer_index(layout)
+  blocks = jnp.arange(num_peers, dtype=jnp.int32) * slots
+  out = ragged_rows(buf.reshape(num_peers * slots, *buf.shape[2:]), send_sizes, blocks,
+                    jnp.full((num_peers,), me * slots, jnp.int32), recv_sizes, num_peers * slots, layout,
+                    max_rows=slots, chunks=chunks, emulate=emulate)
+  return out.reshape(buf.shape)
+
+
+def ragged_rows(operand, send_sizes: Int[Array, "peers"], input_offsets: Int[Array, "peers"],
+                output_offsets: Int[Array, "peers"], recv_sizes: Int[Array, "peers"], out_rows: int,
+                layout: ExpertLayout, *, max_rows: int, chunks: int = 1, emulate: bool | None = None):
+  """[out_rows, ...]: the rows peer s sends here, recv_sizes[s] of them, at the offset s chose; zero elsewhere.
+
+  This device sends operand[input_offsets[p] : + send_sizes[p]] to peer p, written there from
+  output_offsets[p] on. max_rows: a static bound on every send size (each goes as `chunks` updates
+  of ceil(max_rows / chunks) rows). emulate as in ragged_all_to_all_rows.
+  """
+  width = -(-max_rows // chunks)
+  at = jnp.arange(chunks, dtype=jnp.int32) * width  # [chunks]: each update's first row in its window
   part = lambda n: jnp.clip(n.astype(jnp.int32)[:, None] - at, 0, width).reshape(-1)
-  starts = (jnp.arange(num_peers, dtype=jnp.int32)[:, None] * slots + at).reshape(-1)
-  # Block p of ours lands in block `me` of peer p.
-  where_on_peer = jnp.broadcast_to(me * slots + at, (num_peers, chunks)).reshape(-1).astype(jnp.int32)
+  spread = lambda offsets: (offsets.astype(jnp.int32)[:, None] + at).reshape(-1)
   if emulate is None:
     emulate = exchange_platform(layout) not in RAGGED_PLATFORMS
   op = ragged_all_to_all_reference if emulate else jax.lax.ragged_all_to_all
-  out = op(flat, jnp.zeros_like(flat), starts, part(send_sizes), where_on_peer, part(recv_sizes),
-           axis_name=name)
-  return out.reshape(buf.shape)
+  output = jnp.zeros((out_rows, *operand.shape[1:]), operand.dtype)
+  return op(operand, output, spread(input_offsets), part(send_sizes), spread(output_offsets), part(recv_sizes),
+            axis_name=_axis_name(layout))
 
 
 def ragged_all_to_all_reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,

@@ -57,7 +57,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
 from sparsejax.exchange import (check_exchange, dense_all_to_all, exchange_platform, ragged_all_to_all_rows,
-                                resolve_exchange)
+                                peer_index, ragged_rows, resolve_exchange)
 from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
@@ -85,6 +85,10 @@ class ExpertParallelConfig:
     and TPUs, dense below and on the CPU: exchange.resolve_exchange has the measurements). Capacity mode always sends its whole [E, C] buffer (dense).
   ragged_chunks: the ragged exchange sends each peer's rows as this many updates (XLA's GPU kernel
     copies the updates in parallel: one update per peer ran 15x slower than 64 on 2 H200s).
+  compact_send: with exchange="ragged": the send buffer holds the T_local * k assignments back to back,
+    sorted by peer, and the rows come back into it, instead of P blocks of S rows (P times as many
+    rows at the safe S, most of them zeros that the exchange never moves but the row moves around
+    it write and read). The receiving side keeps its [P, S] blocks. Same result.
   token_chunks: dropless only: split each device's tokens into this many contiguous chunks, each
     with its own placement, exchange and expert products. The chunks' chains are independent, so
     the scheduler may run one chunk's all-to-all under another's products; each chunk's products
@@ -97,6 +101,7 @@ class ExpertParallelConfig:
   on_overflow: str = "fallback"
   exchange: str = "auto"
   ragged_chunks: int = 64
+  compact_send: bool = False
   token_chunks: int = 1
 
   def __post_init__(self):
@@ -108,6 +113,8 @@ class ExpertParallelConfig:
       raise ValueError(f"on_overflow must be one of {ON_OVERFLOW}; got {self.on_overflow!r}.")
     if self.buffer_factor is not None:
       _checks.check_positive("buffer_factor", self.buffer_factor)
+    if self.compact_send and self.exchange != "ragged":
+      raise ValueError(f"compact_send is a form of the ragged exchange: set exchange='ragged' (got {self.exchange!r}).")
     if self.hierarchical and (isinstance(self.expert_axis, str) or len(self.expert_axis) != 2):
       raise ValueError("hierarchical=True needs expert_axis=(group_axis, device_axis).")
 
@@ -186,6 +193,24 @@ def peer_placement(
   return placement, sent.astype(jnp.int32)
 
 
+def compact_send_placement(
+    block: permute.Placement, sent_rows: Int[Array, "peers"], slots: int
+) -> tuple[permute.Placement, Int[Array, "peers"]]:
+  """peer_placement's assignments without the blocks' padding: row p*S + i moves to offsets[p] + i.
+
+  offsets = the exclusive cumsum of sent_rows (the rows each peer gets), so the buffer is the
+  T * k assignment slots, peer by peer; unsent assignments stay unplaced (row T * k). Also returns
+  offsets, where each peer's rows start.
+  """
+  num_peers = sent_rows.shape[0]
+  offsets = (jnp.cumsum(sent_rows) - sent_rows).astype(jnp.int32)
+  num_rows = block.rows.size
+  placed = block.rows < num_peers * slots
+  peer = jnp.minimum(block.rows // slots, num_peers - 1)
+  rows = jnp.where(placed, offsets[peer] + block.rows % slots, num_rows).astype(jnp.int32)
+  return block.replace(rows=rows, num_rows=num_rows), offsets
+
+
 def received_expert_ids(
     recv_counts: Int[Array, "sources experts_per_peer"], slots: int
 ) -> Int[Array, "rows"]:
@@ -258,7 +283,21 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
       return ragged_all_to_all_rows(buf, send_sizes, recv_sizes, layout, chunks=st.config.ragged_chunks)
     return dense_all_to_all(buf, layout, st.config.hierarchical)
 
-  x_recv = exchange(permute.gather_rows(x, send).reshape(num_peers, slots, d), sent_rows, recv_rows)
+  if st.exchange == "ragged" and st.config.compact_send:
+    send, offsets = compact_send_placement(send, sent_rows, slots)
+    me = peer_index(layout)
+    back = dense_all_to_all(offsets, layout, False)  # back[s]: where source s keeps the rows it sent here
+    moved = lambda rows, sizes, at, there, got, out_rows: ragged_rows(
+        rows, sizes, at, there, got, out_rows, layout, max_rows=slots, chunks=st.config.ragged_chunks)
+    blocks = jnp.arange(num_peers, dtype=jnp.int32) * slots
+    to_peers = lambda rows: moved(rows, sent_rows, offsets, jnp.full((num_peers,), me * slots, jnp.int32),
+                                  recv_rows, num_peers * slots).reshape(num_peers, slots, d)
+    from_peers = lambda buf: moved(buf.reshape(-1, d), recv_rows, blocks, back, sent_rows, send.num_rows)
+  else:
+    to_peers = lambda rows: exchange(rows.reshape(num_peers, slots, d), sent_rows, recv_rows)
+    from_peers = lambda buf: exchange(buf, recv_rows, sent_rows)
+
+  x_recv = to_peers(permute.gather_rows(x, send))
   x_recv, recv_counts = _gather_slices(x_recv, layout), _gather_slices(recv_counts, layout)
 
   block = BLOCK_SIZE if st.impl in BLOCK_IMPLS else 1
@@ -273,7 +312,7 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   y_recv = ungather_rows(out, local).reshape(x_recv.shape)
 
   # Back the way the rows came: block s (peer s's rows, recv_rows[s] of them) returns to s.
-  y_send = exchange(_reduce_slices(y_recv, layout), recv_rows, sent_rows)
+  y_send = from_peers(_reduce_slices(y_recv, layout))
   y = permute.scatter_rows(y_send.reshape(-1, d), send, combine_weights, x.dtype)
   return y, send
 

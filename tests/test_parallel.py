@@ -4,6 +4,7 @@ Dropless mode must equal `moe_mlp` on the whole batch. Capacity mode must equal 
 layer: `moe_mlp(..., capacity_factor)` run on each device's token shard (tokens are sharded in
 contiguous blocks over (data, expert[, expert_slice]) in mesh order), concatenated.
 """
+import dataclasses
 import functools
 
 import jax
@@ -401,6 +402,37 @@ def test_ragged_exchange_matches_single_device():
   _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g), config=RAGGED)
 
 
+COMPACT = ExpertParallelConfig(exchange="ragged", compact_send=True, ragged_chunks=3)
+
+
+def test_compact_send_matches_single_device():
+  """The ragged exchange from a send buffer without the blocks' padding (rows in 3 uneven updates):
+  every routing, repeated ids past the distinct-ids buffer (the exact fallback is compact too), a
+  small buffer_factor that overflows, two token chunks, two expert axes and expert slices."""
+  mesh = meshlib.make_expert_mesh(1, 8)
+  for kind in KINDS:
+    _check_matches(mesh, _problem(kind), config=COMPACT)
+  x, _, cw, w_in, w_out, w_gate, g = _problem()
+  _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g), config=COMPACT)
+  _check_matches(meshlib.make_expert_mesh(2, 4), _problem("skewed"),
+                 config=dataclasses.replace(COMPACT, buffer_factor=0.5, token_chunks=2))
+  _check_matches(meshlib.make_expert_mesh(2, 2, expert_groups=2), _problem("skewed"),
+                 config=dataclasses.replace(COMPACT, expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT)))
+  _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed", num_experts=2, glu=True), config=COMPACT)
+
+
+def test_compact_send_placement_drops_the_blocks_padding():
+  ids = jnp.array([[3], [0], [2], [3], [1], [3]])  # 4 experts on 2 peers (2 each), S = 2 slots a peer
+  block, sent = parallel.peer_placement(ids, 4, 2, slots=2)
+  compact, offsets = parallel.compact_send_placement(block, sent.sum(axis=1), slots=2)
+  # Peer 0 gets expert 0's and 1's rows (tokens 1, 4); peer 1, sorted by expert then token, holds
+  # tokens 2 (expert 2) and 0 (expert 3) in its S = 2 slots, and tokens 3 and 5 are not sent.
+  np.testing.assert_array_equal(offsets, [0, 2])
+  assert compact.num_rows == 6
+  np.testing.assert_array_equal(compact.rows[:, 0], [3, 0, 2, 6, 1, 6])  # 6: not sent
+  np.testing.assert_array_equal(compact.rows < 6, block.rows < 4)
+
+
 def test_ragged_exchange_over_two_axes_and_expert_slices():
   # One exchange over both expert axes (flattened peer index); expert slicing (sizes before the gather).
   mesh = meshlib.make_expert_mesh(2, 2, expert_groups=2)
@@ -435,6 +467,9 @@ def test_exchange_choice_and_bad_options():
   assert choose("ragged", 2, "cpu") == "ragged" and choose("dense", 8) == "dense"
   with pytest.raises(ValueError, match="ragged_chunks"):
     ExpertParallelConfig(exchange="ragged", ragged_chunks=0)
+  for ex in ("auto", "dense"):
+    with pytest.raises(ValueError, match="compact_send is a form of the ragged exchange"):
+      ExpertParallelConfig(exchange=ex, compact_send=True)
   with pytest.raises(ValueError, match="exchange must be one of"):
     ExpertParallelConfig(exchange="nccl")
   with pytest.raises(ValueError, match="single-stage"):

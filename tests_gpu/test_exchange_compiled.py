@@ -71,8 +71,9 @@ def test_layer_with_each_exchange_matches_one_device(kind):
   # "auto" is the ragged exchange from RAGGED_FROM_PEERS GPUs up, the dense one below.
   assert exchange.resolve_exchange("auto", False, num_peers=N, platform=jax.devices()[0].platform) == (
       "ragged" if N >= exchange.RAGGED_FROM_PEERS else "dense")
-  for ex in ("ragged", "dense", "auto"):
-    got = value_and_grads(functools.partial(parallel.expert_parallel_moe_mlp, mesh=mesh,
-                                            parallel=ExpertParallelConfig(exchange=ex)))
+  configs = {ex: ExpertParallelConfig(exchange=ex) for ex in ("ragged", "dense", "auto")}
+  configs["ragged, compact send"] = ExpertParallelConfig(exchange="ragged", compact_send=True)
+  for ex, config in configs.items():
+    got = value_and_grads(functools.partial(parallel.expert_parallel_moe_mlp, mesh=mesh, parallel=config))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=ex)
