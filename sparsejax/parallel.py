@@ -45,6 +45,7 @@ d_ff), and a reduce-scatter sums the partials and hands each slice device back i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -285,14 +286,13 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
 
   if st.exchange == "ragged" and st.config.compact_send:
     send, offsets = compact_send_placement(send, sent_rows, slots)
-    me = peer_index(layout)
     back = dense_all_to_all(offsets, layout, False)  # back[s]: where source s keeps the rows it sent here
-    moved = lambda rows, sizes, at, there, got, out_rows: ragged_rows(
-        rows, sizes, at, there, got, out_rows, layout, max_rows=slots, chunks=st.config.ragged_chunks)
-    blocks = jnp.arange(num_peers, dtype=jnp.int32) * slots
-    to_peers = lambda rows: moved(rows, sent_rows, offsets, jnp.full((num_peers,), me * slots, jnp.int32),
-                                  recv_rows, num_peers * slots).reshape(num_peers, slots, d)
-    from_peers = lambda buf: moved(buf.reshape(-1, d), recv_rows, blocks, back, sent_rows, send.num_rows)
+    blocks = jnp.arange(num_peers, dtype=jnp.int32) * slots  # block s of a receive buffer: source s's rows
+    mine = jnp.full((num_peers,), peer_index(layout) * slots, jnp.int32)  # this device's block on each peer
+    ragged = functools.partial(ragged_rows, layout=layout, max_rows=slots, chunks=st.config.ragged_chunks)
+    to_peers = lambda rows: ragged(rows, sent_rows, offsets, mine, recv_rows, num_peers * slots).reshape(
+        num_peers, slots, d)
+    from_peers = lambda buf: ragged(buf.reshape(-1, d), recv_rows, blocks, back, sent_rows, send.num_rows)
   else:
     to_peers = lambda rows: exchange(rows.reshape(num_peers, slots, d), sent_rows, recv_rows)
     from_peers = lambda buf: exchange(buf, recv_rows, sent_rows)
