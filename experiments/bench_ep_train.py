@@ -5,11 +5,12 @@ batch per GPU: on one GPU without a mesh, on n GPUs with `--mesh data=1,expert=n
 `sparsejax-train --mesh` builds: the MoE layers expert-parallel, expert weights and their AdamW
 moments sharded over "expert", the rest data-parallel), once per exchange ("ragged": only the
 real rows cross; "ragged_compact": the same from a send buffer without the per-peer blocks'
-padding, ExpertParallelConfig.compact_send; "dense": the whole static buffer). With --expert-groups G, n GPUs are also measured
-as a two-level mesh `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense)
-all-to-all, as `sparsejax-train --mesh data=1,expert_group=G,expert=n/G` runs it. --buffer-factors
-sizes each peer's exchange buffer (ExpertParallelConfig.buffer_factor: "none" is the safe T_local * k
-rows, f is f times the mean; a step that overflows it reruns the exchange with the safe one).
+padding, ExpertParallelConfig.compact_send; "dense": the whole static buffer). With
+--expert-groups G, n GPUs are also measured as the two-level mesh
+`data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense) all-to-all, as
+`sparsejax-train --mesh` runs it. --buffer-factors sizes each peer's exchange buffer
+(ExpertParallelConfig.buffer_factor: "none" is the safe T_local * k rows, f is f times the mean; a
+step that overflows it reruns the exchange with the safe one).
 
 Timing: after --warmup steps, --steps steps back to back (as the training loop runs them), one
 sync at the end; the median of --repeats such windows. Then --steps more are traced with
@@ -75,7 +76,8 @@ def parse_args(argv=None):
   p.add_argument("--gpus", default="", help="comma list of device counts (default: 1 and all)")
   p.add_argument("--exchanges", default="ragged,dense", help="comma list of " + ", ".join(EXCHANGES))
   p.add_argument("--buffer-factors", default="none",
-                 help="comma list: each multi-GPU config with each exchange buffer (none = the safe bound, or f x the mean)")
+                 help="comma list: each multi-GPU config with each exchange buffer "
+                      "(none = the safe bound, or f x the mean)")
   p.add_argument("--expert-groups", default="",
                  help="comma list of G: each GPU count n > G that G divides is also run on the two-level mesh "
                       "(G groups of n/G) with the hierarchical exchange")
@@ -275,7 +277,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     name = f"{exchange}, hierarchical {groups}x{n // groups}"
   if buffer_factor is not None:
     name += f", buffer {buffer_factor:g}x mean"
-  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "buffer_factor": buffer_factor, "token_chunks": chunks, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "buffer_factor": buffer_factor, "token_chunks": chunks,
+         "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "pretrain_steps": first,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
          "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],

@@ -83,7 +83,8 @@ class ExpertParallelConfig:
     raises at run time. With buffer_factor=None an overflow (repeated ids) always falls back.
   exchange: how dropless rows travel: "dense" (all_to_all of the whole buffer), "ragged"
     (ragged_all_to_all of the real rows only; single-stage), "auto" (ragged from 4 peers up on GPUs
-    and TPUs, dense below and on the CPU: exchange.resolve_exchange has the measurements). Capacity mode always sends its whole [E, C] buffer (dense).
+    and TPUs, dense below and on the CPU: exchange.resolve_exchange has the measurements).
+    Capacity mode always sends its whole [E, C] buffer (dense).
   ragged_chunks: the ragged exchange sends each peer's rows as this many updates (XLA's GPU kernel
     copies the updates in parallel: one update per peer ran 15x slower than 64 on 2 H200s).
   compact_send: with exchange="ragged": the send buffer holds the T_local * k assignments back to back,
@@ -279,11 +280,6 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   recv_counts = dense_all_to_all(sent_counts, layout, st.config.hierarchical)
   sent_rows, recv_rows = sent_counts.sum(axis=1), recv_counts.sum(axis=1)
 
-  def exchange(buf, send_sizes, recv_sizes):
-    if st.exchange == "ragged":
-      return ragged_all_to_all_rows(buf, send_sizes, recv_sizes, layout, chunks=st.config.ragged_chunks)
-    return dense_all_to_all(buf, layout, st.config.hierarchical)
-
   if st.exchange == "ragged" and st.config.compact_send:
     send, offsets = compact_send_placement(send, sent_rows, slots)
     back = dense_all_to_all(offsets, layout, False)  # back[s]: where source s keeps the rows it sent here
@@ -294,6 +290,11 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
         num_peers, slots, d)
     from_peers = lambda buf: ragged(buf.reshape(-1, d), recv_rows, blocks, back, sent_rows, send.num_rows)
   else:
+    def exchange(buf, send_sizes, recv_sizes):
+      if st.exchange == "ragged":
+        return ragged_all_to_all_rows(buf, send_sizes, recv_sizes, layout, chunks=st.config.ragged_chunks)
+      return dense_all_to_all(buf, layout, st.config.hierarchical)
+
     to_peers = lambda rows: exchange(rows.reshape(num_peers, slots, d), sent_rows, recv_rows)
     from_peers = lambda buf: exchange(buf, recv_rows, sent_rows)
 
