@@ -472,6 +472,22 @@ def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
+@pytest.mark.parametrize("schedule", ["triton", "per_tile", "streamed", "pingpong"])
+def test_tgmm_ignores_whatever_dout_holds_past_the_real_rows(schedule):
+  """tgmm sums real rows only: dout NaN on every other row (a caller's unwritten padding, or inf)
+  leaves the gradient equal to the reference's, on both backends and every Mosaic schedule. The
+  padding rows are selected away, not multiplied by a 0/1 mask (NaN * 0 is NaN)."""
+  topo, lhs, _, _, dout = _operands([40, 0, 300, 130], jnp.bfloat16, 128, 256, 21)
+  real = real_rows(topo)[:, None]
+  nan_dout = jnp.where(real, dout, jnp.nan)
+  if schedule == "triton":
+    dw = G.tgmm(lhs, nan_dout, topo, backend="triton", out_dtype=jnp.float32)
+  else:
+    changes = dict(per_tile={}, streamed=dict(streamed=True), pingpong=dict(pingpong=True))[schedule]
+    dw = mosaic.tgmm(lhs, nan_dout, topo, jnp.float32, mosaic.INTERPRET_CONFIGS.with_tgmm(**changes))
+  assert rel_err(dw, tgmm_reference(lhs, jnp.where(real, dout, 0), topo, jnp.float32)) < TOL[jnp.bfloat16]
+
+
 def test_mosaic_pingpong_rejects_a_second_schedule():
   topo, lhs, rhs, _, _ = _operands([130, 0, 70], jnp.bfloat16, 128, 128, 1)
   bad = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm_act=mosaic.Config(pingpong=True, epilogue_wg=True))

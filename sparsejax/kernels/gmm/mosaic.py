@@ -373,9 +373,10 @@ def _row_iota(shape):
 
 def _zero_rows_from(ref, first):
   """ref[first:] = 0 for a shared-memory tile the consumer reads next (a read-modify-write of
-  ref, then a fence so the wgmma's async proxy sees it)."""
-  keep = (_row_iota(ref.shape) < first).astype(ref.dtype)
-  ref[...] = ref[...] * keep
+  ref, then a fence so the wgmma's async proxy sees it). A select, not a multiply by a 0/1 mask:
+  the rows past `first` may hold anything a caller left there, NaN and inf included, and
+  NaN * 0 is NaN."""
+  ref[...] = jnp.where(_row_iota(ref.shape) < first, ref[...], jnp.zeros((), ref.dtype))
   plgpu.commit_smem()
 
 

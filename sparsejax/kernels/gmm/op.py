@@ -107,7 +107,9 @@ def tgmm(
     backend: str = "auto",
     out_dtype=None,
 ) -> Float[Array, "experts k n"]:
-  """out[e] = sum over active rows r of expert e of lhs[r]^T dout[r] (the weight gradient)."""
+  """out[e] = sum over active rows r of expert e of lhs[r]^T dout[r] (the weight gradient). The
+  rows of dout that hold no token may hold anything, NaN included: they are left out of the sum.
+  lhs's must be finite there (the Mosaic backend zeroes dout's only; every caller's are zero)."""
   if lhs.shape[0] != dout.shape[0]:
     raise ValueError(f"lhs has {lhs.shape[0]} rows but dout has {dout.shape[0]}.")
   _check(lhs, jnp.zeros((topo.num_experts,)), topo)
