@@ -104,16 +104,6 @@ CONFIG_SETS = {
     # (results/dact_schedules_ab_H100.log).
     "dact_cooperative": dict(gmm_dact=mosaic.COOPERATIVE_DACT),
     "dact_cooperative_256": dict(gmm_dact=dataclasses.replace(mosaic.COOPERATIVE_DACT, tile_n=256, max_concurrent_steps=4)),
-    # Config.skip_padding: no padding rows moved that no reader needs (gmm_act's act'(pre) and
-    # gmm_dact's output stored up to the real rows in 16-row pieces, a light block's pre half loaded
-    # alone, h W_out's and dX's A rows of a light block read from its first half twice); and the
-    # activation kernels' part and the plain products' part alone.
-    "skip_padding": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), skip_padding=True)
-                     for k in ("gmm", "gmm_t", "gmm_act", "gmm_dact")},
-    "skip_padding_act": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), skip_padding=True)
-                         for k in ("gmm_act", "gmm_dact")},
-    "skip_padding_plain": {k: dataclasses.replace(getattr(mosaic.DEFAULT_CONFIGS, k), skip_padding=True)
-                           for k in ("gmm", "gmm_t")},
     # The defaults again, as a set of their own: in one process the first set profiled read 5-30%
     # slow (probe_gmm_waves.py), so a second copy measured after the others shows the drift.
     "default_again": {},

@@ -106,8 +106,7 @@ def _topo():
                        jnp.asarray([250, 0, 40, 300], jnp.int32))
 
 
-@pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg", "split_tail",
-                                      "skip_padding", "skip_padding_cooperative"])
+@pytest.mark.parametrize("schedule", ["default", "cooperative", "pingpong_all", "epilogue_wg", "split_tail"])
 def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
   """Every gmm kind (plain, transposed, act, dact, glu, dglu) on each schedule: the defaults
   (gmm_act and gmm_dact ping-pong), the cooperative kernel, the ping-pong kernel for all, and
@@ -128,17 +127,7 @@ def test_mosaic_gmm_kernels_lower(monkeypatch, schedule):
           "split_tail": {k: dataclasses.replace(c, split_tail=True) for k, c in dict(
               gmm=mosaic.DEFAULT_CONFIGS.gmm, gmm_t=mosaic.DEFAULT_CONFIGS.gmm_t, gmm_act=mosaic.COOPERATIVE_ACT,
               gmm_dact=mosaic.COOPERATIVE_DACT, gmm_glu_short=mosaic.DEFAULT_CONFIGS.gmm_glu,
-              gmm_dglu=mosaic.DEFAULT_CONFIGS.gmm_dglu).items()},
-          # Config.skip_padding: the ping-pong epilogue kinds storing real rows only (16-row pieces) and
-          # loading a light block's pre half; the cooperative plain products reading A in halves.
-          "skip_padding": dict(
-              dict.fromkeys(("gmm_act", "gmm_dact", "gmm_glu_short", "gmm_dglu"), dataclasses.replace(pp, skip_padding=True)),
-              gmm=dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm, skip_padding=True),
-              gmm_t=dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm_t, skip_padding=True)),
-          # ... and the cooperative epilogue kinds, both at once.
-          "skip_padding_cooperative": {k: dataclasses.replace(c, skip_padding=True) for k, c in dict(
-              gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT,
-              gmm_glu_short=mosaic.DEFAULT_CONFIGS.gmm_glu, gmm_dglu=mosaic.DEFAULT_CONFIGS.gmm_dglu).items()}}
+              gmm_dglu=mosaic.DEFAULT_CONFIGS.gmm_dglu).items()}}
   cfgs = dataclasses.replace(mosaic.DEFAULT_CONFIGS, **sets[schedule])
   topo = _topo()
   x, w, w_t = (jax.ShapeDtypeStruct(s, bf16) for s in [(1024, 512), (4, 512, 384), (4, 384, 512)])

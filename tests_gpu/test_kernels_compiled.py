@@ -210,16 +210,8 @@ def test_expert_mlp_compiled_in_either_tile_order(monkeypatch, shape, expert_ban
 # gmm_dact's default; gmm and gmm_t too here) and gmm_act / gmm_dact on the cooperative one.
 _PINGPONG = mosaic.Config(pingpong=True, tile_n=128, max_concurrent_steps=6, epi_tile_n=32,
                           grid_tile_width=8, expert_bands=True)
-_skip = lambda **cfgs: {k: dataclasses.replace(c, skip_padding=True) for k, c in cfgs.items()}
-_D = mosaic.DEFAULT_CONFIGS
 GMM_SCHEDULES = {"pingpong": dict(gmm=_PINGPONG, gmm_t=_PINGPONG, gmm_act=_PINGPONG, gmm_dact=_PINGPONG),
-                 "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT),
-                 # Config.skip_padding on every kind the expert MLP and its GLU form run, with the
-                 # activation kernels on either schedule.
-                 "skip_padding": _skip(gmm=_D.gmm, gmm_t=_D.gmm_t, gmm_act=_PINGPONG, gmm_dact=_PINGPONG,
-                                       gmm_glu=_D.gmm_glu, gmm_glu_short=_D.gmm_glu_short, gmm_dglu=_D.gmm_dglu),
-                 "skip_padding_cooperative": _skip(gmm=_D.gmm, gmm_t=_D.gmm_t, gmm_act=mosaic.COOPERATIVE_ACT,
-                                                   gmm_dact=mosaic.COOPERATIVE_DACT)}
+                 "cooperative": dict(gmm_act=mosaic.COOPERATIVE_ACT, gmm_dact=mosaic.COOPERATIVE_DACT)}
 
 
 @pytest.mark.parametrize("schedule", list(GMM_SCHEDULES) if HOPPER else [])
@@ -230,6 +222,4 @@ def test_gmm_schedules_compiled_match_reference(monkeypatch, shape, schedule):
   monkeypatch.setattr(mosaic, "DEFAULT_CONFIGS",
                       dataclasses.replace(mosaic.DEFAULT_CONFIGS, **GMM_SCHEDULES[schedule]))
   _check_expert_mlp_compiled("mosaic", "gelu", shape, glu=False)
-  if schedule == "skip_padding":
-    _check_expert_mlp_compiled("mosaic", "silu", shape, glu=True)
   test_kernels_compiled_match_reference("mosaic", shape)

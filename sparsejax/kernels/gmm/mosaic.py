@@ -126,17 +126,6 @@ class Config:
   # tiles past a multiple of the SMs) runs as half- or quarter-width column pieces side by side
   # (tail_split), so its few SMs do not each run one whole tile while the rest idle.
   split_tail: bool = False
-  # gmm kinds on the ping-pong or cooperative kernel: move no padding rows that no reader needs.
-  # The outputs that only the fused MLP's backward reads (gmm_act's pre or act'(pre), gmm_glu's g
-  # and u, gmm_dact's and gmm_dglu's outputs: unwritten_padding) are stored up to a block's real
-  # rows, in STORE_ROWS-row pieces where a tile is partly real, the rest left unwritten. A block
-  # whose real rows fit its first 64 loads only those 64 rows of its pre tiles (ping-pong), and its
-  # second consumer's A rows are the first half's again, an L2 hit, instead of padding from DRAM
-  # (cooperative). The readers mask those rows: gmm_dact and gmm_dglu select on the real rows, gmm
-  # keeps a tile's padding rows out of its stores, tgmm zeroes its dout's padding rows (an expert's
-  # last step). h, which tgmm reduces over as its lhs, stays written. At the MLP's sizes these rows
-  # are DRAM traffic: E64 top-1 pads 16,384 tokens to 20,480 rows.
-  skip_padding: bool = False
 
 
 # mosaic._gmm_padded's (the cooperative kernel's) best configs for gmm_act and gmm_dact, the
@@ -328,22 +317,15 @@ def _fit(cfg: Config, k: int, n: int, *, stage_bytes, out_bytes) -> Config:
   return cfg
 
 
-# Rows of the pieces in which _store_tile stores a partly real tile's leading rows: a multiple of the
-# 8-row swizzle tile, small enough that a block's last real row leaves at most 15 padding rows stored.
-STORE_ROWS = 16
-
-
-def _store_tile(accs, out_smem, out_refs, wg_idx, epi_tile_n, epilogue=None, real_rows=None):
+def _store_tile(accs, out_smem, out_refs, wg_idx, epi_tile_n, epilogue=None):
   """Write one consumer's accumulators to out_refs (their [rows, cols] windows) via smem + TMA,
   in epi_tile_n-wide pieces through out_smem's slots (its dim 1), so stores overlap the next pieces.
 
   epilogue(pieces, j) -> one array per out_ref, for the pieces acc[:, j*epi_tile_n:...] of each
   accumulator; None stores the pieces themselves. Working piece by piece keeps an epilogue's
-  temporaries small. real_rows: None, or one entry per out_ref, None (every row stored) or the
-  count of leading rows to store (_store_rows).
+  temporaries small.
   """
   slots = out_smem.shape[1]
-  real_rows = real_rows or (None,) * len(out_refs)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   slot = 0
   for j in range(accs[0].shape[1] // epi_tile_n):
@@ -351,36 +333,13 @@ def _store_tile(accs, out_smem, out_refs, wg_idx, epi_tile_n, epilogue=None, rea
     pieces = tuple(acc[:, cols] for acc in accs)
     if epilogue is not None:
       pieces = epilogue(pieces, j)
-    for piece, out_ref, rows in zip(pieces, out_refs, real_rows, strict=True):
+    for piece, out_ref in zip(pieces, out_refs, strict=True):
       plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
       out_smem[wg_idx, slot] = piece.astype(out_smem.dtype)
       plgpu.commit_smem()
-      dst = out_ref.at[:, pl.ds(j * epi_tile_n, epi_tile_n)]
-      if rows is None:
-        plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot], dst)
-      else:
-        _store_rows(out_smem.at[wg_idx, slot], dst, rows)
+      plgpu.copy_smem_to_gmem(out_smem.at[wg_idx, slot],
+                              out_ref.at[:, pl.ds(j * epi_tile_n, epi_tile_n)])
       slot = (slot + 1) % slots
-
-
-def _store_rows(src, dst, rows):
-  """dst[:rows] = src[:rows] by TMA: one store when every row is real, else the STORE_ROWS-row
-  pieces that hold one. The rows past them are left unwritten. A partial tile's several stores
-  count as several bulk groups, so _store_tile's waits for a free slot are then only stricter."""
-  n = src.shape[0]
-
-  @pl.when(rows >= n)
-  def _():
-    plgpu.copy_smem_to_gmem(src, dst)
-
-  @pl.when(rows < n)
-  def _():
-    for p in range(n // STORE_ROWS):
-      piece = pl.ds(p * STORE_ROWS, STORE_ROWS)
-
-      @pl.when(p * STORE_ROWS < rows)
-      def _():
-        plgpu.copy_smem_to_gmem(src.at[piece], dst.at[piece])
 
 
 def _consumer_done(steps, tile_done):
@@ -542,12 +501,8 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
 
   k_iters = k // tile_k
 
-  # With skip_padding the A tile arrives as two 64-row halves, a consumer's each, and a block whose
-  # real rows fit its first half reads the first half twice (from L2) instead of its padding.
-  a_rows = half if cfg.skip_padding else block_m
-
   def specs_of(width):
-    a_spec = plgpu.BlockSpec((a_rows, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
+    a_spec = plgpu.BlockSpec((block_m, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
                              delay_release=delay)
     if transpose_rhs:
       b_spec = plgpu.BlockSpec((width, tile_k), lambda s: (0, s), transforms=_transforms(tile_k, dtype),
@@ -555,7 +510,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
     else:
       b_spec = plgpu.BlockSpec((tile_k, width), lambda s: (s, 0), transforms=_transforms(width, dtype),
                                delay_release=delay)
-    return [a_spec] * (block_m // a_rows) + [b_spec] * num_w
+    return [a_spec] + [b_spec] * num_w
 
   window = lambda w, n_slice: w.at[n_slice, :] if transpose_rhs else w.at[:, n_slice]
 
@@ -584,8 +539,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
       # (a shorter static grid would shrink it below the dynamic pipeline's).
       allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), specs, cfg,
                                  ignore).get_allocations(
-          *[lhs_gmem.at[pl.ds(0, a_rows), :]] * (block_m // a_rows),
-          *[window(w.at[0], pl.ds(0, width)) for w in w_gmems])
+          lhs_gmem.at[pl.ds(0, block_m), :], *[window(w.at[0], pl.ds(0, width)) for w in w_gmems])
 
       # Scopes in sequence share their shared memory: the tail's loop reuses the main loop's.
       @functools.partial(
@@ -642,36 +596,24 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
               # Nothing reads an inactive block's rows (every consumer gathers real rows, and the
               # kernels run zero steps on them), so they are left unwritten: under expert
               # parallelism about half the worst-case receive buffer is inactive.
-              real_rows = [num_real - wg_idx * half if cfg.skip_padding and sparse else None
-                           for sparse in unwritten_padding(num_w, num_pre, activation)]
-
               @pl.when(steps > 0)
               def _():
-                _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue, real_rows)
+                _store_tile(accs, out_smem, outs, wg_idx, epi_tile_n, epilogue)
 
-          def mma(_, *refs):
-            a_smems, (*b_smems, accs) = refs[:block_m // a_rows], refs[block_m // a_rows:]
+          def mma(_, a_smem, *refs):
+            *b_smems, accs = refs
 
             @pl.when(has_rows)
             def _():
               for b_smem, acc_ref in zip(b_smems, accs, strict=True):
                 b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
-                if a_rows == block_m:
-                  plgpu.wgmma(acc_ref, a_smems[0].at[wg_m], b)
-                else:
-                  for i, a in enumerate(a_smems):  # this consumer's half
-                    pl.when(wg_idx == i)(functools.partial(plgpu.wgmma, acc_ref, a, b))
+                plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
 
             plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
             return accs
 
-          if a_rows == block_m:
-            a_gmems = [lhs_gmem.at[m_slice, :]]
-          else:  # the second half's rows, or the first's again where they hold no token
-            second = m_idx * block_m + jnp.where(num_real > half, half, 0)
-            a_gmems = [lhs_gmem.at[pl.ds(m_idx * block_m, half), :], lhs_gmem.at[pl.ds(second, half), :]]
           _warp_specialized(mma, (steps,), specs, cfg, compute_context)(
-              *a_gmems, *[window(w.at[expert], n_slice) for w in w_gmems],
+              lhs_gmem.at[m_slice, :], *[window(w.at[expert], n_slice) for w in w_gmems],
               allocations=pipeline_allocs)
           _producer_waits_for_tile(wg_idx, steps, tile_done)
 
@@ -747,17 +689,6 @@ def gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real):
   return epilogue
 
 
-def unwritten_padding(num_w, num_pre, activation) -> tuple[bool, ...]:
-  """For each output of a gmm variant (gmm_epilogue's order), whether Config.skip_padding may leave
-  its padding rows unwritten: every output but the plain product's (the layer scatters it back)
-  and h = act(...) (tgmm reduces over it as lhs, whose padding rows it does not zero)."""
-  if num_pre:
-    return (True,) * num_pre
-  if num_w == 2:
-    return (True, True, False)  # g, u, h
-  return (True, False) if activation is not None else (False,)
-
-
 def _load_wgmma(ref):
   """A shared-memory tile read into registers in the accumulator's (wgmma) layout."""
   if _interpret() is not None:
@@ -793,8 +724,6 @@ def _gmm_call(lhs, weights, topo, transpose_rhs, out_dtype, configs, activation=
   base = _configs(configs).gmm_for(kind, lhs.shape[0], topo.num_experts)
   if base.pingpong and base.epilogue_wg:
     raise ValueError(f"Config.pingpong and Config.epilogue_wg are two schedules; {kind} got both")
-  if base.skip_padding and base.epilogue_wg:
-    raise ValueError(f"Config.skip_padding serves the ping-pong and cooperative kernels; {kind} got {base}")
   if base.epilogue_wg:
     from sparsejax.kernels.gmm import mosaic_epilogue
 

@@ -376,19 +376,11 @@ def gmm_padded(
           rows_, cols = pl.ds(m_idx * block_m, block_m), pl.ds(n_idx * tile_n, tile_n)
 
           if num_pre:
-            def load_pre(rows):  # one copy a pre tile either way: pre_ready counts num_pre arrivals
+            @pl.when(steps > 0)
+            def _():
               plgpu.commit_smem()  # the last tile's reads of pre_smem come before this TMA write
               for i, p in enumerate(pre_gmems):
-                plgpu.copy_gmem_to_smem(p.at[rows_, cols].at[pl.ds(0, rows)],
-                                        pre_smem.at[pre_idx(i)].at[pl.ds(0, rows)], pre_ready.at[wg_idx])
-
-            if cfg.skip_padding:
-              # A block whose real rows fit its first half loads that half: the epilogue selects on
-              # the real rows, so the other half's stale bits stay out.
-              pl.when((steps > 0) & (num_real > half))(lambda: load_pre(block_m))
-              pl.when((steps > 0) & (num_real <= half))(lambda: load_pre(half))
-            else:
-              pl.when(steps > 0)(lambda: load_pre(block_m))
+                plgpu.copy_gmem_to_smem(p.at[rows_, cols], pre_smem.at[pre_idx(i)], pre_ready.at[wg_idx])
 
           @pl.when(local > 0)
           def _():
@@ -441,11 +433,9 @@ def gmm_padded(
               if num_pre:
                 plgpu.barrier_wait(pre_ready.at[wg_idx])
               epilogue = mosaic.gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real)
-              real_rows = [num_real if cfg.skip_padding and sparse else None for sparse in
-                           mosaic.unwritten_padding(num_w, num_pre, activation)]
               # The stores overlap the other consumer's K loop (and this one's next).
               mosaic._store_tile(values, out_smem, [o.at[rows_, cols] for o in out_gmems], wg_idx,
-                                 epi_n, epilogue, real_rows)
+                                 epi_n, epilogue)
 
           return step0 + steps + tile(local + 1)[3]  # and the other consumer's next tile
 
