@@ -173,7 +173,8 @@ def _tgmm_kernel(offsets_ref, row_block_rows_ref, lhs_ref, dout_ref, out_ref, *,
     a = jnp.where(real, a, jnp.zeros_like(a))
     # dout too: a zero a-row times a NaN or inf g-row would still be NaN (op.tgmm's contract).
     g = dout_ref[rows, ns]
-    g = jnp.where(real[:, :1], g, jnp.zeros_like(g))
+    real_g = jax.lax.broadcasted_iota(jnp.int32, (block_m, block_n), 0) < row_block_rows_ref[r]
+    g = jnp.where(real_g, g, jnp.zeros_like(g))
     return acc + jax.lax.dot_general(a, g, (((0,), (0,)), ((), ())), precision=precision,
                                      preferred_element_type=jnp.float32)
 
