@@ -387,3 +387,21 @@ def test_energy_probe_reads_the_sustained_samples_and_refuses_a_cpu(capsys):
   assert "nothing to do" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="needs a GPU and nvidia-smi"):
     probe_energy.main(["--kernels", "E64_top1"])
+
+
+def test_sustained_ab_compares_real_rows_and_refuses_bad_arguments(capsys):
+  """ab_sustained: y and dx are compared on the real rows only (the rest may be unwritten), the
+  weight gradients everywhere; fewer than two config sets, an unknown one or a CPU stop it in one line."""
+  import jax.numpy as jnp
+  import ab_sustained
+
+  real = jnp.asarray([[True], [False]])
+  y = jnp.asarray([[1.0, 2.0], [jnp.nan, 5.0]])
+  dw = jnp.asarray([[1.0]])
+  got = (y, (y + 1, dw + 0.5, dw))
+  assert ab_sustained.max_diffs(got, (y, (y + 1, dw, dw)), real) == [0.0, 0.0, 0.5, 0.0]
+  for argv in (["--configs", "default"], ["--configs", "default,nope"], ["--what", "mlp,wall"], []):
+    with pytest.raises(SystemExit):
+      ab_sustained.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ab_sustained.py: error:") or "error:" in err
