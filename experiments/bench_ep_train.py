@@ -4,8 +4,9 @@ The step is the library's own (sparsejax.train: init_model, make_optimizer, make
 batch per GPU: on one GPU without a mesh, on n GPUs with `--mesh data=1,expert=n` (what
 `sparsejax-train --mesh` builds: the MoE layers expert-parallel, expert weights and their AdamW
 moments sharded over "expert", the rest data-parallel), once per exchange ("ragged": only the
-real rows cross; "ragged_compact": the same from a send buffer without the per-peer blocks'
-padding, ExpertParallelConfig.compact_send; "dense": the whole static buffer). With
+real rows cross, sent from P per-peer blocks, compact_send=False; "ragged_compact": the same from a
+send buffer without the blocks' padding, ExpertParallelConfig.compact_send, the library's default
+since 2026-11-27; "dense": the whole static buffer). With
 --expert-groups G, n GPUs are also measured as the two-level mesh
 `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense) all-to-all, as
 `sparsejax-train --mesh` runs it. --buffer-factors sizes each peer's exchange buffer
@@ -206,9 +207,10 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=Non
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   mesh = mesh_from_config(cfg)
   two_level = {} if groups is None else dict(expert_axis=expert_axes(mesh), hierarchical=True)
-  compact = exchange == "ragged_compact"
+  compact = exchange == "ragged_compact"  # "ragged" names the block send, as in the earlier tables
   parallel = None if exchange is None else ExpertParallelConfig(
-      exchange="ragged" if compact else exchange, compact_send=compact, ragged_chunks=args.ragged_chunks,
+      exchange="ragged" if compact else exchange, compact_send=compact if exchange != "dense" else None,
+      ragged_chunks=args.ragged_chunks,
       token_chunks=chunks, buffer_factor=buffer_factor, **two_level)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)

@@ -390,7 +390,7 @@ def test_ragged_reference_is_jax_ragged_all_to_all():
   np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
 
 
-RAGGED = ExpertParallelConfig(exchange="ragged")
+RAGGED = ExpertParallelConfig(exchange="ragged", compact_send=False)  # the block send (COMPACT: the default)
 
 
 def test_ragged_exchange_matches_single_device():
@@ -437,7 +437,8 @@ def test_ragged_exchange_over_two_axes_and_expert_slices():
   # One exchange over both expert axes (flattened peer index); expert slicing (sizes before the gather).
   mesh = meshlib.make_expert_mesh(2, 2, expert_groups=2)
   _check_matches(mesh, _problem("skewed"), config=ExpertParallelConfig(  # blocks in 3 uneven updates
-      expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT), exchange="ragged", ragged_chunks=3))
+      expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT), exchange="ragged", ragged_chunks=3,
+      compact_send=False))
   _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed", num_experts=2, glu=True), config=RAGGED)
 
 
@@ -448,8 +449,9 @@ def test_auto_exchange_takes_the_layouts_peer_count(monkeypatch, peers, want):
   ragged exchange and 2 the dense one, and either equals the single-device layer."""
   monkeypatch.setattr(parallel, "exchange_platform", lambda layout: "gpu")
   calls = []
-  real = parallel.ragged_all_to_all_rows
-  monkeypatch.setattr(parallel, "ragged_all_to_all_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+  for name in ("ragged_all_to_all_rows", "ragged_rows"):  # the block send's and the compact send's
+    real = getattr(parallel, name)
+    monkeypatch.setattr(parallel, name, lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
   _jitted_value_and_grads.cache_clear()
   _check_matches(meshlib.make_expert_mesh(8 // peers, peers), _problem("skewed"))
   _jitted_value_and_grads.cache_clear()
@@ -467,9 +469,9 @@ def test_exchange_choice_and_bad_options():
   assert choose("ragged", 2, "cpu") == "ragged" and choose("dense", 8) == "dense"
   with pytest.raises(ValueError, match="ragged_chunks"):
     ExpertParallelConfig(exchange="ragged", ragged_chunks=0)
-  for ex in ("auto", "dense"):
-    with pytest.raises(ValueError, match="compact_send is a form of the ragged exchange"):
-      ExpertParallelConfig(exchange=ex, compact_send=True)
+  with pytest.raises(ValueError, match="compact_send is a form of the ragged exchange"):
+    ExpertParallelConfig(exchange="dense", compact_send=True)
+  ExpertParallelConfig(exchange="auto", compact_send=True)  # it applies where auto resolves to ragged
   with pytest.raises(ValueError, match="exchange must be one of"):
     ExpertParallelConfig(exchange="nccl")
   with pytest.raises(ValueError, match="single-stage"):
