@@ -209,8 +209,7 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=Non
   two_level = {} if groups is None else dict(expert_axis=expert_axes(mesh), hierarchical=True)
   compact = exchange == "ragged_compact"  # "ragged" names the block send, as in the earlier tables
   parallel = None if exchange is None else ExpertParallelConfig(
-      exchange="ragged" if compact else exchange, compact_send=compact if exchange != "dense" else None,
-      ragged_chunks=args.ragged_chunks,
+      exchange="ragged" if compact else exchange, compact_send=compact, ragged_chunks=args.ragged_chunks,
       token_chunks=chunks, buffer_factor=buffer_factor, **two_level)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
