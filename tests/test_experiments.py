@@ -231,6 +231,28 @@ def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
     probe_pdl.main([])
 
 
+def test_dataflow_ffn_probe_matches_its_reference_across_calls_and_the_counters_wrap():
+  """probe_dataflow_ffn in interpret mode (programs in order, as the GPU starts them): every variant equals the
+  reference within a bf16 ulp over three calls on one counter buffer and a fourth whose arrivals cross int32's
+  wrap; a counter layout whose counts are not powers of two is refused in one line; the kernel lowers for CUDA."""
+  import jax
+  import jax.numpy as jnp
+  import probe_dataflow_ffn as probe
+  errs = probe.main([])
+  assert set(errs) == set(probe.VARIANTS) and all(e <= 2 ** -7 for e in errs.values()), errs
+  x = jnp.zeros((1, 512), jnp.bfloat16)
+  args = (x, x, jnp.ones((1,)), jnp.zeros((1,), jnp.int32), jnp.zeros((1, 512, 1536), jnp.bfloat16),
+          jnp.zeros((1, 1536, 512), jnp.bfloat16), 0, probe.counters(512, 1536))
+  with pytest.raises(ValueError, match="powers of two"):
+    probe.dataflow_ffn(*args, interpret=True)
+  d, f = 1024, 4096  # medium-moe's, as the GPU run times it
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((1, d), jnp.bfloat16)] * 2 + [
+      ((1,), jnp.float32), ((1,), jnp.int32), ((4, d, f), jnp.bfloat16), ((4, f, d), jnp.bfloat16), ((), jnp.int32),
+      (probe.counters(d, f).shape, jnp.int32)]]
+  text = jax.jit(probe.dataflow_ffn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1
+
+
 def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypatch):
   """bench_decode --no-check (timing runs): rows are timed and marked unchecked, and check_step never runs."""
   import bench_decode
