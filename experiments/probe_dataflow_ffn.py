@@ -205,6 +205,9 @@ def main(argv=None):
   ap.add_argument("--experts", type=int, default=4, help="experts a layer (one is read)")
   ap.add_argument("--steps", type=int, default=100, help="passes over the layers in one timed call")
   ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--trace", metavar="DIR", help="also trace one call of two_kernels' and dataflow_r512_w4's "
+                  "chains into DIR and print their kernels' device time a layer (run it with XLA's command "
+                  "buffers off, XLA_FLAGS=--xla_gpu_enable_command_buffer=, so each kernel is traced)")
   args = ap.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   errs = check(interpret=not on_gpu)
@@ -257,6 +260,16 @@ def main(argv=None):
   for n, t in times.items():
     print(f"{n:>24}: {np.median(t):6.2f} us a layer's FFN (median of {args.rounds}; {np.median(t) / base:.2f}x "
           f"two_kernels)")
+  if args.trace:
+    import profile_step
+    for n in ("two_kernels", "dataflow_r512_w4"):
+      log_dir = f"{args.trace}/{n}"
+      with jax.profiler.trace(log_dir):
+        jax.block_until_ready(fns[n](x0, w_in, w_out))
+      table = profile_step.kernel_table(profile_step.load_trace(log_dir), args.steps * L, by_kind=True)
+      print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us a layer; by kernel (us a layer, launches):")
+      for kind, ms, launches in table["kernels"]:
+        print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
   return times
 
 
