@@ -10,6 +10,7 @@ changes how fast the compiled code runs, not what it computes (XLA:CPU's fast ma
 one difference a probe of the usual ops found is float32 tanh (and so exact GELU), within 4e-7
 relative of the other emitters' (a few ulp), far inside every tolerance here.
 """
+import gc
 import os
 
 # Must be set before jax is imported anywhere in the test process (and in the processes it starts).
@@ -22,3 +23,24 @@ if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join([_given] + [f for f in _FLAGS if f.split("=")[0] not in _given]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# Under pytest-xdist (`-n N`), each worker gets its own share of the CPUs this run may use (one core
+# each for `-n 2` on two cores), and the processes a test starts inherit it. Unpinned, every worker's
+# XLA:CPU sizes its thread pools for all the machine's cores, so the workers' threads contend for the
+# same cores and preempt one another: about 40 s of the suite's 5 to 6 minutes on two cores. Pinned
+# before jax starts (this file is imported before any test module), a worker's pools fit its share.
+# Where the run is not split (no xdist, or one worker), nothing changes. This moves where the
+# computations run, not what they compute.
+_worker, _workers = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _worker.startswith("gw") and _workers > 1 and hasattr(os, "sched_setaffinity"):
+  _cpus, _i = sorted(os.sched_getaffinity(0)), int(_worker[2:])
+  _n = len(_cpus)
+  _share = _cpus[_i * _n // _workers:(_i + 1) * _n // _workers] if _workers <= _n else [_cpus[_i % _n]]
+  os.sched_setaffinity(0, _share)
+
+# The cyclic garbage collector's full passes scan every object the worker holds, and a worker holds
+# ever more (modules, jaxprs, compiled programs in the tests' caches): at the default thresholds
+# they cost each worker about 15 s of a run. Tracing allocates in bursts, so collect less often.
+# Only when unreachable cycles are freed changes; whatever is freed by reference counting (most
+# arrays) still goes at once.
+gc.set_threshold(20000, 20, 20)

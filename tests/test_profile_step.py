@@ -106,6 +106,10 @@ def test_profile_step_smoke(tmp_path, monkeypatch):
   $OUT is --out itself, as on the device machine: the copy into $OUT is skipped, not a SameFileError."""
   monkeypatch.setenv("OUT", str(tmp_path))
   monkeypatch.setenv("XLA_FLAGS", __import__("os").environ.get("XLA_FLAGS", ""))  # restored afterwards
+  # The script frees each preset's executables (jax.clear_caches, for GPU memory); in a test worker that
+  # would empty every compile cache of the process (seconds, more as the worker's caches grow, and the
+  # later tests' recompiles). Nothing checked here depends on it.
+  monkeypatch.setattr(profile_step.jax, "clear_caches", lambda: None)
   (tmp_path / "data.txt").write_text("def f(x):\n  return x + 1\n" * 300)
   report = profile_step.main(["--smoke", "--presets", "tiny-moe", "--data", str(tmp_path / "data.txt"),
                               "--out", str(tmp_path), "--grad-accum", "2", "--tag", "_b2x2"])
