@@ -40,7 +40,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparsejax.activations import PLAIN
-from sparsejax.kernels.skinny_matmul import skinny_ffn
+from sparsejax.kernels.skinny_matmul import triton
 
 BN1 = 64              # W_in: columns of f a program
 BN2, R2 = 64, 512     # W_out: columns of d, rows of f a program
@@ -147,9 +147,23 @@ def dataflow_ffn(x, resid, c, ids, w_in, w_out, epoch, cnt, *, act=jax.nn.gelu, 
   return y, cnt
 
 
+def split_ffn(x, w_in, w_out, ids, act=jax.nn.gelu):
+  """skinny_ffn's split form at one row ([1, 1, d] float32): W_in's split-K parts, then W_out's programs summing
+  them with the activation as they load h. (skinny_ffn itself has run one row as triton_row_ffn's one kernel
+  since the twenty-fifth session; this probe's logs predate that.)"""
+  m, d, f = 1, *w_in.shape[1:]
+  ci, co = triton.default_config(m, d, f), triton.default_config(m, f, d)
+  hidden = triton.Hidden(PLAIN[act], jnp.dtype(x.dtype), d // ci.rows_per_program, False, False, False)
+  interpret = jax.default_backend() != "gpu"
+  parts = triton.skinny_matmul_parts((x,), triton.Plain(False), w_in, ids, m, x.dtype, ci, interpret=interpret)
+  return triton.skinny_matmul_parts((parts,), hidden, w_out, ids, m, x.dtype, co, interpret=interpret).sum(
+      axis=1)[:, :m]
+
+
 def two_kernels(x, resid, c, ids, w_in, w_out, act=jax.nn.gelu):
-  """What decode_moe runs today at one token, top-1: skinny_ffn's two kernels, then XLA's combine and residual."""
-  t = skinny_ffn(x, w_in, w_out, experts=ids, activation=act)[0].astype(jnp.bfloat16).astype(jnp.float32)
+  """What decode_moe ran at one token, top-1, before the one-kernel form: skinny_ffn's two kernels (split_ffn),
+  then XLA's combine and residual."""
+  t = split_ffn(x, w_in, w_out, ids, act)[0].astype(jnp.bfloat16).astype(jnp.float32)
   return (resid.astype(jnp.float32) + (c[0] * t).astype(jnp.bfloat16).astype(jnp.float32)).astype(x.dtype)
 
 
