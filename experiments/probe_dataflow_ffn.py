@@ -148,9 +148,9 @@ def dataflow_ffn(x, resid, c, ids, w_in, w_out, epoch, cnt, *, act=jax.nn.gelu, 
 
 
 def split_ffn(x, w_in, w_out, ids, act=jax.nn.gelu):
-  """skinny_ffn's split form at one row ([1, 1, d] float32): W_in's split-K parts, then W_out's programs summing
-  them with the activation as they load h. (skinny_ffn itself has run one row as triton_row_ffn's one kernel
-  since the twenty-fifth session; this probe's logs predate that.)"""
+  """skinny_ffn at one row ([1, 1, d] float32), its kernels called directly: W_in's split-K parts, then W_out's
+  programs summing them with the activation as they load h (so the baseline stays this form whatever
+  skinny_ffn dispatches to; commit 2ab797a briefly ran one row as one kernel, see probe_slab_ffn.py)."""
   m, d, f = 1, *w_in.shape[1:]
   ci, co = triton.default_config(m, d, f), triton.default_config(m, f, d)
   hidden = triton.Hidden(PLAIN[act], jnp.dtype(x.dtype), d // ci.rows_per_program, False, False, False)
@@ -161,8 +161,8 @@ def split_ffn(x, w_in, w_out, ids, act=jax.nn.gelu):
 
 
 def two_kernels(x, resid, c, ids, w_in, w_out, act=jax.nn.gelu):
-  """What decode_moe ran at one token, top-1, before the one-kernel form: skinny_ffn's two kernels (split_ffn),
-  then XLA's combine and residual."""
+  """What decode_moe runs at one token, top-1: skinny_ffn's two kernels (split_ffn), then XLA's combine and
+  residual."""
   t = split_ffn(x, w_in, w_out, ids, act)[0].astype(jnp.bfloat16).astype(jnp.float32)
   return (resid.astype(jnp.float32) + (c[0] * t).astype(jnp.bfloat16).astype(jnp.float32)).astype(x.dtype)
 

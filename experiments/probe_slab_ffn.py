@@ -11,7 +11,15 @@ and XLA's fusion that adds the combine weight and the residual also sums the G p
 A program issues both of its slabs' loads (W_in's 64-byte rows, W_out's contiguous rows; 128 KB at G = 128)
 before it multiplies, so the one kernel has all 16 MB of the expert's weights in flight from its start. The
 fifteenth session's one-kernel FFN of the same split looped over K, which left few loads in flight.
-"read_only" variants load the same slabs and only sum them: the floor of this kernel's form.
+"read_only" variants load the same slabs and only sum them: the floor of this kernel's form; "_t" variants
+read W_in stored transposed ([E, f, d]), so that its slab is contiguous too.
+
+Measured on an H100 (experiments/results/decode_slab_ffn{,2}{,_trace}_H100.log; notes_decode.md, twenty-fifth
+session): at medium's d 1,024, f 4,096 the best form (G = 128, 8 warps) ran the chain at 0.91-0.96x the split
+form's two kernels (11.4-11.9 against 12.4 us a layer). Traced, its kernel takes 9.0-9.2 us against 5.2 + 6.1,
+but the sum of its 128 parts is an XLA reduction of its own (1.45 us), so the layer gains ~0.7 us. The
+read-only floor of the same loads is 8.0-8.8 us: the kernel is at it. In the library (commit 2ab797a,
+reverted) the medium-moe step's device time fell 2% and three A-B rounds of the step could not resolve it.
 
 GPU:  python experiments/probe_slab_ffn.py [--layers 24 --steps 100 --rounds 7]
 CPU:  the same command checks every variant in interpret mode at small sizes.
@@ -28,7 +36,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparsejax.activations import PLAIN
-from sparsejax.kernels.skinny_matmul import skinny_ffn
 from probe_dataflow_ffn import _weights, reference, two_kernels
 
 # name: (programs G, warps, loop steps over K of W_in (1: one load of each slab), read only, W_in stored
@@ -114,13 +121,6 @@ def slab_ffn(x, resid, c, ids, w_in, w_out, act=jax.nn.gelu, **kw):
   return (resid.astype(jnp.float32) + (c[0] * t).astype(jnp.bfloat16).astype(jnp.float32)).astype(x.dtype)
 
 
-def library(x, resid, c, ids, w_in, w_out, act=jax.nn.gelu):
-  """What decode_moe runs now at one token, top-1: skinny_ffn (one row: triton_row_ffn, this probe's slab_g128_w8
-  in the library), then XLA's sum, combine and residual."""
-  t = skinny_ffn(x, w_in, w_out, experts=ids, activation=act)[0].astype(jnp.bfloat16).astype(jnp.float32)
-  return (resid.astype(jnp.float32) + (c[0] * t).astype(jnp.bfloat16).astype(jnp.float32)).astype(x.dtype)
-
-
 def check(interpret: bool, d: int = 256, f: int = 1024) -> dict:
   """Largest |y - reference| of every FFN variant, and of each read_only variant's parts against their sums."""
   key = jax.random.key(0)
@@ -144,9 +144,8 @@ def check(interpret: bool, d: int = 256, f: int = 1024) -> dict:
       y = slab_ffn(x, res, c, ids, wi, w_out, **kw)
       e = float(jnp.max(jnp.abs(y.astype(jnp.float32) - want)))
     errs[name] = e if np.isfinite(e) else float("inf")
-  for name, ffn in (("two_kernels", two_kernels), ("library", library)):
-    e = float(jnp.max(jnp.abs(ffn(x, res, c, ids, w_in, w_out).astype(jnp.float32) - want)))
-    errs[name] = e if np.isfinite(e) else float("inf")
+  e = float(jnp.max(jnp.abs(two_kernels(x, res, c, ids, w_in, w_out).astype(jnp.float32) - want)))
+  errs["two_kernels"] = e if np.isfinite(e) else float("inf")
   return errs
 
 
@@ -181,9 +180,8 @@ def main(argv=None):
     return jax.lax.fori_loop(0, args.steps, body, x)
 
   w_in_t = [jnp.swapaxes(w, 1, 2) for w in w_in]  # copies made before timing, as a decode layout would be
-  fns = {"two_kernels": jax.jit(functools.partial(chain, ffn=two_kernels)),
-         "library": jax.jit(functools.partial(chain, ffn=library))}
-  args_of = {"two_kernels": (x0, w_in, w_out), "library": (x0, w_in, w_out)}
+  fns = {"two_kernels": jax.jit(functools.partial(chain, ffn=two_kernels))}
+  args_of = {"two_kernels": (x0, w_in, w_out)}
   for name in filter(None, args.variants.split(",")):
     programs, warps, k_steps, read_only, transposed = VARIANTS[name]
     kw = dict(programs=programs, num_warps=warps, k_steps=k_steps, transposed=transposed)

@@ -427,3 +427,33 @@ def test_sustained_ab_compares_real_rows_and_refuses_bad_arguments(capsys):
     with pytest.raises(SystemExit):
       ab_sustained.main(argv)
     assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_slab_ffn_probe_matches_its_reference_and_lowers():
+  """probe_slab_ffn in interpret mode: every one-kernel variant (each program a hidden-layer slab through both
+  products) equals the reference within a bf16 ulp, the read-only ones their slabs' sums; the kernel lowers for
+  CUDA at medium-moe's sizes, as the GPU run times it."""
+  import jax
+  import jax.numpy as jnp
+  import probe_slab_ffn as probe
+  errs = probe.main([])
+  assert set(errs) == set(probe.VARIANTS) | {"two_kernels"} and all(e <= 2 ** -7 for e in errs.values()), errs
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((1, 1024), jnp.bfloat16), ((1,), jnp.int32),
+                                                    ((4, 1024, 4096), jnp.bfloat16), ((4, 4096, 1024), jnp.bfloat16)]]
+  text = jax.jit(lambda *a: probe.slab_parts(*a, programs=128, num_warps=8)).trace(*shapes).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1
+
+
+def test_tma_read_probe_tokens_equal_what_each_band_holds():
+  """probe_tma_read in interpret mode: the TMA kernel's token is its band's first rows after the whole band
+  arrived, the Triton kernel's its band's column sums; the TMA kernel lowers for CUDA at 16 MB."""
+  import jax
+  import jax.numpy as jnp
+  import probe_tma_read as probe
+  errs = probe.check(interpret=True, variants=("tma_g128", "triton_g128"))
+  assert errs == {"tma_g128": 0.0, "triton_g128": 0.0}, errs
+  shapes = [jax.ShapeDtypeStruct((8192, probe.D), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float32)]
+  text = jax.jit(lambda w, dep: probe.tma_read(w, dep, ctas=128)).trace(*shapes).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
