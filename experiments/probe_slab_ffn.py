@@ -12,13 +12,15 @@ A program issues both of its slabs' loads (W_in's 64-byte rows, W_out's contiguo
 before it multiplies, so the one kernel has all 16 MB of the expert's weights in flight from its start. The
 fifteenth session's one-kernel FFN of the same split looped over K, which left few loads in flight.
 "read_only" variants load the same slabs and only sum them: the floor of this kernel's form; "_t" variants
-read W_in stored transposed ([E, f, d]), so that its slab is contiguous too.
+read W_in stored transposed ([E, f, d]), so that its slab is contiguous too; "parts_minor" stores the parts as
+[d, G], so that their sum is a row reduction for XLA.
 
 Measured on an H100 (experiments/results/decode_slab_ffn{,2}{,_trace}_H100.log; notes_decode.md, twenty-fifth
 session): at medium's d 1,024, f 4,096 the best form (G = 128, 8 warps) ran the chain at 0.91-0.96x the split
 form's two kernels (11.4-11.9 against 12.4 us a layer). Traced, its kernel takes 9.0-9.2 us against 5.2 + 6.1,
 but the sum of its 128 parts is an XLA reduction of its own (1.45 us), so the layer gains ~0.7 us. The
-read-only floor of the same loads is 8.0-8.8 us: the kernel is at it. In the library (commit 2ab797a,
+read-only floor of the same loads is 8.0-8.8 us: the kernel is at it. parts_minor's strided stores cost 2 us
+and XLA still reduces in a kernel of its own (decode_slab_ffn_parts_minor_H100.log). In the library (commit 2ab797a,
 reverted) the medium-moe step's device time fell 2% and three A-B rounds of the step could not resolve it.
 
 GPU:  python experiments/probe_slab_ffn.py [--layers 24 --steps 100 --rounds 7]
@@ -51,6 +53,7 @@ VARIANTS = {
     "slab_t_g128_w8": (128, 8, 1, False, True),
     "slab_t_g128_w16": (128, 16, 1, False, True),
     "slab_t_g256_w8": (256, 8, 1, False, True),
+    "slab_g128_w8_parts_minor": (128, 8, 1, False, False),
     "read_only_g128_w4": (128, 4, 1, True, False),
     "read_only_g128_w8": (128, 8, 1, True, False),
     "read_only_g256_w4": (256, 4, 1, True, False),
@@ -60,7 +63,7 @@ VARIANTS = {
 }
 
 
-def _kernel(ids_ref, x_ref, win_ref, wout_ref, out_ref, *, act, c, k_steps, read_only, transposed):
+def _kernel(ids_ref, x_ref, win_ref, wout_ref, out_ref, *, act, c, k_steps, read_only, transposed, parts_minor):
   j = pl.program_id(0)
   e = ids_ref[0]
   d = x_ref.shape[1]
@@ -89,34 +92,40 @@ def _kernel(ids_ref, x_ref, win_ref, wout_ref, out_ref, *, act, c, k_steps, read
 
     u = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((c,), jnp.float32))
   h = rnd(act(rnd(u)))
-  out_ref[j, :] = jnp.sum(h[:, None] * f32(w2), axis=0)
+  part = jnp.sum(h[:, None] * f32(w2), axis=0)
+  if parts_minor:  # [d, G]: the sum over j becomes a row reduction for XLA
+    out_ref[:, j] = part
+  else:
+    out_ref[j, :] = part
 
 
 @functools.partial(jax.jit, static_argnames=("act", "programs", "num_warps", "k_steps", "read_only", "transposed",
-                                             "interpret"))
+                                             "parts_minor", "interpret"))
 def slab_parts(x, ids, w_in, w_out, *, act=jax.nn.gelu, programs=128, num_warps=4, k_steps=1, read_only=False,
-               transposed=False, interpret=False):
-  """[G, d] float32: part_j of the module docstring (x [1, d], ids [1], w_in [E, d, f] (transposed: [E, f, d]),
-  w_out [E, f, d])."""
+               transposed=False, parts_minor=False, interpret=False):
+  """[G, d] float32 ([d, G] with parts_minor): part_j of the module docstring (x [1, d], ids [1], w_in [E, d, f]
+  (transposed: [E, f, d]), w_out [E, f, d])."""
   f, d = w_out.shape[1:]
   if f % programs:
     raise ValueError(f"f={f} is not a multiple of the {programs} programs")
   kernel = functools.partial(_kernel, act=PLAIN[act], c=f // programs, k_steps=k_steps, read_only=read_only,
-                             transposed=transposed)
+                             transposed=transposed, parts_minor=parts_minor)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=num_warps, num_stages=3 if k_steps > 1 else 1)
   return pl.pallas_call(
       kernel, grid=(programs,), in_specs=[pl.no_block_spec] * 4, out_specs=pl.no_block_spec,
-      out_shape=jax.ShapeDtypeStruct((programs, d), jnp.float32), interpret=interpret, compiler_params=params,
+      out_shape=jax.ShapeDtypeStruct((d, programs) if parts_minor else (programs, d), jnp.float32),
+      interpret=interpret, compiler_params=params,
       name="probe_slab_ffn",
   )(ids.astype(jnp.int32), x, w_in, w_out)
 
 
 def slab_ffn(x, resid, c, ids, w_in, w_out, act=jax.nn.gelu, **kw):
   """y = resid + round(c * round(sum_j part_j)): the kernel, then one XLA fusion (the sum, combine, residual)."""
-  t = slab_parts(x, ids, w_in, w_out, act=act, **kw).sum(axis=0, keepdims=True)
+  t = slab_parts(x, ids, w_in, w_out, act=act, **kw)
+  t = t.sum(axis=1)[None] if kw.get("parts_minor") else t.sum(axis=0, keepdims=True)
   t = t.astype(jnp.bfloat16).astype(jnp.float32)
   return (resid.astype(jnp.float32) + (c[0] * t).astype(jnp.bfloat16).astype(jnp.float32)).astype(x.dtype)
 
@@ -132,7 +141,8 @@ def check(interpret: bool, d: int = 256, f: int = 1024) -> dict:
   want = reference(x, res, c, ids, w_in, w_out).astype(jnp.float32)
   errs = {}
   for name, (programs, warps, k_steps, read_only, transposed) in VARIANTS.items():
-    kw = dict(programs=programs, num_warps=warps, k_steps=k_steps, transposed=transposed, interpret=interpret)
+    kw = dict(programs=programs, num_warps=warps, k_steps=k_steps, transposed=transposed, interpret=interpret,
+              parts_minor=name.endswith("parts_minor"))
     wi = jnp.swapaxes(w_in, 1, 2) if transposed else w_in
     if read_only:
       got = slab_parts(x, ids, wi, w_out, read_only=True, **kw)
@@ -184,7 +194,8 @@ def main(argv=None):
   args_of = {"two_kernels": (x0, w_in, w_out)}
   for name in filter(None, args.variants.split(",")):
     programs, warps, k_steps, read_only, transposed = VARIANTS[name]
-    kw = dict(programs=programs, num_warps=warps, k_steps=k_steps, transposed=transposed)
+    kw = dict(programs=programs, num_warps=warps, k_steps=k_steps, transposed=transposed,
+              parts_minor=name.endswith("parts_minor"))
     args_of[name] = (x0, w_in_t if transposed else w_in, w_out)
     if read_only:  # the parts' sum stands in for the FFN's output, so the chain still depends on every load
       ffn = lambda x, r, c_, i, wi, wo, kw=kw: (r.astype(jnp.float32) + 1e-9 * slab_parts(
