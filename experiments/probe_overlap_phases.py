@@ -1,0 +1,300 @@
+"""Does a product's weight stream for free while a small latency-bound phase runs, if both are ONE kernel?
+
+A medium-moe decode layer is 11 dependent kernels, and each costs a fixed ~2-4 us whatever it reads
+(experiments/probe_tma_read.py). The twenty-fourth session's one-kernel FFN handed W_in's output to W_out's
+programs through counters and tied the two kernels: W_in's 512 programs filled the GPU, so W_out's programs
+started only as they retired, and their early weight loads overlapped nothing. Here the first phase is
+small, as the attention is: 64 programs (16 heads x 4 chunks) that each read 32 KB and run a dependent chain
+of two reductions. The W_o product's 32 programs (64 KB of W_o each) fit beside them, so in one grid they can
+load their weights while the attention runs, then wait on a counter for its parts:
+
+  o[h] = round(sum_c o_{h,c}),  o_{h,c} = kv[h,c]^T (kv[h,c] q_h) / R      (q = x, split into heads)
+  y = round(x + round(o W_o))                                             (bf16, one row)
+
+  three_kernels   the attention-like kernel, XLA's merge of the chunks, skinny_matmul (W_o) and XLA's residual
+  one_kernel      one grid: the attention programs, then W_o's programs (weights loaded, then the wait)
+  one_kernel_late the same, W_o's weights loaded only after the wait (what the overlap is worth)
+
+Counters are never reset (probe_dataflow_ffn.py's scheme: call `epoch` waits for (epoch + 1) x 64 arrivals;
+interpret mode runs the programs in order, so the CPU checks the kernel).
+
+--library times the library's form of it instead (sparsejax.kernels.decode_attention_out) at medium-moe's
+shapes (16 heads of 64, d 1,024, a 160-slot cache): decode_attention's kernel then skinny_matmul (what the
+decode step ran before it), against the one grid at 2, 4 and 8 warps.
+
+GPU:  python experiments/probe_overlap_phases.py [--layers 24 --steps 100 --rounds 7] [--library]
+CPU:  the same command checks every variant in interpret mode.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from sparsejax.kernels.skinny_matmul import skinny_matmul
+
+H, DH, C, R = 16, 64, 4, 256      # heads, head dim, chunks a head, rows a chunk (32 KB a program)
+D = H * DH                        # 1,024: medium's d
+NA = H * C                        # attention-like programs: a power of two (the counter's wrap)
+BN, RK = 64, 512                  # W_o programs: 64 columns by 512 rows (64 KB)
+NB = (D // BN) * (D // RK)
+VARIANTS = {"one_kernel": (True, 4), "one_kernel_w8": (True, 8), "one_kernel_late": (False, 4)}
+
+
+def _attend(x_ref, kv_ref, h, c):
+  """o_{h,c} [DH] float32."""
+  f32 = lambda v: v.astype(jnp.float32)
+  q = f32(x_ref[0, pl.ds(pl.multiple_of(h * DH, DH), DH)])
+  kv = f32(kv_ref[h, c])
+  s = jnp.sum(kv * q[None, :], axis=1)
+  return jnp.sum(kv * s[:, None], axis=0) * (1.0 / R)
+
+
+def _attention_kernel(x_ref, kv_ref, parts_ref):
+  i = pl.program_id(0)
+  h, c = i // C, i % C
+  parts_ref[c, pl.ds(pl.multiple_of(h * DH, DH), DH)] = _attend(x_ref, kv_ref, h, c)
+
+
+def attention_parts(x, kv, *, interpret=False):
+  """[C, D] float32: every chunk's o_{h,c}, a kernel of its own."""
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(_attention_kernel, grid=(NA,), in_specs=[pl.no_block_spec] * 2,
+                        out_specs=pl.no_block_spec, out_shape=jax.ShapeDtypeStruct((C, D), jnp.float32),
+                        interpret=interpret, compiler_params=params, name="probe_attention")(x, kv)
+
+
+def _one_kernel(x_ref, kv_ref, wo_ref, epoch_ref, _, y_ref, parts_ref, cnt_ref, *, early, interpret):
+  from jax.experimental.pallas import triton as plt
+  vid = pl.program_id(0)
+  one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32) + vid * 0
+  f32 = lambda v: v.astype(jnp.float32)
+  load = (lambda r: r[...]) if interpret else (lambda r: plt.load(r, volatile=True))
+
+  @pl.when(vid < NA)
+  def _attention():
+    h, c = vid // C, vid % C
+    parts_ref[c, pl.ds(pl.multiple_of(h * DH, DH), DH)] = _attend(x_ref, kv_ref, h, c)
+    plt.atomic_add(cnt_ref, (zero,), one)  # acquire-release: the part is visible first
+
+  @pl.when(vid >= NA)
+  def _w_o():
+    j, p = (vid - NA) // (D // RK), (vid - NA) % (D // RK)
+    cols = pl.ds(pl.multiple_of(j * BN, BN), BN)
+    ks = pl.ds(pl.multiple_of(p * RK, RK), RK)
+    w = wo_ref[ks, cols] if early else None
+    target = (epoch_ref[0] + 1) * NA
+    cap = 1 if interpret else 2 ** 30  # interpret mode: every arrival is in already (programs in order)
+    jax.lax.while_loop(lambda s: (s[0] - target < 0) & (s[1] <= cap),
+                       lambda s: (plt.atomic_add(cnt_ref, (zero,), zero), s[1] + 1), (target - 1, zero))
+    o = load(parts_ref.at[0, ks])
+    for c in range(1, C):
+      o = o + load(parts_ref.at[c, ks])
+    o = o.astype(jnp.bfloat16).astype(jnp.float32)
+    w = wo_ref[ks, cols] if w is None else w
+    y_ref[p, cols] = jnp.sum(o[:, None] * f32(w), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("early", "num_warps", "interpret"))
+def one_kernel_parts(x, kv, w_o, epoch, cnt, *, early=True, num_warps=4, interpret=False):
+  """([D // RK, D] float32 parts of o W_o, the counter after the call)."""
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
+  y, _, cnt = pl.pallas_call(
+      functools.partial(_one_kernel, early=early, interpret=interpret), grid=(NA + NB,),
+      in_specs=[pl.no_block_spec] * 5, out_specs=[pl.no_block_spec] * 3,
+      out_shape=[jax.ShapeDtypeStruct((D // RK, D), jnp.float32), jax.ShapeDtypeStruct((C, D), jnp.float32),
+                 jax.ShapeDtypeStruct((1,), jnp.int32)],
+      input_output_aliases={4: 2}, interpret=interpret, compiler_params=params, name="probe_one_kernel",
+  )(x, kv, w_o, jnp.reshape(epoch, (1,)).astype(jnp.int32), cnt)
+  return y, cnt
+
+
+def _finish(x, y):
+  rnd = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)
+  return (x.astype(jnp.float32) + rnd(y)).astype(jnp.bfloat16)
+
+
+def three_kernels(x, kv, w_o, *, interpret=False):
+  o = attention_parts(x, kv, interpret=interpret).sum(axis=0, keepdims=True).astype(jnp.bfloat16)
+  return _finish(x, skinny_matmul(o, w_o, impl="triton" if interpret else "auto"))
+
+
+def one_kernel(x, kv, w_o, epoch, cnt, **kw):
+  y, cnt = one_kernel_parts(x, kv, w_o, epoch, cnt, **kw)
+  return _finish(x, y.sum(axis=0, keepdims=True)), cnt
+
+
+def reference(x, kv, w_o):
+  f32 = lambda v: v.astype(jnp.float32)
+  q = f32(x[0]).reshape(H, 1, 1, DH)
+  s = jnp.sum(f32(kv) * q, axis=-1, keepdims=True)
+  o = (jnp.sum(f32(kv) * s, axis=2) / R).sum(axis=1).reshape(1, D)
+  y = jnp.dot(o.astype(jnp.bfloat16).astype(jnp.float32), f32(w_o), precision="highest")
+  return _finish(x, y)
+
+
+def _inputs(key, layers):
+  ks = jax.random.split(key, 2 * layers + 1)
+  x = jax.random.normal(ks[0], (1, D), jnp.float32).astype(jnp.bfloat16)
+  # o ~ C var(kv) q: about x itself, and y about as large, so a wrong part moves the output by many ulps
+  kvs = [(jax.random.normal(ks[1 + l], (H, C, R, DH), jnp.float32) / 2).astype(jnp.bfloat16) for l in range(layers)]
+  wos = [(jax.random.normal(ks[1 + layers + l], (D, D), jnp.float32) / 32).astype(jnp.bfloat16)
+         for l in range(layers)]
+  return x, kvs, wos
+
+
+def check(interpret: bool) -> dict:
+  """Largest |out - reference| of each form over three calls on one counter and one across its int32 wrap."""
+  x, (kv,), (w_o,) = _inputs(jax.random.key(0), 1)
+  want = reference(x, kv, w_o).astype(jnp.float32)
+  errs = {"three_kernels": float(jnp.max(jnp.abs(three_kernels(x, kv, w_o, interpret=interpret) - want)))}
+  for name, (early, warps) in VARIANTS.items():
+    cnt, err = jnp.zeros((1,), jnp.int32), 0.0
+    for epoch in (0, 1, 2, None):
+      if epoch is None:  # just short of int32's wrap: this call's arrivals cross it
+        epoch = (2 ** 31 - 1) // NA
+        cnt = jnp.full((1,), epoch * NA, jnp.int32)
+      out, cnt = one_kernel(x, kv, w_o, jnp.int32(epoch), cnt, early=early, num_warps=warps, interpret=interpret)
+      e = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
+      # The count the next call waits for. (Interpret mode cannot test the wait itself: its programs run in
+      # order, so every arrival is in before any W_o program looks; the GPU run compares 2,400 calls instead.)
+      if int(cnt[0]) != int(np.int64((epoch + 1) * NA).astype(np.int32)):  # int32 wraps alike
+        e = float("inf")
+      err = max(err, e) if np.isfinite(e) else float("inf")  # max() would drop a NaN
+    errs[name] = err
+  return errs
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--layers", type=int, default=24)
+  ap.add_argument("--steps", type=int, default=100)
+  ap.add_argument("--rounds", type=int, default=7)
+  ap.add_argument("--library", action="store_true", help="time decode_attention_out against its two kernels")
+  ap.add_argument("--trace", metavar="DIR", help="also trace each chain into DIR (run with "
+                  "XLA_FLAGS=--xla_gpu_enable_command_buffer=) and print its kernels' device time a layer")
+  args = ap.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  errs = check(interpret=not on_gpu)
+  for name, err in errs.items():
+    print(f"{name:>16}: max |out - reference| over its calls {err:.3g}")
+  if not on_gpu:
+    return errs
+  L = args.layers
+  x0, kvs, wos = _inputs(jax.random.key(1), L)
+  halve = lambda x: (x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
+  if args.library:
+    return _library(args, x0, wos, halve)
+
+  def chain_three(x, kvs, wos):
+    def body(_, x):
+      for l in range(L):
+        x = halve(three_kernels(x, kvs[l], wos[l]))
+      return x
+    return jax.lax.fori_loop(0, args.steps, body, x)
+
+  def chain_one(x, kvs, wos, *, early, num_warps):
+    def body(step, carry):
+      x, cnts = carry
+      out = []
+      for l in range(L):
+        x, cnt = one_kernel(x, kvs[l], wos[l], step, cnts[l], early=early, num_warps=num_warps)
+        x = halve(x)
+        out.append(cnt)
+      return x, out
+    return jax.lax.fori_loop(0, args.steps, body, (x, [jnp.zeros((1,), jnp.int32)] * L))[0]
+
+  fns = {"three_kernels": jax.jit(chain_three)}
+  for name, (early, warps) in VARIANTS.items():
+    fns[name] = jax.jit(functools.partial(chain_one, early=early, num_warps=warps))
+  outs = {n: np.asarray(jax.block_until_ready(g(x0, kvs, wos)), np.float32) for n, g in fns.items()}
+  for n, o in outs.items():
+    print(f"{n:>16}: chain of {args.steps} x {L}, max |diff| from three_kernels "
+          f"{np.max(np.abs(o - outs['three_kernels'])):.3g}")
+  times = {n: [] for n in fns}
+  for _ in range(args.rounds):
+    for n, g in fns.items():
+      t = time.perf_counter()
+      jax.block_until_ready(g(x0, kvs, wos))
+      times[n].append((time.perf_counter() - t) / args.steps / L * 1e6)
+  base = np.median(times["three_kernels"])
+  for n, t in times.items():
+    print(f"{n:>16}: {np.median(t):6.2f} us a layer (median of {args.rounds}, range {min(t):.2f}-{max(t):.2f}; "
+          f"{np.median(t) / base:.2f}x three_kernels)")
+  if args.trace:
+    import profile_step
+    for n in fns:
+      log_dir = f"{args.trace}/{n}"
+      with jax.profiler.trace(log_dir):
+        jax.block_until_ready(fns[n](x0, kvs, wos))
+      table = profile_step.kernel_table(profile_step.load_trace(log_dir), args.steps * L, by_kind=True)
+      print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us a layer; by kernel (us a layer, launches):")
+      for kind, ms, launches in table["kernels"]:
+        print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
+  return times
+
+
+def _library(args, x0, wos, halve):
+  """decode_attention then skinny_matmul, against decode_attention_out's one grid, in the same chain."""
+  from sparsejax.kernels.decode_attention import decode_attention
+  from sparsejax.kernels.decode_attention_out import triton as out_triton
+  L, slots, index = args.layers, 160, 140
+  ks = jax.random.split(jax.random.key(3), 2 * L)
+  caches = [(jax.random.normal(ks[l], (2, 1, slots, H, DH), jnp.float32) / 2).astype(jnp.bfloat16) for l in range(L)]
+  start, idx = jnp.zeros((1,), jnp.int32), jnp.int32(index)
+  rk, bn = out_triton.tiles(H, DH, D)
+
+  def two_kernels(x, kv, w_o, cnt):
+    o = decode_attention(x.reshape(1, H, DH), kv[0], kv[1], start, idx)
+    return _finish(x, skinny_matmul(o.reshape(1, D), w_o)), cnt
+
+  def one_grid(x, kv, w_o, cnt, *, num_warps):
+    parts, cnt = out_triton.attention_out_parts(x.reshape(1, H, DH), kv[0], kv[1], start, idx, w_o.reshape(H, DH, D),
+                                                cnt, rk, bn, num_warps, interpret=False)
+    return _finish(x, parts.sum(axis=0, keepdims=True)), cnt
+
+  def chain(x, caches, wos, *, layer):
+    def body(_, carry):
+      x, cnts = carry
+      out = []
+      for l in range(L):
+        x, cnt = layer(x, caches[l], wos[l], cnts[l])
+        x = halve(x)
+        out.append(cnt)
+      return x, out
+    return jax.lax.fori_loop(0, args.steps, body, (x, [jnp.zeros((2,), jnp.int32)] * L))[0]
+
+  fns = {"lib_two_kernels": jax.jit(functools.partial(chain, layer=two_kernels)),
+         "lib_one_grid_w2": jax.jit(functools.partial(chain, layer=functools.partial(one_grid, num_warps=2))),
+         "lib_one_grid_w4": jax.jit(functools.partial(chain, layer=functools.partial(one_grid, num_warps=4))),
+         "lib_one_grid_w8": jax.jit(functools.partial(chain, layer=functools.partial(one_grid, num_warps=8)))}
+  outs = {n: np.asarray(jax.block_until_ready(g(x0, caches, wos)), np.float32) for n, g in fns.items()}
+  for n, o in outs.items():
+    print(f"{n:>16}: chain of {args.steps} x {L}, max |diff| from lib_two_kernels "
+          f"{np.max(np.abs(o - outs['lib_two_kernels'])):.3g}")
+  times = {n: [] for n in fns}
+  for _ in range(args.rounds):
+    for n, g in fns.items():
+      t = time.perf_counter()
+      jax.block_until_ready(g(x0, caches, wos))
+      times[n].append((time.perf_counter() - t) / args.steps / L * 1e6)
+  base = np.median(times["lib_two_kernels"])
+  for n, t in times.items():
+    print(f"{n:>16}: {np.median(t):6.2f} us a layer (median of {args.rounds}, range {min(t):.2f}-{max(t):.2f}; "
+          f"{np.median(t) / base:.2f}x lib_two_kernels)")
+  return times
+
+
+if __name__ == "__main__":
+  main()
