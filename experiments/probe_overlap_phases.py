@@ -18,11 +18,13 @@ load their weights while the attention runs, then wait on a counter for its part
 Counters are never reset (probe_dataflow_ffn.py's scheme: call `epoch` waits for (epoch + 1) x 64 arrivals;
 interpret mode runs the programs in order, so the CPU checks the kernel).
 
---library times the library's form of it instead (sparsejax.kernels.decode_attention_out) at medium-moe's
-shapes (16 heads of 64, d 1,024, a 160-slot cache): decode_attention's kernel then skinny_matmul (what the
-decode step ran before it), against the one grid at 2, 4 and 8 warps.
+Measured on an H100 (experiments/results/decode_overlap_phases_H100.log): three_kernels 9.79 us a layer,
+one_kernel 7.72, one_kernel_w8 6.91 (0.71x), one_kernel_late 8.06; traced, the one grid at 8 warps took 5.58
+us of device time against 5.06 + 1.17 + 2.78 for the three. The library's form (decode_attention's chunk programs,
+then W_o's; commit 0725258, reverted) ran 1.39-1.58x slower than its two kernels as first built, with the chunk
+merge a load per head (results/decode_attention_out_chain_H100.log); notes_decode.md has the next step.
 
-GPU:  python experiments/probe_overlap_phases.py [--layers 24 --steps 100 --rounds 7] [--library]
+GPU:  python experiments/probe_overlap_phases.py [--layers 24 --steps 100 --rounds 7]
 CPU:  the same command checks every variant in interpret mode.
 """
 from __future__ import annotations
@@ -181,7 +183,6 @@ def main(argv=None):
   ap.add_argument("--layers", type=int, default=24)
   ap.add_argument("--steps", type=int, default=100)
   ap.add_argument("--rounds", type=int, default=7)
-  ap.add_argument("--library", action="store_true", help="time decode_attention_out against its two kernels")
   ap.add_argument("--trace", metavar="DIR", help="also trace each chain into DIR (run with "
                   "XLA_FLAGS=--xla_gpu_enable_command_buffer=) and print its kernels' device time a layer")
   args = ap.parse_args(argv)
@@ -194,8 +195,6 @@ def main(argv=None):
   L = args.layers
   x0, kvs, wos = _inputs(jax.random.key(1), L)
   halve = lambda x: (x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
-  if args.library:
-    return _library(args, x0, wos, halve)
 
   def chain_three(x, kvs, wos):
     def body(_, x):
@@ -242,57 +241,6 @@ def main(argv=None):
       print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us a layer; by kernel (us a layer, launches):")
       for kind, ms, launches in table["kernels"]:
         print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
-  return times
-
-
-def _library(args, x0, wos, halve):
-  """decode_attention then skinny_matmul, against decode_attention_out's one grid, in the same chain."""
-  from sparsejax.kernels.decode_attention import decode_attention
-  from sparsejax.kernels.decode_attention_out import triton as out_triton
-  L, slots, index = args.layers, 160, 140
-  ks = jax.random.split(jax.random.key(3), 2 * L)
-  caches = [(jax.random.normal(ks[l], (2, 1, slots, H, DH), jnp.float32) / 2).astype(jnp.bfloat16) for l in range(L)]
-  start, idx = jnp.zeros((1,), jnp.int32), jnp.int32(index)
-  rk, bn = out_triton.tiles(H, DH, D)
-
-  def two_kernels(x, kv, w_o, cnt):
-    o = decode_attention(x.reshape(1, H, DH), kv[0], kv[1], start, idx)
-    return _finish(x, skinny_matmul(o.reshape(1, D), w_o)), cnt
-
-  def one_grid(x, kv, w_o, cnt, *, num_warps):
-    parts, cnt = out_triton.attention_out_parts(x.reshape(1, H, DH), kv[0], kv[1], start, idx, w_o.reshape(H, DH, D),
-                                                cnt, rk, bn, num_warps, interpret=False)
-    return _finish(x, parts.sum(axis=0, keepdims=True)), cnt
-
-  def chain(x, caches, wos, *, layer):
-    def body(_, carry):
-      x, cnts = carry
-      out = []
-      for l in range(L):
-        x, cnt = layer(x, caches[l], wos[l], cnts[l])
-        x = halve(x)
-        out.append(cnt)
-      return x, out
-    return jax.lax.fori_loop(0, args.steps, body, (x, [jnp.zeros((2,), jnp.int32)] * L))[0]
-
-  fns = {"lib_two_kernels": jax.jit(functools.partial(chain, layer=two_kernels)),
-         "lib_one_grid_w2": jax.jit(functools.partial(chain, layer=functools.partial(one_grid, num_warps=2))),
-         "lib_one_grid_w4": jax.jit(functools.partial(chain, layer=functools.partial(one_grid, num_warps=4))),
-         "lib_one_grid_w8": jax.jit(functools.partial(chain, layer=functools.partial(one_grid, num_warps=8)))}
-  outs = {n: np.asarray(jax.block_until_ready(g(x0, caches, wos)), np.float32) for n, g in fns.items()}
-  for n, o in outs.items():
-    print(f"{n:>16}: chain of {args.steps} x {L}, max |diff| from lib_two_kernels "
-          f"{np.max(np.abs(o - outs['lib_two_kernels'])):.3g}")
-  times = {n: [] for n in fns}
-  for _ in range(args.rounds):
-    for n, g in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(g(x0, caches, wos))
-      times[n].append((time.perf_counter() - t) / args.steps / L * 1e6)
-  base = np.median(times["lib_two_kernels"])
-  for n, t in times.items():
-    print(f"{n:>16}: {np.median(t):6.2f} us a layer (median of {args.rounds}, range {min(t):.2f}-{max(t):.2f}; "
-          f"{np.median(t) / base:.2f}x lib_two_kernels)")
   return times
 
 

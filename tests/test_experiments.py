@@ -457,3 +457,20 @@ def test_tma_read_probe_tokens_equal_what_each_band_holds():
   text = jax.jit(lambda w, dep: probe.tma_read(w, dep, ctas=128)).trace(*shapes).lower(
       lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
+  """probe_overlap_phases in interpret mode: the three-kernel chain and every one-grid variant equal the reference
+  over three calls on one counter and one across its int32 wrap, and each call leaves the count the next waits
+  for; the one grid lowers for CUDA."""
+  import jax
+  import jax.numpy as jnp
+  import probe_overlap_phases as probe
+  errs = probe.main([])
+  assert set(errs) == set(probe.VARIANTS) | {"three_kernels"} and all(e <= 2 ** -6 for e in errs.values()), errs
+  shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((1, probe.D), jnp.bfloat16),
+                                                    ((probe.H, probe.C, probe.R, probe.DH), jnp.bfloat16),
+                                                    ((probe.D, probe.D), jnp.bfloat16), ((), jnp.int32),
+                                                    ((1,), jnp.int32)]]
+  text = jax.jit(probe.one_kernel_parts).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 1
