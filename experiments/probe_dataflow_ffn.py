@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +40,8 @@ from jax.experimental import pallas as pl
 
 from sparsejax.activations import PLAIN
 from sparsejax.kernels.skinny_matmul import triton
+
+import chain_timing
 
 BN1 = 64              # W_in: columns of f a program
 BN2, R2 = 64, 512     # W_out: columns of d, rows of f a program
@@ -184,6 +185,14 @@ def _weights(key, layers, experts, d, f):
   return w_in, w_out
 
 
+def chain_inputs(layers: int, experts: int, d: int, f: int):
+  """(w_in, w_out, ids, c, x0) of a timed chain: each layer's own experts, the expert it reads, a combine weight,
+  the first row."""
+  w_in, w_out = _weights(jax.random.key(1), layers, experts, d, f)
+  ids = [jnp.array([l % experts], jnp.int32) for l in range(layers)]
+  return w_in, w_out, ids, jnp.array([0.6], jnp.float32), jax.random.normal(jax.random.key(2), (1, d), jnp.bfloat16)
+
+
 def check(interpret: bool, d: int = 512, f: int = 1024) -> dict:
   """Largest |y - reference| of every variant over three calls on one counter buffer, and across the int32
   wrap-around of the counters (interpret mode on the CPU)."""
@@ -215,13 +224,8 @@ def check(interpret: bool, d: int = 512, f: int = 1024) -> dict:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layers", type=int, default=24, help="FFNs in the chain, each with its own weights")
+  chain_timing.add_chain_args(ap, "FFNs in the chain, each with its own weights")
   ap.add_argument("--experts", type=int, default=4, help="experts a layer (one is read)")
-  ap.add_argument("--steps", type=int, default=100, help="passes over the layers in one timed call")
-  ap.add_argument("--rounds", type=int, default=7)
-  ap.add_argument("--trace", metavar="DIR", help="also trace one call of two_kernels' and dataflow_r512_w4's "
-                  "chains into DIR and print their kernels' device time a layer (run it with XLA's command "
-                  "buffers off, XLA_FLAGS=--xla_gpu_enable_command_buffer=, so each kernel is traced)")
   args = ap.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   errs = check(interpret=not on_gpu)
@@ -230,11 +234,8 @@ def main(argv=None):
   if not on_gpu:
     return errs
   d, f, L = 1024, 4096, args.layers
-  w_in, w_out = _weights(jax.random.key(1), L, args.experts, d, f)
-  ids = [jnp.array([l % args.experts], jnp.int32) for l in range(L)]
-  c = jnp.array([0.6], jnp.float32)
-  x0 = jax.random.normal(jax.random.key(2), (1, d), jnp.bfloat16)
-  halve = lambda x: (x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)  # keeps the chain's values bounded
+  w_in, w_out, ids, c, x0 = chain_inputs(L, args.experts, d, f)
+  halve = chain_timing.halve
 
   def chain_two(x, wi, wo):
     def body(_, x):
@@ -260,30 +261,13 @@ def main(argv=None):
   for name, (rows_in, use_dot, warps, fresh) in VARIANTS.items():
     fns[name] = jax.jit(functools.partial(chain_dataflow, rows_in=rows_in, use_dot=use_dot, num_warps=warps,
                                           fresh=fresh))
-  outs = {n: np.asarray(jax.block_until_ready(g(x0, w_in, w_out)), np.float32) for n, g in fns.items()}
-  for n, o in outs.items():
-    print(f"{n:>24}: chain of {args.steps} x {L} FFNs, max |diff| from two_kernels "
-          f"{np.max(np.abs(o - outs['two_kernels'])):.3g}")
-  times = {n: [] for n in fns}
-  for _ in range(args.rounds):  # interleaved: each round times every variant once
-    for n, g in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(g(x0, w_in, w_out))
-      times[n].append((time.perf_counter() - t) / args.steps / L * 1e6)
-  base = np.median(times["two_kernels"])
-  for n, t in times.items():
-    print(f"{n:>24}: {np.median(t):6.2f} us a layer's FFN (median of {args.rounds}; {np.median(t) / base:.2f}x "
-          f"two_kernels)")
+  args_of = dict.fromkeys(fns, (x0, w_in, w_out))
+  chain_timing.compare_outputs(fns, args_of, "two_kernels", f"chain of {args.steps} x {L} FFNs")
+  times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
+  chain_timing.print_times(times, "two_kernels", "a layer's FFN")
   if args.trace:
-    import profile_step
-    for n in ("two_kernels", "dataflow_r512_w4"):
-      log_dir = f"{args.trace}/{n}"
-      with jax.profiler.trace(log_dir):
-        jax.block_until_ready(fns[n](x0, w_in, w_out))
-      table = profile_step.kernel_table(profile_step.load_trace(log_dir), args.steps * L, by_kind=True)
-      print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us a layer; by kernel (us a layer, launches):")
-      for kind, ms, launches in table["kernels"]:
-        print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
+    traced = ("two_kernels", "dataflow_r512_w4")  # the split form and the best one kernel
+    chain_timing.print_trace({n: fns[n] for n in traced}, args_of, args.trace, args.steps * L, "a layer")
   return times
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +38,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparsejax.kernels.skinny_matmul import skinny_matmul
+
+import chain_timing
 
 H, DH, C, R = 16, 64, 4, 256      # heads, head dim, chunks a head, rows a chunk (32 KB a program)
 D = H * DH                        # 1,024: medium's d
@@ -180,11 +181,7 @@ def check(interpret: bool) -> dict:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layers", type=int, default=24)
-  ap.add_argument("--steps", type=int, default=100)
-  ap.add_argument("--rounds", type=int, default=7)
-  ap.add_argument("--trace", metavar="DIR", help="also trace each chain into DIR (run with "
-                  "XLA_FLAGS=--xla_gpu_enable_command_buffer=) and print its kernels' device time a layer")
+  chain_timing.add_chain_args(ap)
   args = ap.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   errs = check(interpret=not on_gpu)
@@ -194,7 +191,7 @@ def main(argv=None):
     return errs
   L = args.layers
   x0, kvs, wos = _inputs(jax.random.key(1), L)
-  halve = lambda x: (x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)
+  halve = chain_timing.halve
 
   def chain_three(x, kvs, wos):
     def body(_, x):
@@ -217,30 +214,12 @@ def main(argv=None):
   fns = {"three_kernels": jax.jit(chain_three)}
   for name, (early, warps) in VARIANTS.items():
     fns[name] = jax.jit(functools.partial(chain_one, early=early, num_warps=warps))
-  outs = {n: np.asarray(jax.block_until_ready(g(x0, kvs, wos)), np.float32) for n, g in fns.items()}
-  for n, o in outs.items():
-    print(f"{n:>16}: chain of {args.steps} x {L}, max |diff| from three_kernels "
-          f"{np.max(np.abs(o - outs['three_kernels'])):.3g}")
-  times = {n: [] for n in fns}
-  for _ in range(args.rounds):
-    for n, g in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(g(x0, kvs, wos))
-      times[n].append((time.perf_counter() - t) / args.steps / L * 1e6)
-  base = np.median(times["three_kernels"])
-  for n, t in times.items():
-    print(f"{n:>16}: {np.median(t):6.2f} us a layer (median of {args.rounds}, range {min(t):.2f}-{max(t):.2f}; "
-          f"{np.median(t) / base:.2f}x three_kernels)")
+  args_of = dict.fromkeys(fns, (x0, kvs, wos))
+  chain_timing.compare_outputs(fns, args_of, "three_kernels", f"chain of {args.steps} x {L}", width=16)
+  times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
+  chain_timing.print_times(times, "three_kernels", "a layer", width=16)
   if args.trace:
-    import profile_step
-    for n in fns:
-      log_dir = f"{args.trace}/{n}"
-      with jax.profiler.trace(log_dir):
-        jax.block_until_ready(fns[n](x0, kvs, wos))
-      table = profile_step.kernel_table(profile_step.load_trace(log_dir), args.steps * L, by_kind=True)
-      print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us a layer; by kernel (us a layer, launches):")
-      for kind, ms, launches in table["kernels"]:
-        print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
+    chain_timing.print_trace(fns, args_of, args.trace, args.steps * L, "a layer")
   return times
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparsejax.activations import PLAIN
-from probe_dataflow_ffn import _weights, reference, two_kernels
+import chain_timing
+from probe_dataflow_ffn import _weights, chain_inputs, reference, two_kernels
 
 # name: (programs G, warps, loop steps over K of W_in (1: one load of each slab), read only, W_in stored
 # transposed [E, f, d] so a program's W_in slab is contiguous too)
@@ -161,13 +161,9 @@ def check(interpret: bool, d: int = 256, f: int = 1024) -> dict:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layers", type=int, default=24, help="FFNs in the chain, each with its own weights")
+  chain_timing.add_chain_args(ap, "FFNs in the chain, each with its own weights")
   ap.add_argument("--experts", type=int, default=4, help="experts a layer (one is read)")
-  ap.add_argument("--steps", type=int, default=100, help="passes over the layers in one timed call")
-  ap.add_argument("--rounds", type=int, default=7)
   ap.add_argument("--variants", default=",".join(VARIANTS))
-  ap.add_argument("--trace", metavar="DIR", help="also trace one call of each chain into DIR and print its "
-                  "kernels' device time a layer (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=)")
   args = ap.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   errs = check(interpret=not on_gpu)
@@ -176,11 +172,8 @@ def main(argv=None):
   if not on_gpu:
     return errs
   d, f, L = 1024, 4096, args.layers
-  w_in, w_out = _weights(jax.random.key(1), L, args.experts, d, f)
-  ids = [jnp.array([l % args.experts], jnp.int32) for l in range(L)]
-  c = jnp.array([0.6], jnp.float32)
-  x0 = jax.random.normal(jax.random.key(2), (1, d), jnp.bfloat16)
-  halve = lambda x: (x.astype(jnp.float32) * 0.5).astype(jnp.bfloat16)  # keeps the chain's values bounded
+  w_in, w_out, ids, c, x0 = chain_inputs(L, args.experts, d, f)
+  halve = chain_timing.halve
 
   def chain(x, wi, wo, *, ffn):
     def body(_, x):
@@ -203,31 +196,12 @@ def main(argv=None):
     else:
       ffn = functools.partial(slab_ffn, **kw)
     fns[name] = jax.jit(functools.partial(chain, ffn=ffn))
-  outs = {n: np.asarray(jax.block_until_ready(g(*args_of[n])), np.float32) for n, g in fns.items()}
-  for n, o in outs.items():
-    if not n.startswith("read_only"):
-      print(f"{n:>24}: chain of {args.steps} x {L} FFNs, max |diff| from two_kernels "
-            f"{np.max(np.abs(o - outs['two_kernels'])):.3g}")
-  times = {n: [] for n in fns}
-  for _ in range(args.rounds):  # interleaved: each round times every variant once
-    for n, g in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(g(*args_of[n]))
-      times[n].append((time.perf_counter() - t) / args.steps / L * 1e6)
-  base = np.median(times["two_kernels"])
-  for n, t in times.items():
-    print(f"{n:>24}: {np.median(t):6.2f} us a layer's FFN (median of {args.rounds}, range {min(t):.2f}-{max(t):.2f}; "
-          f"{np.median(t) / base:.2f}x two_kernels)")
+  chain_timing.compare_outputs(fns, args_of, "two_kernels", f"chain of {args.steps} x {L} FFNs",
+                               skip=lambda n: n.startswith("read_only"))
+  times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
+  chain_timing.print_times(times, "two_kernels", "a layer's FFN")
   if args.trace:
-    import profile_step
-    for n in fns:
-      log_dir = f"{args.trace}/{n}"
-      with jax.profiler.trace(log_dir):
-        jax.block_until_ready(fns[n](*args_of[n]))
-      table = profile_step.kernel_table(profile_step.load_trace(log_dir), args.steps * L, by_kind=True)
-      print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us a layer; by kernel (us a layer, launches):")
-      for kind, ms, launches in table["kernels"]:
-        print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
+    chain_timing.print_trace(fns, args_of, args.trace, args.steps * L, "a layer")
   return times
 
 

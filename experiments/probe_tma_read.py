@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+import chain_timing
 
 D = 1024        # the weight's columns (medium's d)
 CHUNK = 256     # TMA box: at most 256 elements a dimension
@@ -113,9 +114,7 @@ def check(interpret: bool, variants=tuple(VARIANTS)) -> dict:
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--layers", type=int, default=24)
-  ap.add_argument("--steps", type=int, default=100)
-  ap.add_argument("--rounds", type=int, default=7)
+  chain_timing.add_chain_args(ap, "reads in the chain, each of its own weight")
   ap.add_argument("--mb", default="16,8", help="weight sizes in MB")
   ap.add_argument("--variants", default=",".join(VARIANTS) + ",glue",
                   help="glue: the chain without a kernel (an XLA slice of the weight in the read's place)")
@@ -149,18 +148,16 @@ def main(argv=None):
           continue
         read = functools.partial(tma_read, ctas=g) if kind == "tma" else functools.partial(triton_read, programs=g)
       fns[name] = jax.jit(functools.partial(chain, read=read))
-    for g in fns.values():
-      jax.block_until_ready(g(x0, ws))
-    times = {n: [] for n in fns}
-    for _ in range(args.rounds):
-      for n, g in fns.items():
-        t = time.perf_counter()
-        jax.block_until_ready(g(x0, ws))
-        times[n].append((time.perf_counter() - t) / args.steps / args.layers * 1e6)
+    args_of = dict.fromkeys(fns, (x0, ws))
+    for n, g in fns.items():
+      jax.block_until_ready(g(*args_of[n]))
+    times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * args.layers)
     for n, t in times.items():
       med = np.median(t)
       print(f"{mb:>5g} MB {n:>12}: {med:6.2f} us a read (median of {args.rounds}, range {min(t):.2f}-{max(t):.2f}; "
             f"{mb * 2 ** 20 / med / 1e6:.2f} TB/s)")
+    if args.trace:
+      chain_timing.print_trace(fns, args_of, f"{args.trace}/{mb:g}MB", args.steps * args.layers, "a read")
 
 
 if __name__ == "__main__":

@@ -474,3 +474,23 @@ def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
                                                     ((1,), jnp.int32)]]
   text = jax.jit(probe.one_kernel_parts).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 1
+
+
+def test_chain_timing_harness_compares_times_and_traces_chains(tmp_path, capsys):
+  """chain_timing on two tiny jitted chains: every chain runs before the timing, a chain whose output differs is
+  reported by how much (unless skipped), each round times both, and the trace prints each chain's kernels."""
+  import jax
+  import jax.numpy as jnp
+  import chain_timing
+  fns = {"base": jax.jit(lambda x: x * 2.0), "other": jax.jit(lambda x: x * 2.0 + 1.0),
+         "skipped": jax.jit(lambda x: -x)}
+  args_of = dict.fromkeys(fns, (jnp.ones((64,)),))
+  chain_timing.compare_outputs(fns, args_of, "base", "a chain", skip=lambda n: n == "skipped")
+  times = chain_timing.time_interleaved(fns, args_of, 3, calls=10)
+  assert {n: len(t) for n, t in times.items()} == {"base": 3, "other": 3, "skipped": 3}
+  assert all(v > 0 for t in times.values() for v in t)
+  chain_timing.print_times(times, "base", "a call")
+  chain_timing.print_trace({"base": fns["base"]}, args_of, str(tmp_path), calls=1, unit="a call")
+  out = capsys.readouterr().out
+  assert "other: a chain, max |diff| from base 1" in out and "skipped: a chain" not in out
+  assert "1.00x base" in out and "base: device busy" in out
