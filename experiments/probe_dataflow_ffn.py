@@ -25,6 +25,9 @@ Measured on an H100 (experiments/results/decode_dataflow_ffn_H100.log), at mediu
 one kernel at best ties the two kernels it replaces (12.66 against 12.57 us a layer), with fresh counters it is
 11% slower, with tensor-core dots 10-54% slower; see experiments/notes_decode.md.
 
+The logs were measured before the CTA barriers ahead of the counting atomics were added (notes_decode.md,
+twenty-fifth session: a latent race that the GPU runs did not hit).
+
 GPU:  python experiments/probe_dataflow_ffn.py [--layers 24 --steps 100 --rounds 7]
 CPU:  the same command checks every variant in interpret mode at small sizes (and the counters' wrap-around).
 """
@@ -81,6 +84,9 @@ def _kernel(ids_ref, c_ref, x_ref, res_ref, win_ref, wout_ref, epoch_ref, _, y_r
   product = _row_dot if use_dot else _row_mulsum
   # Other programs' parts: past L1 (volatile), which could hold lines another program on this SM read.
   load = (lambda r: r[...]) if interpret else (lambda r: plt.load(r, volatile=True))
+  # Triton's scalar atomic is one thread's: without a CTA barrier the other threads' stores need not be visible
+  # when it releases (found in the SASS after the GPU runs, which were measured without it).
+  barrier = (lambda: None) if interpret else plt.debug_barrier
 
   @pl.when(vid < n1)
   def _w_in():
@@ -88,6 +94,7 @@ def _kernel(ids_ref, c_ref, x_ref, res_ref, win_ref, wout_ref, epoch_ref, _, y_r
     cols = pl.ds(pl.multiple_of(j * BN1, BN1), BN1)
     ks = pl.ds(pl.multiple_of(p * rows_in, rows_in), rows_in)
     p1_ref[p, cols] = product(x_ref[0, ks].astype(jnp.float32), win_ref[e, ks, cols])
+    barrier()  # every thread's stores of the part, then one thread's release
     plt.atomic_add(cnt_ref, (1 + (j * BN1) // R2,), one)  # acquire-release: the part is visible first
 
   @pl.when(vid >= n1)
@@ -107,6 +114,7 @@ def _kernel(ids_ref, c_ref, x_ref, res_ref, win_ref, wout_ref, epoch_ref, _, y_r
       u = u + load(p1_ref.at[p, ks])
     h = act(u.astype(jnp.bfloat16).astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
     p2_ref[q, cols] = product(h, w)
+    barrier()
     old = plt.atomic_add(cnt_ref, (1 + f // R2 + j2,), one)
 
     @pl.when((old & (s2 - 1)) == s2 - 1)  # this call's last program of the column block

@@ -22,7 +22,8 @@ Measured on an H100 (experiments/results/decode_overlap_phases_H100.log): three_
 one_kernel 7.72, one_kernel_w8 6.91 (0.71x), one_kernel_late 8.06; traced, the one grid at 8 warps took 5.58
 us of device time against 5.06 + 1.17 + 2.78 for the three. The library's form (decode_attention's chunk programs,
 then W_o's; commit 0725258, reverted) ran 1.39-1.58x slower than its two kernels as first built, with the chunk
-merge a load per head (results/decode_attention_out_chain_H100.log); notes_decode.md has the next step.
+merge a load per head (results/decode_attention_out_chain_H100.log); notes_decode.md has the next step. The
+logs were measured before the CTA barrier ahead of the counting atomic was added (notes_decode.md: a latent race).
 
 GPU:  python experiments/probe_overlap_phases.py [--layers 24 --steps 100 --rounds 7]
 CPU:  the same command checks every variant in interpret mode.
@@ -81,11 +82,15 @@ def _one_kernel(x_ref, kv_ref, wo_ref, epoch_ref, _, y_ref, parts_ref, cnt_ref, 
   one, zero = jnp.ones((), jnp.int32), jnp.zeros((), jnp.int32) + vid * 0
   f32 = lambda v: v.astype(jnp.float32)
   load = (lambda r: r[...]) if interpret else (lambda r: plt.load(r, volatile=True))
+  # Triton's scalar atomic is one thread's: without a CTA barrier the other threads' stores need not be visible
+  # when it releases (found in the SASS after the GPU runs, which were measured without it).
+  barrier = (lambda: None) if interpret else plt.debug_barrier
 
   @pl.when(vid < NA)
   def _attention():
     h, c = vid // C, vid % C
     parts_ref[c, pl.ds(pl.multiple_of(h * DH, DH), DH)] = _attend(x_ref, kv_ref, h, c)
+    barrier()  # every thread's stores of the part, then one thread's release
     plt.atomic_add(cnt_ref, (zero,), one)  # acquire-release: the part is visible first
 
   @pl.when(vid >= NA)
