@@ -494,3 +494,22 @@ def test_chain_timing_harness_compares_times_and_traces_chains(tmp_path, capsys)
   out = capsys.readouterr().out
   assert "other: a chain, max |diff| from base 1" in out and "skipped: a chain" not in out
   assert "1.00x base" in out and "base: device busy" in out
+
+
+@pytest.mark.parametrize("case", ["overlap_one_grid", "dataflow_ffn"])
+def test_one_grid_probes_put_a_cta_barrier_before_each_counting_atomic(case, tmp_path):
+  """triton_sass's TTIR of the one-grid probes: every atomic that adds one (a program counting itself in, after its
+  stores) follows a gpu.barrier since the last atomic, so no thread's store can trail the release."""
+  import triton_sass
+  (path,) = triton_sass.main([case, "--out", str(tmp_path)])
+  lines = open(path).read().splitlines()
+  counting, barrier_since = 0, False
+  for line in lines:
+    if "gpu.barrier" in line:
+      barrier_since = True
+    elif "tt.atomic_rmw add" in line:
+      if "%c1_i32" in line:  # adds one: a program counting itself in (the waits add zero)
+        counting += 1
+        assert barrier_since, f"{case}: a counting atomic without a barrier before it: {line.strip()}"
+      barrier_since = False
+  assert counting >= 1

@@ -1,0 +1,109 @@
+"""A Pallas Triton kernel's SASS without a GPU: the TTIR jax lowers for CUDA, compiled by a triton wheel.
+
+jax lowers a Pallas Triton kernel to Triton IR on any machine (lowering_platforms=("cuda",)). The triton wheel
+(3.6 from the registry, in a side venv: it is not a dependency of this project) compiles that IR for sm_90, and
+its bundled cuobjdump and nvdisasm read the cubin. XLA's own Triton is another version, so the SASS is
+indicative, not the GPU's exact code; it showed the twenty-fifth session a merge that ran eight dependent L2
+round trips and a counting atomic with no CTA barrier ahead of it (experiments/notes_decode.md).
+
+  python experiments/triton_sass.py overlap_one_grid --out DIR                      # TTIR only (this venv)
+  python experiments/triton_sass.py overlap_one_grid --out DIR --triton-python /path/to/venv/bin/python
+      --warps 8      # then SASS: registers, stack, and the instructions around each counting atomic
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+
+def _overlap_one_grid():
+  import probe_overlap_phases as p
+  S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  return (functools.partial(p.one_kernel_parts, early=True),
+          [S((1, p.D), bf), S((p.H, p.C, p.R, p.DH), bf), S((p.D, p.D), bf), S((), jnp.int32), S((1,), jnp.int32)])
+
+
+def _dataflow_ffn():
+  import probe_dataflow_ffn as p
+  S, bf, d, f = jax.ShapeDtypeStruct, jnp.bfloat16, 1024, 4096
+  return (p.dataflow_ffn, [S((1, d), bf), S((1, d), bf), S((1,), jnp.float32), S((1,), jnp.int32),
+                           S((4, d, f), bf), S((4, f, d), bf), S((), jnp.int32), S(p.counters(d, f).shape, jnp.int32)])
+
+
+CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn}
+
+
+def ttir_of(fn, *args) -> list[str]:
+  """The Triton IR of every Pallas Triton kernel fn lowers to for CUDA, in lowering order."""
+  from jax._src.pallas.triton import lowering
+  texts, real = [], lowering.lower_jaxpr_to_triton_module
+
+  def hook(*a, **kw):
+    result = real(*a, **kw)
+    texts.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+  lowering.lower_jaxpr_to_triton_module = hook
+  try:
+    jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    lowering.lower_jaxpr_to_triton_module = real
+  return texts
+
+
+# Run by --triton-python (a python with the triton wheel): compile one TTIR file, print what the SASS shows.
+_COMPILE = r'''
+import os, re, subprocess, sys
+import triton
+from triton.backends.compiler import GPUTarget
+path, warps = sys.argv[1], int(sys.argv[2])
+k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+cubin = path + ".cubin"
+open(cubin, "wb").write(k.asm["cubin"])
+tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
+print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+)", res)))
+sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+open(path + ".sass", "w").write(sass)
+lines = sass.splitlines()
+for key in ("LDG", "STRONG.SYS", "BAR.SYNC", "ATOMG", "CCTL.IVALL"):
+  print(f"{key}: {sum(key in l for l in lines)}")
+for i, l in enumerate(lines):
+  if "ATOMG" in l and ", RZ, desc" in l:  # an atomic whose old value is dropped: a program counting itself in
+    print("--- before a counting atomic:")
+    print("\n".join(x.strip() for x in lines[max(0, i - 12):i + 1]))
+'''
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("case", choices=sorted(CASES))
+  ap.add_argument("--out", required=True, help="directory for the .ttir (and, compiled, .cubin and .sass) files")
+  ap.add_argument("--warps", type=int, default=8)
+  ap.add_argument("--triton-python", help="a python whose environment has the triton wheel: compile and read SASS")
+  args = ap.parse_args(argv)
+  fn, shapes = CASES[args.case]()
+  os.makedirs(args.out, exist_ok=True)
+  paths = []
+  for i, text in enumerate(ttir_of(fn, *shapes)):
+    paths.append(os.path.join(args.out, f"{args.case}_{i}.ttir"))
+    with open(paths[-1], "w") as f:
+      f.write(text)
+    print(f"{paths[-1]}: {len(text.splitlines())} lines of TTIR")
+  if args.triton_python:
+    for path in paths:
+      out = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(args.warps)], capture_output=True, text=True)
+      if out.returncode:
+        sys.exit(f"compiling {path} failed: {out.stderr.strip().splitlines()[-1]}")
+      print(out.stdout)
+  return paths
+
+
+if __name__ == "__main__":
+  main()
