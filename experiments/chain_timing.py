@@ -24,6 +24,15 @@ def add_chain_args(ap, layers_help: str = "calls in the chain, each with its own
                   "device time a layer (run with XLA_FLAGS=--xla_gpu_enable_command_buffer=, so each kernel is traced)")
 
 
+def run_check(check, what: str, width: int = 24) -> tuple[dict, bool]:
+  """(errs, on_gpu): check(interpret=...) run compiled on a GPU, else in interpret mode, each error printed."""
+  on_gpu = jax.default_backend() == "gpu"
+  errs = check(interpret=not on_gpu)
+  for name, err in errs.items():
+    print(f"{name:>{width}}: {what} {err:.3g}")
+  return errs, on_gpu
+
+
 def halve(x):
   """x / 2 in x's dtype: keeps a chain's values bounded over thousands of calls."""
   return (x.astype(jnp.float32) * 0.5).astype(x.dtype)

@@ -42,7 +42,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from sparsejax.activations import PLAIN
-from sparsejax.kernels.skinny_matmul import triton
+from sparsejax.kernels.skinny_matmul import skinny_ffn
 
 import chain_timing
 
@@ -156,23 +156,9 @@ def dataflow_ffn(x, resid, c, ids, w_in, w_out, epoch, cnt, *, act=jax.nn.gelu, 
   return y, cnt
 
 
-def split_ffn(x, w_in, w_out, ids, act=jax.nn.gelu):
-  """skinny_ffn at one row ([1, 1, d] float32), its kernels called directly: W_in's split-K parts, then W_out's
-  programs summing them with the activation as they load h (so the baseline stays this form whatever
-  skinny_ffn dispatches to; commit 2ab797a briefly ran one row as one kernel, see probe_slab_ffn.py)."""
-  m, d, f = 1, *w_in.shape[1:]
-  ci, co = triton.default_config(m, d, f), triton.default_config(m, f, d)
-  hidden = triton.Hidden(PLAIN[act], jnp.dtype(x.dtype), d // ci.rows_per_program, False, False, False)
-  interpret = jax.default_backend() != "gpu"
-  parts = triton.skinny_matmul_parts((x,), triton.Plain(False), w_in, ids, m, x.dtype, ci, interpret=interpret)
-  return triton.skinny_matmul_parts((parts,), hidden, w_out, ids, m, x.dtype, co, interpret=interpret).sum(
-      axis=1)[:, :m]
-
-
 def two_kernels(x, resid, c, ids, w_in, w_out, act=jax.nn.gelu):
-  """What decode_moe runs at one token, top-1: skinny_ffn's two kernels (split_ffn), then XLA's combine and
-  residual."""
-  t = split_ffn(x, w_in, w_out, ids, act)[0].astype(jnp.bfloat16).astype(jnp.float32)
+  """What decode_moe runs at one token, top-1: skinny_ffn (its two kernels), then XLA's combine and residual."""
+  t = skinny_ffn(x, w_in, w_out, experts=ids, activation=act)[0].astype(jnp.bfloat16).astype(jnp.float32)
   return (resid.astype(jnp.float32) + (c[0] * t).astype(jnp.bfloat16).astype(jnp.float32)).astype(x.dtype)
 
 
@@ -235,10 +221,7 @@ def main(argv=None):
   chain_timing.add_chain_args(ap, "FFNs in the chain, each with its own weights")
   ap.add_argument("--experts", type=int, default=4, help="experts a layer (one is read)")
   args = ap.parse_args(argv)
-  on_gpu = jax.default_backend() == "gpu"
-  errs = check(interpret=not on_gpu)
-  for name, err in errs.items():
-    print(f"{name:>24}: max |y - reference| over 4 calls {err:.3g}")
+  errs, on_gpu = chain_timing.run_check(check, "max |y - reference| over 4 calls")
   if not on_gpu:
     return errs
   d, f, L = 1024, 4096, args.layers

@@ -188,10 +188,7 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   chain_timing.add_chain_args(ap)
   args = ap.parse_args(argv)
-  on_gpu = jax.default_backend() == "gpu"
-  errs = check(interpret=not on_gpu)
-  for name, err in errs.items():
-    print(f"{name:>16}: max |out - reference| over its calls {err:.3g}")
+  errs, on_gpu = chain_timing.run_check(check, "max |out - reference| over its calls", width=16)
   if not on_gpu:
     return errs
   L = args.layers

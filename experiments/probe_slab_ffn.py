@@ -165,10 +165,7 @@ def main(argv=None):
   ap.add_argument("--experts", type=int, default=4, help="experts a layer (one is read)")
   ap.add_argument("--variants", default=",".join(VARIANTS))
   args = ap.parse_args(argv)
-  on_gpu = jax.default_backend() == "gpu"
-  errs = check(interpret=not on_gpu)
-  for name, err in errs.items():
-    print(f"{name:>24}: max |y - reference| {err:.3g}")
+  errs, on_gpu = chain_timing.run_check(check, "max |y - reference|")
   if not on_gpu:
     return errs
   d, f, L = 1024, 4096, args.layers
