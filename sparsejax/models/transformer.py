@@ -22,6 +22,7 @@ from sparsejax.norm import rms_norm
 from sparsejax.rope import rotary
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
+from sparsejax.kernels.decode_attention_out import decode_attention_out
 from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
@@ -78,6 +79,8 @@ class Attention(nnx.Module):
     shape = (batch_size, max_length, self.cfg.num_heads, self.cfg.head_dim)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+    # decode_attention_out's counter: its one-row kernel hands the attention to W_o's programs through it.
+    self.out_counter = nnx.Cache(jnp.zeros((2,), jnp.int32))
 
   def _qkv(self, x, norm, folded, few_rows):
     """q, k, v [b, t, h, dh] of norm(x), before RoPE; a few rows take skinny_matmul with the norm folded."""
@@ -119,7 +122,13 @@ class Attention(nnx.Module):
         keys = kv_cache.write(self.cached_key[...], k, cache.index)
         values = kv_cache.write(self.cached_value[...], v, cache.index)
       self.cached_key[...], self.cached_value[...] = keys, values
-      if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
+      if t == 1 and few_rows:
+        # One query per row: the attention and W_o in one kernel at one row, else the split-cache attention
+        # kernel then skinny_matmul (on a GPU; XLA's own lowering of the attention is ~8 small kernels).
+        y, self.out_counter[...] = decode_attention_out(q[:, 0], keys, values, cache.start, cache.index,
+                                                        self.w_out[...].reshape(h * dh, d), self.out_counter[...])
+        return y[:, None].astype(dt)
+      if t == 1:
         o = decode_attention(q[:, 0], keys, values, cache.start, cache.index)[:, None]
       else:
         with dot_precision_scope(dt):
