@@ -1,14 +1,16 @@
-"""decode_attention_out's one grid against decode_attention + skinny_matmul, in a chain at medium's shapes.
+"""decode_attention_out's one kernel against decode_attention + skinny_matmul, in a chain at medium's shapes.
 
-The library's form of probe_overlap_phases.py's one grid (sparsejax.kernels.decode_attention_out): the decode
-attention's chunk programs, then W_o's programs, which load their weight slab, wait on a counter for every chunk,
-merge their heads' chunks and write their part of o W_o. Shapes are medium-moe's at batch 1: 16 heads of 64,
-d 1,024, a 160-slot cache read up to slot 140. Each chain runs steps x layers calls through distinct caches and
-weights, the output halved and fed to the next call (chain_timing.py). Variants: the two kernels the decode step
-ran before (two_kernels), and the one grid at 4 and 8 warps, its merge reading the chunks with plain loads after
-the wait's acquiring atomic or with volatile (system-scope) loads.
+The library's kernel (sparsejax.kernels.decode_attention_out): program (h, j) runs head h's attention over the
+whole cache, then multiplies o_h by its W_o slab (rows of head h, bn columns); the caller sums the heads' parts.
+Shapes are medium-moe's at batch 1: 16 heads of 64, d 1,024, a cache of --slots slots (160: bench_decode's
+128-token prompt and 32 new tokens) read up to slot --index. Each chain runs steps x layers calls through distinct
+caches and weights, the output halved and fed to the next call (chain_timing.py). Variants: the two kernels the
+decode step runs without it (two_kernels), and the one kernel at bn columns a program and num_warps warps.
 
-GPU:  python experiments/probe_attention_out.py [--layers 24 --steps 100 --rounds 7] [--trace DIR]
+The counter form it replaced (decode_attention's chunk programs, then W_o's programs waiting on a counter; commit
+609b850) was measured with this probe at that commit: 1.07-1.5x the two kernels (notes_decode.md).
+
+GPU:  python experiments/probe_attention_out.py [--slots 160 --index 140] [--layers 24 --steps 100 --rounds 7]
 CPU:  the same command checks every variant against the reference in interpret mode.
 """
 from __future__ import annotations
@@ -27,19 +29,15 @@ from sparsejax.kernels.skinny_matmul import skinny_matmul
 
 import chain_timing
 
-H, DH, SLOTS, INDEX = 16, 64, 160, 140
+H, DH = 16, 64
 D = H * DH
-VARIANTS = {"rk128_w4_2d": (128, 4, False, "2d"), "rk128_w4_nowait": (128, 4, False, "nowait"),
-            "rk128_w4_nosync": (128, 4, False, "nosync"), "rk128_w4_attn_only": (128, 4, False, "attn_only"),
-            "rk128_w4_wo_only": (128, 4, False, "wo_only"), "rk128_w2_wo_only": (128, 2, False, "wo_only"),
-            "rk128_w2_attn_only": (128, 2, False, "attn_only")}
-WRONG = ("nowait", "nomerge", "nosync", "attn_only", "wo_only")  # timing-only variants
+VARIANTS = {f"one_kernel_bn{bn}_w{w}": (bn, w) for bn in (64, 128) for w in (2, 4, 8)}
 
 
-def _inputs(key, layers):
+def _inputs(key, layers, slots):
   ks = jax.random.split(key, 2 * layers + 1)
   x = jax.random.normal(ks[0], (1, D), jnp.float32).astype(jnp.bfloat16)
-  caches = [(jax.random.normal(ks[1 + l], (2, 1, SLOTS, H, DH), jnp.float32) / 2).astype(jnp.bfloat16)
+  caches = [(jax.random.normal(ks[1 + l], (2, 1, slots, H, DH), jnp.float32) / 2).astype(jnp.bfloat16)
             for l in range(layers)]
   wos = [(jax.random.normal(ks[1 + layers + l], (D, D), jnp.float32) / 32).astype(jnp.bfloat16) for l in range(layers)]
   return x, caches, wos
@@ -50,71 +48,62 @@ def _finish(x, y):
   return (x.astype(jnp.float32) + rnd(y)).astype(jnp.bfloat16)
 
 
-_START, _IDX = jnp.zeros((1,), jnp.int32), jnp.int32(INDEX)
+_START = jnp.zeros((1,), jnp.int32)
 
 
-def two_kernels(x, kv, w_o, cnt, *, interpret=False):
+def two_kernels(x, kv, w_o, *, index, interpret=False):
   impl = "triton" if interpret else "auto"
-  o = decode_attention(x.reshape(1, H, DH), kv[0], kv[1], _START, _IDX, impl=impl)
-  return _finish(x, skinny_matmul(o.reshape(1, D), w_o, impl=impl)), cnt
+  o = decode_attention(x.reshape(1, H, DH), kv[0], kv[1], _START, index, impl=impl)
+  return _finish(x, skinny_matmul(o.reshape(1, D), w_o, impl=impl))
 
 
-def one_grid(x, kv, w_o, cnt, *, rk, num_warps, volatile, variant="full", interpret=False):
-  bn = out_triton.tiles(H, DH, D)[1]
-  parts, cnt = out_triton.attention_out_parts(x.reshape(1, H, DH), kv[0], kv[1], _START, _IDX, w_o.reshape(H, DH, D),
-                                              cnt, rk, bn, num_warps, volatile, variant, interpret=interpret)
-  return _finish(x, parts.sum(axis=0, keepdims=True)), cnt
+def one_kernel(x, kv, w_o, *, index, bn, num_warps, interpret=False):
+  parts = out_triton.attention_out_parts(x.reshape(1, H, DH), kv[0], kv[1], _START, index, w_o.reshape(H, DH, D), bn,
+                                         num_warps, interpret=interpret)
+  return _finish(x, parts.sum(axis=0, keepdims=True))
 
 
-def check(interpret: bool) -> dict:
-  """Largest |out - reference| of each form over three calls on one counter (inf if the counter is not back at 0)."""
-  x, (kv,), (w_o,) = _inputs(jax.random.key(0), 1)
-  y, _ = out_op._reference(x.reshape(1, H, DH), kv[0], kv[1], _START, _IDX, w_o, None)
-  want = _finish(x, y).astype(jnp.float32)
-  forms = {"two_kernels": two_kernels}
-  forms.update({n: functools.partial(one_grid, rk=r, num_warps=w, volatile=v, variant=t)
-                for n, (r, w, v, t) in VARIANTS.items()
-                if t not in WRONG})
+def forms() -> dict:
+  out = {"two_kernels": two_kernels}
+  out.update({n: functools.partial(one_kernel, bn=bn, num_warps=w) for n, (bn, w) in VARIANTS.items()})
+  return out
+
+
+def check(interpret: bool, slots: int = 160, index: int = 140) -> dict:
+  """Largest |out - reference| of each form."""
+  x, (kv,), (w_o,) = _inputs(jax.random.key(0), 1, slots)
+  index = jnp.int32(index)
+  want = _finish(x, out_op._reference(x.reshape(1, H, DH), kv[0], kv[1], _START, index, w_o)).astype(jnp.float32)
   errs = {}
-  for name, form in forms.items():
-    cnt, err = jnp.zeros((2,), jnp.int32), 0.0
-    for _ in range(3):
-      out, cnt = form(x, kv, w_o, cnt, interpret=interpret)
-      e = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
-      e = e if np.isfinite(e) and not np.any(np.asarray(cnt)) else float("inf")
-      err = e if not np.isfinite(e) else max(err, e)  # max() would drop a NaN
-    errs[name] = err
+  for name, form in forms().items():
+    err = float(jnp.max(jnp.abs(form(x, kv, w_o, index=index, interpret=interpret).astype(jnp.float32) - want)))
+    errs[name] = err if np.isfinite(err) else float("inf")
   return errs
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   chain_timing.add_chain_args(ap)
+  ap.add_argument("--slots", type=int, default=160, help="cache slots")
+  ap.add_argument("--index", type=int, default=140, help="the query's slot")
   args = ap.parse_args(argv)
-  errs, on_gpu = chain_timing.run_check(check, "max |out - reference| over three calls", width=24)
+  errs, on_gpu = chain_timing.run_check(functools.partial(check, slots=args.slots, index=args.index),
+                                        "max |out - reference|")
   if not on_gpu:
     return errs
-  L = args.layers
-  x0, caches, wos = _inputs(jax.random.key(1), L)
+  L, index = args.layers, jnp.int32(args.index)
+  x0, caches, wos = _inputs(jax.random.key(1), L, args.slots)
 
   def chain(x, caches, wos, *, layer):
-    def body(_, carry):
-      x, cnts = carry
-      out = []
+    def body(_, x):
       for l in range(L):
-        x, cnt = layer(x, caches[l], wos[l], cnts[l])
-        x = chain_timing.halve(x)
-        out.append(cnt)
-      return x, out
-    return jax.lax.fori_loop(0, args.steps, body, (x, [jnp.zeros((2,), jnp.int32)] * L))[0]
+        x = chain_timing.halve(layer(x, caches[l], wos[l], index=index))
+      return x
+    return jax.lax.fori_loop(0, args.steps, body, x)
 
-  fns = {"two_kernels": jax.jit(functools.partial(chain, layer=two_kernels))}
-  for name, (r, w, v, t) in VARIANTS.items():
-    layer = functools.partial(one_grid, rk=r, num_warps=w, volatile=v, variant=t)
-    fns[name] = jax.jit(functools.partial(chain, layer=layer))
+  fns = {n: jax.jit(functools.partial(chain, layer=f)) for n, f in forms().items()}
   args_of = dict.fromkeys(fns, (x0, caches, wos))
-  chain_timing.compare_outputs(fns, args_of, "two_kernels", f"chain of {args.steps} x {L}",
-                               skip=lambda n: n.endswith(WRONG))
+  chain_timing.compare_outputs(fns, args_of, "two_kernels", f"chain of {args.steps} x {L}")
   times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
   chain_timing.print_times(times, "two_kernels", "a layer")
   if args.trace:

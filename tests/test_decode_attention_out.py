@@ -1,5 +1,5 @@
-"""decode_attention_out: the attention and W_o in one Pallas Triton grid (interpret mode off the GPU) against a
-float64 oracle, over several calls on one counter."""
+"""decode_attention_out: the attention and W_o in one Pallas Triton kernel (interpret mode off the GPU) against a
+float64 oracle and against decode_attention then skinny_matmul."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,58 +26,56 @@ def _want(q, k, v, start, index, w_o, dtype):
   return o.reshape(1, -1) @ np.asarray(w_o, np.float64)
 
 
-# (slots, heads, head_dim, d, start, query slot): chunk counts of 1, 3 (padded to 4) and 5 (to 8); W_o as one
-# program's rows or several (rk 512 of h dh = 1,024), 64-, 32- and 16-column tiles; a left-padded row.
+# (slots, heads, head_dim, d, start, query slot): 1, 3 and 5 chunks, the last overlapping the one before it;
+# 16- to 128-column tiles; left-padded rows, one whose first chunk holds no seen slot; chunks past the query's slot.
 CASES = {
     "short_cache_one_chunk_of_16": (23, 2, 16, 48, [0], 20),
-    "three_chunks_padded_to_four": (150, 4, 32, 96, [3], 149),
-    "medium_heads_two_k_splits": (200, 16, 64, 128, [10], 130),
+    "three_chunks_left_padded": (150, 4, 32, 96, [3], 149),
+    "first_chunk_all_padding": (150, 2, 32, 256, [70], 120),
+    "medium_heads": (200, 16, 64, 128, [10], 130),
     "five_chunks_query_mid_cache": (300, 2, 64, 64, [0], 70),
+    "most_slots_the_kernel_takes": (512, 2, 64, 1024, [0], 511),
 }
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_equals_oracle_over_calls_on_one_counter(name, dtype):
-  """Three calls on one counter (the kernel leaves it zero), each equal to the oracle and to decode_attention then
-  skinny_matmul ("xla")."""
+def test_kernel_equals_oracle_and_the_two_kernels(name, dtype):
+  """The kernel equals the oracle and decode_attention then skinny_matmul ("xla")."""
   s, h, dh, d, start, index = CASES[name]
   q, k, v, w_o = _case(s, h, dh, d, dtype, seed_of("attn_out", name, str(dtype)))
   start = jnp.asarray(start, jnp.int32)
   assert kernel_fits(1, h, dh, s, d)
   want = _want(q, k, v, start, index, w_o, dtype)
-  call = jax.jit(lambda *a: decode_attention_out(*a, impl="triton"))
-  counter = jnp.zeros((2,), jnp.int32)
-  for _ in range(3):
-    got, counter = call(q, k, v, start, jnp.int32(index), w_o, counter)
-    assert got.dtype == jnp.float32 and got.shape == (1, d)
-    np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
-    np.testing.assert_array_equal(np.asarray(counter), [0, 0])
-  two_calls, _ = decode_attention_out(q, k, v, start, jnp.int32(index), w_o, counter, impl="xla")
-  # Both round o to q's dtype after merging the chunks in their own float32 order: in bf16 an element of o may
+  got = jax.jit(lambda *a: decode_attention_out(*a, impl="triton"))(q, k, v, start, jnp.int32(index), w_o)
+  assert got.dtype == jnp.float32 and got.shape == (1, d)
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
+  two_calls = decode_attention_out(q, k, v, start, jnp.int32(index), w_o, impl="xla")
+  # Both round o to q's dtype after combining the chunks in their own float32 order: in bf16 an element of o may
   # then differ by an ulp, a few 1e-5 of y here.
   close = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=1e-3, atol=1e-3)
   np.testing.assert_allclose(np.asarray(got), np.asarray(two_calls), **close)
 
 
 def test_tiles_and_where_the_kernel_fits():
-  """W_o's programs take whole heads, at most 512 rows, and the widest column tile that divides d."""
-  assert out_triton.tiles(16, 64, 1024) == (512, 64)  # medium: 2 K splits x 16 column blocks
-  assert out_triton.tiles(2, 16, 48) == (32, 16) and out_triton.tiles(8, 64, 512) == (512, 64)
-  assert out_triton.tiles(2, 16, 40) is None  # no column tile for d = 40
-  assert kernel_fits(1, 16, 64, 160, 1024)
+  """A program takes the widest column tile that divides d and leaves >= 128 programs; short caches only."""
+  assert out_triton.block_n(16, 1024) == 128  # medium: 16 heads x 8 column blocks
+  assert out_triton.block_n(8, 512) == 32 and out_triton.block_n(2, 48) == 16
+  assert out_triton.block_n(2, 40) is None  # no column tile for d = 40
+  assert kernel_fits(1, 16, 64, 160, 1024) and kernel_fits(1, 16, 64, out_triton.MAX_SLOTS, 1024)
+  assert not kernel_fits(1, 16, 64, out_triton.MAX_SLOTS + 1, 1024)  # a longer cache: the two kernels
   assert not kernel_fits(2, 16, 64, 160, 1024)  # one row only
   assert not kernel_fits(1, 16, 48, 160, 768)  # head_dim not a power of two
   assert not kernel_fits(1, 16, 64, 12, 1024)  # a cache under 16 slots goes to XLA
 
 
 def test_gradients_equal_the_reference():
-  s, h, dh, d, start, index = CASES["three_chunks_padded_to_four"]
+  s, h, dh, d, start, index = CASES["three_chunks_left_padded"]
   q, k, v, w_o = _case(s, h, dh, d, jnp.float32, 7)
-  start, counter = jnp.asarray(start, jnp.int32), jnp.zeros((2,), jnp.int32)
+  start = jnp.asarray(start, jnp.int32)
   ct = jnp.asarray(np.random.default_rng(8).standard_normal((1, d)), jnp.float32)
-  loss = lambda impl: lambda q, k, v, w: jnp.sum(decode_attention_out(q, k, v, start, jnp.int32(index), w, counter,
-                                                                      impl=impl)[0] * ct)
+  loss = lambda impl: lambda q, k, v, w: jnp.sum(decode_attention_out(q, k, v, start, jnp.int32(index), w,
+                                                                      impl=impl) * ct)
   got = jax.jit(jax.grad(loss("triton"), argnums=(0, 1, 2, 3)))(q, k, v, w_o)
   want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3)))(q, k, v, w_o)
   for a, b in zip(got, want):
@@ -86,15 +84,13 @@ def test_gradients_equal_the_reference():
 
 def test_bad_inputs_fail_with_clear_errors():
   q, k, v, w_o = _case(32, 2, 16, 48, jnp.float32, 9)
-  start, index, counter = jnp.zeros((1,), jnp.int32), jnp.int32(5), jnp.zeros((2,), jnp.int32)
+  start, index = jnp.zeros((1,), jnp.int32), jnp.int32(5)
   with pytest.raises(ValueError, match=r"w_o must be \[heads \* head_dim = 32, d_model\]"):
-    decode_attention_out(q, k, v, start, index, w_o[:16], counter)
-  with pytest.raises(ValueError, match=r"counter must have shape \(2,\)"):
-    decode_attention_out(q, k, v, start, index, w_o, jnp.zeros((3,), jnp.int32))
-  with pytest.raises(TypeError, match="counter"):
-    decode_attention_out(q, k, v, start, index, w_o, jnp.zeros((2,), jnp.float32))
+    decode_attention_out(q, k, v, start, index, w_o[:16])
+  with pytest.raises(TypeError, match="w_o"):
+    decode_attention_out(q, k, v, start, index, w_o.astype(jnp.int32))
   with pytest.raises(ValueError, match="impl='triton' takes one row"):
     decode_attention_out(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]),
-                         jnp.zeros((2,), jnp.int32), index, w_o, counter, impl="triton")
+                         jnp.zeros((2,), jnp.int32), index, w_o, impl="triton")
   with pytest.raises(ValueError, match="impl must be one of"):
-    decode_attention_out(q, k, v, start, index, w_o, counter, impl="cuda")
+    decode_attention_out(q, k, v, start, index, w_o, impl="cuda")

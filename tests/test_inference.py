@@ -173,7 +173,7 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
 def test_greedy_decoding_at_one_row_with_the_attention_and_w_o_in_one_kernel(monkeypatch):
   """At one row the decode step runs decode_attention_out's one grid (forced here, in interpret mode; "auto" takes
   it on a GPU) beside every other decode kernel: it decodes the full forward's greedy tokens, its logits are the
-  full forward's. (That the kernel leaves its counter zero is tests/test_decode_attention_out.py's.)"""
+  full forward's."""
   from sparsejax.kernels.decode_attention_out import op as attention_out
   force_decode_kernels(monkeypatch)
   ran = []

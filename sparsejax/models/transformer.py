@@ -79,8 +79,6 @@ class Attention(nnx.Module):
     shape = (batch_size, max_length, self.cfg.num_heads, self.cfg.head_dim)
     self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
     self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
-    # decode_attention_out's counter: its one-row kernel hands the attention to W_o's programs through it.
-    self.out_counter = nnx.Cache(jnp.zeros((2,), jnp.int32))
 
   def _qkv(self, x, norm, folded, few_rows):
     """q, k, v [b, t, h, dh] of norm(x), before RoPE; a few rows take skinny_matmul with the norm folded."""
@@ -125,8 +123,7 @@ class Attention(nnx.Module):
       if t == 1 and few_rows:
         # One query per row: the attention and W_o in one kernel at one row, else the split-cache attention
         # kernel then skinny_matmul (on a GPU; XLA's own lowering of the attention is ~8 small kernels).
-        y, self.out_counter[...] = decode_attention_out(q[:, 0], keys, values, cache.start, cache.index,
-                                                        self.w_out[...].reshape(h * dh, d), self.out_counter[...])
+        y = decode_attention_out(q[:, 0], keys, values, cache.start, cache.index, self.w_out[...].reshape(h * dh, d))
         return y[:, None].astype(dt)
       if t == 1:
         o = decode_attention(q[:, 0], keys, values, cache.start, cache.index)[:, None]
