@@ -1,15 +1,20 @@
-"""decode_attention_out as one Pallas Triton kernel with no handoff: program (h, j) attends head h and multiplies.
+"""decode_attention_out as ONE Pallas Triton grid: the attention's chunk programs, then W_o's programs.
 
-Program (h, j) loads its W_o slab W_o[h dh : (h + 1) dh, j bn : (j + 1) bn] first, then runs head h's attention
-over the whole cache in chunks (an online softmax: m, l and acc carried from chunk to chunk), rounds
-o_h = acc / l to q's dtype, as decode_attention does, and writes parts[h, j bn : (j + 1) bn] = o_h W_o slab. The
-caller sums the h parts. Every program of head h computes the same o_h: the d / bn column programs read the
-head's K and V again, mostly from L2, which is why the op takes this form only for short caches (MAX_SLOTS).
+At one row the attention is 1 x h x chunks small programs, a chain of dependent loads and reductions on a
+few SMs, and the output projection is a one-wave product whose cost is mostly fixed (its ramp, its first
+loads' latency; experiments/probe_tma_read.py). Run as separate kernels (and XLA's merge of the chunks in
+between) each pays its own. Here the grid's first NA = h x chunks_p programs are decode_attention's
+(triton.attend_chunk: acc_c and (m_c, l_c) per chunk; chunks_p rounds the chunk count up to a power of two,
+the extra chunks lie past the cache and write m = -1e30, l = 0). The next NB programs each own rk rows by
+bn columns of W_o: they load that slab first, while the attention programs run on the idle SMs, then wait
+on a counter for every chunk, merge their rk / dh heads (o_h = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,
+rounded to q's dtype, as decode_attention's merge) and write their part of o W_o. The caller sums the
+rk-row parts. Measured in experiments/probe_overlap_phases.py: a small phase and W_o's product in one grid
+ran in 0.71x the time of their separate kernels.
 
-Why no handoff: the one grid of 0725258 / 609b850 (decode_attention's chunk programs, then W_o's programs
-waiting on a counter) ran 1.07-1.5x slower than its two kernels on an H100. Its handoff (a release after the
-chunk's stores, the waiters' acquire, the merge's loads) and the counter's reset cost ~1.7 us each
-(experiments/notes_decode.md, twenty-sixth session). Reading K and V again from L2 costs less than either.
+A program waits only on programs with lower ids, which the GPU starts first (interpret mode runs them in
+order), so no grid-wide residency is needed. The counter [arrivals, departures] is zero at a call's start
+and the last W_o program to leave sets it back to zero: the caller carries it from call to call.
 Reference: op.py's (decode_attention's reference, then the product). Off the GPU: interpret mode (tests).
 """
 from __future__ import annotations
@@ -25,49 +30,65 @@ from sparsejax.kernels.decode_attention import triton as attention
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 NUM_WARPS = 4
-MAX_SLOTS = 512  # each column program reads its head's whole cache: at most 128 KB of K and V (head_dim 64, bf16)
-_NEG = -1e30
+ROWS_PER_PROGRAM = 128  # rk: W_o rows a program holds (skinny_matmul's split at one row: 128 x 64 columns, 16 KB)
 
 
-def block_n(h: int, d: int) -> int | None:
-  """Output columns a program takes: the widest of 128, 64, 32, 16 dividing d that leaves >= 128 programs
-  (h x d / bn, about a wave of an H100's SMs), else the narrowest that divides; None if none does."""
-  fits = [c for c in (128, 64, 32, 16) if d % c == 0]
-  return next((c for c in fits if h * (d // c) >= 128), fits[-1] if fits else None)
+def tiles(h: int, dh: int, d: int) -> tuple[int, int] | None:
+  """(rk, bn): W_o rows (whole heads, dividing h dh) and columns a program takes, or None."""
+  bn = next((c for c in (64, 32, 16) if d % c == 0), None)
+  k = h * dh
+  rk = next((r for r in (ROWS_PER_PROGRAM, 256, 512) if r % dh == 0 and k % r == 0), dh)
+  return None if bn is None else (rk, bn)
 
 
-def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, w_ref, y_ref, *, chunk: int, slots: int, bn: int, dtype):
-  hh, j = pl.program_id(0), pl.program_id(1)
-  dh = q_ref.shape[-1]
+def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, w_ref, epoch_ref, _, y_ref, part_ref, stats_ref, cnt_ref,
+            next_ref, *, chunk: int, slots: int, chunks_p: int, rk: int, bn: int, dtype, interpret: bool):
+  from jax.experimental.pallas import triton as plt
+  h, dh = q_ref.shape[1:]
+  na = h * chunks_p
+  vid = pl.program_id(0)
+  zero = vid * 0  # atomics want traced indices and values
+  one = zero + 1
   f32 = lambda v: v.astype(jnp.float32)
-  cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
-  w = w_ref[hh, :, cols]  # [dh, bn], issued first: it depends on nothing the attention computes
-  index, start = index_ref[0], start_ref[0]
-  q = f32(q_ref[0, pl.ds(hh, 1), :]) * (dh ** -0.5)  # [1, dh]
-  m = jnp.full((1, 1), _NEG, jnp.float32)
-  l = jnp.zeros((1, 1), jnp.float32)
-  acc = jnp.zeros((1, dh), jnp.float32)
-  for c in range(-(-slots // chunk)):  # a few chunks (slots <= MAX_SLOTS), unrolled: their loads issue early
-    first = c * chunk
-    s0 = min(first, slots - chunk)  # the last chunk loads the cache's last `chunk` slots, counting those >= first
-    slot = s0 + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    seen = (((slot >= start) & (slot <= index)) | (slot == index)) & (slot >= first)
-    k = f32(k_ref[0, pl.ds(s0, chunk), hh, :])  # [chunk, dh]
-    s = jnp.where(seen, jnp.sum(k * q, axis=1, keepdims=True), _NEG)  # [chunk, 1]
-    m_new = jnp.maximum(m, jnp.max(s, axis=0, keepdims=True))
-    # A chunk with no seen slot ahead of the first seen one adds exp(0) = 1 a slot while m_new is still _NEG;
-    # the first seen slot's chunk then scales that by alpha = exp(_NEG - m_new) = 0. Slot `index` is always seen.
-    p = jnp.exp(s - m_new)
-    alpha = jnp.exp(m - m_new)
-    v = f32(v_ref[0, pl.ds(s0, chunk), hh, :])
-    acc = acc * alpha + jnp.sum(p * v, axis=0, keepdims=True)
-    l = l * alpha + jnp.sum(p, axis=0, keepdims=True)
-    m = m_new
-  o = f32((acc / l).astype(dtype))  # [1, dh]
-  y_ref[pl.ds(hh, 1), cols] = jnp.sum(o.reshape(dh, 1) * f32(w.astype(dtype)), axis=0, keepdims=True)
+  # Triton's scalar atomic is one elected thread's: without a CTA barrier the other threads' stores of the
+  # chunk need not be visible when it releases.
+  barrier = (lambda: None) if interpret else plt.debug_barrier
+
+  @pl.when(vid < na)
+  def _attend():
+    hh, c = vid // chunks_p, vid % chunks_p
+    attention.attend_chunk(index_ref[0], start_ref[0], q_ref, k_ref, v_ref, part_ref.at[hh, pl.ds(c, 1), :],
+                           stats_ref.at[hh, pl.ds(c, 1), :], 0, hh, c, chunk=chunk, slots=slots, scale=dh ** -0.5)
+    barrier()
+    plt.atomic_add(cnt_ref, (zero,), one)  # acquire-release: the chunk is visible first
+
+  @pl.when(vid == 0)
+  def _next_epoch():
+    next_ref[0] = epoch_ref[0] + 1
+
+  @pl.when(vid >= na)
+  def _project():
+    splits = (h * dh) // rk
+    j, p = (vid - na) // splits, (vid - na) % splits
+    cols = pl.ds(pl.multiple_of(j * bn, bn), bn)
+    heads = pl.ds(pl.multiple_of(p * (rk // dh), rk // dh), rk // dh)
+    w = w_ref[heads, :, cols]  # [rk / dh, dh, bn], issued before the wait: it depends on nothing the attention computes
+    # The counter only grows: call e (the epoch) finds it at e na and waits for (e + 1) na. A difference, so
+    # int32's wrap cancels.
+    target = epoch_ref[0] * na + na
+    cap = zero + (1 if interpret else 2 ** 30)  # interpret: every arrival is already in
+    jax.lax.while_loop(lambda s: (s[0] - target < 0) & (s[1] <= cap),
+                       lambda s: (plt.atomic_add(cnt_ref, (zero,), zero), s[1] + 1), (zero + target - na, zero))
+    # The acquiring atomic invalidates L1 (CCTL.IVALL in its SASS): plain loads see the chunks.
+    part = part_ref[heads]  # [rk / dh, chunks_p, dh]
+    m, l = stats_ref[heads, :, 0], stats_ref[heads, :, 1]  # [rk / dh, chunks_p]
+    e = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))
+    o = jnp.sum(e[:, :, None] * part, axis=1) / jnp.sum(e * l, axis=1, keepdims=True)  # [rk / dh, dh]
+    o = f32(o.astype(dtype))
+    y_ref[p, cols] = jnp.sum(o.reshape(rk)[:, None] * f32(w.astype(dtype)).reshape(rk, bn), axis=0)
 
 
-@shared_lowering("bn", "num_warps")
+@shared_lowering("rk", "bn", "num_warps")
 def attention_out_parts(
     q: Float[Array, "1 h dh"],
     k_cache: Float[Array, "1 s h dh"],
@@ -75,26 +96,42 @@ def attention_out_parts(
     start: Int[Array, "1"],
     index: Int[Array, ""],
     w_o: Num[Array, "h dh d"],
+    counter: Int[Array, "1"],
+    epoch: Int[Array, "1"],
+    rk: int,
     bn: int,
     num_warps: int = NUM_WARPS,
     *,
     interpret: bool,
-) -> Float[Array, "h d"]:
-  """parts with o W_o = sum_h parts[h] for the one row (w_o as [h, dh, d]), float32."""
-  _, slots, h, _ = k_cache.shape
+) -> tuple[Float[Array, "splits d"], Int[Array, "1"], Int[Array, "1"]]:
+  """(parts, counter, epoch + 1): o W_o = sum_p parts[p] for the one row (w_o as [h, dh, d]), float32. The
+  counter must be epoch x h x chunks_p (mod 2^32) at the call: what the last call left with the epoch it returned,
+  zeros to start."""
+  _, slots, h, dh = k_cache.shape
+  chunk = attention.chunk_size(slots)
+  chunks_p = pl.next_power_of_2(-(-slots // chunk))
   d = w_o.shape[-1]
-  kernel = functools.partial(_kernel, chunk=attention.chunk_size(slots), slots=slots, bn=bn, dtype=jnp.dtype(q.dtype))
+  na, nb = h * chunks_p, (d // bn) * ((h * dh) // rk)
+  kernel = functools.partial(_kernel, chunk=chunk, slots=slots, chunks_p=chunks_p, rk=rk, bn=bn,
+                             dtype=jnp.dtype(q.dtype), interpret=interpret)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
-  return pl.pallas_call(
+  parts, _, _, counter, epoch = pl.pallas_call(
       kernel,
-      grid=(h, d // bn),
-      in_specs=[pl.no_block_spec] * 6,
-      out_specs=pl.no_block_spec,
-      out_shape=jax.ShapeDtypeStruct((h, d), jnp.float32),
+      grid=(na + nb,),
+      in_specs=[pl.no_block_spec] * 8,
+      out_specs=[pl.no_block_spec] * 5,
+      out_shape=[jax.ShapeDtypeStruct(((h * dh) // rk, d), jnp.float32),
+                 jax.ShapeDtypeStruct((h, chunks_p, dh), jnp.float32),
+                 jax.ShapeDtypeStruct((h, chunks_p, 2), jnp.float32),
+                 jax.ShapeDtypeStruct((1,), jnp.int32),
+                 jax.ShapeDtypeStruct((1,), jnp.int32)],
+      input_output_aliases={7: 3},
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_decode_attention_out",
-  )(jnp.reshape(index, (1,)).astype(jnp.int32), start.astype(jnp.int32), q, k_cache, v_cache, w_o)
+  )(jnp.reshape(index, (1,)).astype(jnp.int32), start.astype(jnp.int32), q, k_cache, v_cache, w_o,
+    epoch.astype(jnp.int32), counter.astype(jnp.int32))
+  return parts, counter, epoch
