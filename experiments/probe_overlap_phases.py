@@ -22,7 +22,8 @@ Measured on an H100 (experiments/results/decode_overlap_phases_H100.log): three_
 one_kernel 7.72, one_kernel_w8 6.91 (0.71x), one_kernel_late 8.06; traced, the one grid at 8 warps took 5.58
 us of device time against 5.06 + 1.17 + 2.78 for the three. The library's form (decode_attention's chunk programs,
 then W_o's; commit 0725258, reverted) ran 1.39-1.58x slower than its two kernels as first built, with the chunk
-merge a load per head (results/decode_attention_out_chain_H100.log); notes_decode.md has the next step. The
+merge a load per head (results/decode_attention_out_chain_H100.log). Three later forms (commits 609b850, aba8360,
+17789d5) ran at 0.99-1.45x at bench_decode's cache and were reverted: notes_decode.md, twenty-sixth session. The
 logs were measured before the CTA barrier ahead of the counting atomic was added (notes_decode.md: a latent race).
 
 GPU:  python experiments/probe_overlap_phases.py [--layers 24 --steps 100 --rounds 7]

@@ -36,17 +36,7 @@ def _dataflow_ffn():
                            S((4, d, f), bf), S((4, f, d), bf), S((), jnp.int32), S(p.counters(d, f).shape, jnp.int32)])
 
 
-def _attention_out():
-  from sparsejax.kernels.decode_attention_out import triton as t
-  import probe_attention_out as p
-  S, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
-  cache = S((1, 160, p.H, p.DH), bf)
-  return (functools.partial(t.attention_out_parts, bn=t.block_n(p.H, p.D), interpret=False),
-          [S((1, p.H, p.DH), bf), cache, cache, S((1,), i32), S((), i32), S((p.H, p.DH, p.D), bf)])
-
-
-CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn,
-         "attention_out": _attention_out}
+CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn}
 
 
 def _unjitted(fn):

@@ -12,7 +12,6 @@ import pytest
 
 from sparsejax.activations import PLAIN
 from sparsejax.kernels.decode_attention import triton as attention
-from sparsejax.kernels.decode_attention_out import triton as attention_out
 from sparsejax.kernels.decode_qkv import triton as qkv
 from sparsejax.kernels.decode_router import triton as router
 from sparsejax.kernels.row_moves import triton as row_moves
@@ -52,13 +51,6 @@ def test_skinny_ffn_kernels_lower(act, m, d, f):
   for gated, scaled in [(False, False), (True, True)]:
     fn, *shapes = _hidden_ffn(m, d, f, act, gated, scaled)
     _lowers(fn, *shapes)
-
-
-def test_decode_attention_out_lowers():
-  """The attention and W_o in one kernel, at medium's shapes (16 heads of 64, d 1,024) with a 160-slot cache."""
-  fn = lambda q, k, v, s, i, w: attention_out.attention_out_parts(q, k, v, s, i, w, 128, interpret=False)
-  _lowers(fn, ((1, 16, 64), bf16), ((1, 160, 16, 64), bf16), ((1, 160, 16, 64), bf16), ((1,), jnp.int32),
-          ((), jnp.int32), ((16, 64, 1024), bf16))
 
 
 @pytest.mark.parametrize("m", [1, 5])

@@ -170,28 +170,6 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 
-def test_greedy_decoding_at_one_row_with_the_attention_and_w_o_in_one_kernel(monkeypatch):
-  """At one row the decode step runs decode_attention_out's one grid (forced here, in interpret mode; "auto" takes
-  it on a GPU) beside every other decode kernel: it decodes the full forward's greedy tokens, its logits are the
-  full forward's."""
-  from sparsejax.kernels.decode_attention_out import op as attention_out
-  force_decode_kernels(monkeypatch)
-  ran = []
-
-  def forced(b, h, dh, slots, d, impl="auto"):
-    ran.append(attention_out.kernel_fits(b, h, dh, slots, d))
-    return ran[-1]
-
-  monkeypatch.setattr(attention_out, "runs_kernel", forced)
-  model = _model(1)
-  prompt = [[5, 17, 99, 3, 200, 41, 8, 12, 77, 140, 2, 9]]  # with 5 new tokens, a cache of >= 16 slots
-  got = np.asarray(generate(model, prompt, 5, temperature=0.0))
-  assert any(ran)  # the one-token step took the kernel
-  full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
-  assert_greedy_matches_full_forward(got, model, prompt, 5, full)
-  assert decode_logits_error(model, model, prompt, 5, full) < 1e-5
-
-
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

@@ -22,7 +22,6 @@ from sparsejax.norm import rms_norm
 from sparsejax.rope import rotary
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
-from sparsejax.kernels.decode_attention_out import decode_attention_out
 from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
@@ -120,12 +119,7 @@ class Attention(nnx.Module):
         keys = kv_cache.write(self.cached_key[...], k, cache.index)
         values = kv_cache.write(self.cached_value[...], v, cache.index)
       self.cached_key[...], self.cached_value[...] = keys, values
-      if t == 1 and few_rows:
-        # One query per row: the attention and W_o in one kernel at one row, else the split-cache attention
-        # kernel then skinny_matmul (on a GPU; XLA's own lowering of the attention is ~8 small kernels).
-        y = decode_attention_out(q[:, 0], keys, values, cache.start, cache.index, self.w_out[...].reshape(h * dh, d))
-        return y[:, None].astype(dt)
-      if t == 1:
+      if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
         o = decode_attention(q[:, 0], keys, values, cache.start, cache.index)[:, None]
       else:
         with dot_precision_scope(dt):

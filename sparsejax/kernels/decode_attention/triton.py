@@ -30,10 +30,10 @@ def chunk_size(slots: int) -> int:
   return min(CHUNK, 1 << (slots.bit_length() - 1))
 
 
-def attend_chunk(index, start, q_ref, k_ref, v_ref, part_ref, stats_ref, b, h, c, *, chunk: int, slots: int,
-                 scale: float):
-  """Chunk c of row b, head h into part_ref [1, dh] (acc_c) and stats_ref [1, 2] ((m_c, l_c)); a program's
-  body, here and in decode_attention_out's one grid."""
+def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, part_ref, stats_ref, *, chunk: int, slots: int,
+            scale: float):
+  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  index, start = index_ref[0], start_ref[b]
   first = c * chunk  # this program's slots: [first, first + chunk)
   live = (first <= index) & (first + chunk > jnp.minimum(start, index))
   # The last chunk may run past the cache: it loads the cache's last `chunk` slots instead (every
@@ -60,13 +60,6 @@ def attend_chunk(index, start, q_ref, k_ref, v_ref, part_ref, stats_ref, b, h, c
     part_ref[...] = jnp.zeros(part_ref.shape, jnp.float32)
     first_col = jax.lax.broadcasted_iota(jnp.int32, (1, 2), 1) == 0
     stats_ref[...] = jnp.where(first_col, _NEG, 0.0).astype(jnp.float32)
-
-
-def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, part_ref, stats_ref, *, chunk: int, slots: int,
-            scale: float):
-  b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  attend_chunk(index_ref[0], start_ref[b], q_ref, k_ref, v_ref, part_ref, stats_ref, b, h, c, chunk=chunk,
-               slots=slots, scale=scale)
 
 
 @shared_lowering()
