@@ -13,7 +13,6 @@ import pytest
 from sparsejax.activations import PLAIN
 from sparsejax.kernels.decode_attention import triton as attention
 from sparsejax.kernels.decode_qkv import triton as qkv
-from sparsejax.kernels.decode_qkv_attention import triton as qkv_attention
 from sparsejax.kernels.decode_router import triton as router
 from sparsejax.kernels.row_moves import triton as row_moves
 from sparsejax.kernels.skinny_matmul import triton as skinny
@@ -67,14 +66,6 @@ def test_skinny_matmul_plain_rows_lower(m):
 def test_decode_qkv_lowers():
   fn = lambda p, k, v, i, s: qkv.decode_qkv(p, k, v, i, s, inverse_frequencies(64, 1e4), bf16, interpret=False)
   _lowers(fn, ((8, 1, 3 * 16 * 64), jnp.float32), ((1, 160, 16, 64), bf16), ((1, 160, 16, 64), bf16),
-          ((), jnp.int32), ((1,), jnp.int32))
-
-
-def test_decode_qkv_attention_lowers():
-  """The qkv glue inside the attention's chunk programs, at medium's shapes and bench_decode's 585-slot cache."""
-  fn = lambda p, k, v, i, s: qkv_attention.qkv_chunk_attention(p, k, v, i, s, inverse_frequencies(64, 1e4), bf16,
-                                                               interpret=False)
-  _lowers(fn, ((8, 1, 3 * 16 * 64), jnp.float32), ((1, 585, 16, 64), bf16), ((1, 585, 16, 64), bf16),
           ((), jnp.int32), ((1,), jnp.int32))
 
 

@@ -113,11 +113,10 @@ def test_greedy_decoding_with_the_router_kernel_equals_full_forward(monkeypatch)
   assert_greedy_matches_full_forward(got, model, PROMPTS, 6)
 
 
-def force_decode_kernels(monkeypatch, qkv_attention: bool = False) -> list:
+def force_decode_kernels(monkeypatch) -> list:
   """Makes every decode-step op take its Pallas kernel (interpret mode here; "auto" takes them on a GPU)
   and returns a list that records, per traced skinny_matmul kernel, what its rows were (Plain, Normed,
-  Hidden) and "qkv" per decode_qkv kernel, or with qkv_attention per decode_qkv_attention kernel (the qkv glue
-  inside the attention's; else decode_qkv then decode_attention, on every backend)."""
+  Hidden) and "qkv" per decode_qkv kernel."""
   from sparsejax import modules
   from sparsejax.kernels.decode_qkv import op as qkv_op
   from sparsejax.kernels.decode_qkv import triton as qkv_triton
@@ -141,17 +140,6 @@ def force_decode_kernels(monkeypatch, qkv_attention: bool = False) -> list:
   monkeypatch.setattr(qkv_triton, "decode_qkv", qkv)
   monkeypatch.setattr(qkv_op, "runs_kernel", lambda dh, impl="auto": True)
   monkeypatch.setattr(transformer, "qkv_runs_kernel", lambda dh: True)
-  from sparsejax.kernels.decode_qkv_attention import kernel_fits
-  from sparsejax.kernels.decode_qkv_attention import triton as qkv_attention_triton
-  real_fused = qkv_attention_triton.qkv_chunk_attention
-
-  def fused(*args, **kwargs):
-    seen.append("qkv")
-    return real_fused(*args, **kwargs)
-
-  monkeypatch.setattr(qkv_attention_triton, "qkv_chunk_attention", fused)
-  monkeypatch.setattr(transformer, "qkv_attention_runs_kernel",
-                      lambda dh, slots: qkv_attention and kernel_fits(dh, slots))
   monkeypatch.setattr(modules, "runs_kernel", lambda *shape: runs_kernel(*shape, impl="triton"))
   monkeypatch.setattr(modules, "decode_router", lambda *a, **kw: decode_router(*a, **kw, impl="triton"))
   return seen
@@ -179,24 +167,6 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   full = greedy_by_full_forward(reference, PROMPTS, 5, with_logits=True)
   assert_greedy_matches_full_forward(got, reference, PROMPTS, 5, full)
   # the step's logits, fed the full forward's tokens, are the full forward's to float32 rounding
-  assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
-
-
-@pytest.mark.parametrize("variant", ["dense", "moe_int8"])
-def test_greedy_decoding_with_the_qkv_glue_inside_the_attention_kernel(monkeypatch, variant):
-  """decode_qkv_attention in the step (forced here, in interpret mode; "auto" takes it on a GPU) with every other
-  decode kernel, rows of different prompt lengths: the full forward's greedy tokens and logits."""
-  seen = force_decode_kernels(monkeypatch, qkv_attention=True)
-  jax.clear_caches()  # the same model's step, traced by an earlier test without this kernel, would be reused
-  model = reference = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1), rngs=nnx.Rngs(0))
-  if variant == "moe_int8":
-    model = quantize_model(model)
-    reference = dequantize_model(model)
-  got = np.asarray(generate(model, PROMPTS, 5, temperature=0.0))
-  steps, rest = divmod(seen.count("qkv"), BASE.num_layers)
-  assert steps >= 1 and rest == 0  # the one-token step took the kernel in every layer
-  full = greedy_by_full_forward(reference, PROMPTS, 5, with_logits=True)
-  assert_greedy_matches_full_forward(got, reference, PROMPTS, 5, full)
   assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 

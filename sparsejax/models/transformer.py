@@ -23,7 +23,6 @@ from sparsejax.rope import rotary
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
 from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
-from sparsejax.kernels.decode_qkv_attention import decode_qkv_attention, runs_kernel as qkv_attention_runs_kernel
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
@@ -107,16 +106,7 @@ class Attention(nnx.Module):
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
     folded = None if norm is None else norm.folded()
     if cache is not None:
-      o = None  # the attention's output, where the qkv glue's kernel also runs it
-      if few_rows and t == 1 and qkv_attention_runs_kernel(dh, self.cached_key[...].shape[1]):
-        # One token a row: the qkv product's split-K parts go straight to the attention's chunk programs, which
-        # sum and turn their head's query themselves and write the cache slot (decode_qkv and decode_attention
-        # in one kernel).
-        parts = skinny_matmul.split_k_parts(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh), norm=folded)
-        o, keys, values = decode_qkv_attention(parts, self.cached_key[...], self.cached_value[...], cache.index,
-                                               cache.start, rope_base=cfg.rope_base, dtype=dt)
-        o = o[:, None]
-      elif few_rows and t == 1 and qkv_runs_kernel(dh):
+      if few_rows and t == 1 and qkv_runs_kernel(dh):
         # One token a row: the qkv product's split-K parts go straight to one kernel that sums them,
         # applies RoPE and writes the cache slot (XLA would run three kernels for that glue).
         parts = skinny_matmul.split_k_parts(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh), norm=folded)
@@ -129,9 +119,9 @@ class Attention(nnx.Module):
         keys = kv_cache.write(self.cached_key[...], k, cache.index)
         values = kv_cache.write(self.cached_value[...], v, cache.index)
       self.cached_key[...], self.cached_value[...] = keys, values
-      if o is None and t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 kernels)
+      if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
         o = decode_attention(q[:, 0], keys, values, cache.start, cache.index)[:, None]
-      elif o is None:
+      else:
         with dot_precision_scope(dt):
           o = jax.nn.dot_product_attention(q, keys, values, mask=cache.mask)
       if few_rows:

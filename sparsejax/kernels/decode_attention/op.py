@@ -21,8 +21,7 @@ from sparsejax.kernels.decode_attention.reference import decode_attention_refere
 IMPLS = ("auto", "triton", "xla")
 
 
-def kernel_fits(dh: int, slots: int) -> bool:
-  """Whether the kernel takes these shapes: head_dim a power of two >= 16, >= MIN_SLOTS cache slots."""
+def _kernel_fits(dh: int, slots: int) -> bool:
   return dh >= 16 and dh & (dh - 1) == 0 and slots >= triton.MIN_SLOTS
 
 
@@ -43,12 +42,12 @@ def _check(q, k_cache, v_cache, start, index, impl):
     raise ValueError(f"start must have one entry per row ({b}); got {start.shape[0]}.")
   _checks.check_rank("index", index, 0, "[] (the query's slot)")
   _checks.check_integer("index", index)
-  if impl == "triton" and not kernel_fits(dh, k_cache.shape[1]):
+  if impl == "triton" and not _kernel_fits(dh, k_cache.shape[1]):
     raise ValueError(f"impl='triton' needs head_dim a power of two >= 16 and >= {triton.MIN_SLOTS} cache slots; "
                      f"got head_dim {dh}, {k_cache.shape[1]} slots (use impl='auto').")
 
 
-def merge_chunks(part, stats, dtype):
+def _merge(part, stats, dtype):
   """o = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, M = max_c m_c."""
   m, l = stats[..., 0], stats[..., 1]
   w = jnp.exp(m - jnp.max(m, axis=-1, keepdims=True))
@@ -61,7 +60,7 @@ def merge_chunks(part, stats, dtype):
 def _kernel(q, k_cache, v_cache, start, index):
   part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index,
                                        interpret=jax.default_backend() != "gpu")
-  return merge_chunks(part, stats, q.dtype)
+  return _merge(part, stats, q.dtype)
 
 
 def decode_attention(
@@ -76,7 +75,7 @@ def decode_attention(
   """Softmax attention of the query in slot `index` over the slots it sees (module doc); q's dtype."""
   index = jnp.asarray(index)
   _check(q, k_cache, v_cache, start, index, impl)
-  fits = kernel_fits(q.shape[-1], k_cache.shape[1])
+  fits = _kernel_fits(q.shape[-1], k_cache.shape[1])
   if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
     return with_reference_vjp(_kernel, decode_attention_reference, q, k_cache, v_cache, start, index)
   return decode_attention_reference(q, k_cache, v_cache, start, index)

@@ -22,8 +22,7 @@ from sparsejax.rope import inverse_frequencies
 IMPLS = ("auto", "triton", "xla")
 
 
-def kernel_fits(dh: int) -> bool:
-  """Whether the kernel takes this head_dim: its halves powers of two (Triton's vectors)."""
+def _kernel_fits(dh: int) -> bool:
   half = dh // 2
   return dh % 2 == 0 and half & (half - 1) == 0
 
@@ -31,10 +30,10 @@ def kernel_fits(dh: int) -> bool:
 def runs_kernel(dh: int, impl: str = "auto") -> bool:
   """Whether decode_qkv runs the Pallas kernel (else XLA's kernels): impl "triton", or "auto" on a GPU
   for a head_dim whose halves are powers of two (Triton's vectors)."""
-  return impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and kernel_fits(dh))
+  return impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and _kernel_fits(dh))
 
 
-def check_inputs(parts, k_cache, v_cache, index, start, impl):
+def _check(parts, k_cache, v_cache, index, start, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
   _checks.check_rank("parts", parts, 3, "[splits, rows, 3 * heads * head_dim]")
@@ -52,7 +51,7 @@ def check_inputs(parts, k_cache, v_cache, index, start, impl):
   _checks.check_integer("start", start)
   if start.shape[0] != b:
     raise ValueError(f"start must have one entry per row ({b}); got {start.shape[0]}.")
-  if impl == "triton" and not kernel_fits(dh):
+  if impl == "triton" and not _kernel_fits(dh):
     raise ValueError(f"impl='triton' needs head_dim / 2 a power of two; got head_dim {dh} (use impl='auto').")
 
 
@@ -69,7 +68,7 @@ def decode_qkv(
 ) -> tuple[Float[Array, "b h dh"], Float[Array, "b s h dh"], Float[Array, "b s h dh"]]:
   """(q [b, h, dh] in dtype, k_cache, v_cache with slot `index` written): the module doc's math."""
   index = jnp.asarray(index)
-  check_inputs(parts, k_cache, v_cache, index, start, impl)
+  _check(parts, k_cache, v_cache, index, start, impl)
   reference = lambda *a: decode_qkv_reference(*a, rope_base, dtype)
   if not runs_kernel(k_cache.shape[-1], impl):
     return reference(parts, k_cache, v_cache, index, start)
