@@ -513,3 +513,37 @@ def test_one_grid_probes_put_a_cta_barrier_before_each_counting_atomic(case, tmp
         assert barrier_since, f"{case}: a counting atomic without a barrier before it: {line.strip()}"
       barrier_since = False
   assert counting >= 1
+
+
+def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
+  """ab_decode: B's Decoder is traced while its patch is in place and A's is not (each has jitted steps of its
+  own); the run prints both variants and their ratio; a malformed patch fails with one line."""
+  import ab_decode
+  from sparsejax.models import transformer
+  real, calls = transformer.decode_attention, []
+
+  def recording(*a, **kw):
+    calls.append(1)
+    return real(*a, **kw)
+
+  res = ab_decode.main(["--preset", "tiny-dense", "--prompt-len", "8", "--steps", "2", "--rounds", "2"])
+  assert res["differ"] == 0.0 and len(res["ratios"]) == 2 and all(r > 0 for r in res["ratios"])
+  assert "no patch (A-A)" in capsys.readouterr().out
+  import jax
+  from flax import nnx
+  from sparsejax.models import Transformer, get_preset
+  model = Transformer(get_preset("tiny-dense"), rngs=nnx.Rngs(0))
+  prompt = jax.numpy.ones((1, 8), jax.numpy.int32)
+  ab_decode.new_decoder(model, 1, 16, prompt)  # A: the same model's step, compiled without the patch
+  with ab_decode.patched([("sparsejax.models.transformer", "decode_attention", recording)]):
+    ab_decode.new_decoder(model, 1, 16, prompt)
+  # B traced afresh under the patch (A's compiled step was not reused), and the patch undone after
+  assert calls and transformer.decode_attention is real
+  assert ab_decode.parse_patch("a.b:c=const:False")[2](1, x=2) is False
+  assert ab_decode.parse_patch("a.b:c=64") == ("a.b", "c", 64)
+  for bad in ("a.b=1", "a.b:c=not a literal"):
+    with pytest.raises(SystemExit, match="--patch"):
+      ab_decode.parse_patch(bad)
+  with pytest.raises(SystemExit, match="has no attribute 'nope'"):
+    with ab_decode.patched([("sparsejax.models.transformer", "nope", 1)]):
+      pass
