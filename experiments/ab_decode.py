@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sparsejax.inference import Decoder, Sampling  # noqa: E402
+from sparsejax.inference import Decoder, Sampling, quantize_model  # noqa: E402
 from sparsejax.models import Transformer, get_preset  # noqa: E402
 
 _COMPILED = importlib.import_module("sparsejax.inference.generate")  # the module (the package exports generate())
@@ -88,6 +88,7 @@ def main(argv=None):
   ap.add_argument("--preset", default="medium-moe")
   ap.add_argument("--batch", type=int, default=1)
   ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--int8", action="store_true", help="both variants decode with int8 experts (quantize_model)")
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--steps", type=int, default=32, help="steps in one timed device-loop call")
   ap.add_argument("--rounds", type=int, default=12)
@@ -97,6 +98,11 @@ def main(argv=None):
   cfg = get_preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
   slots = args.prompt_len + 3 + (args.rounds + 1) * args.steps
   model = Transformer(cfg.replace(max_seq_len=max(cfg.max_seq_len, slots)), rngs=nnx.Rngs(0))
+  if args.int8:
+    try:
+      model = quantize_model(model)
+    except ValueError as e:  # a dense preset has no experts to quantize
+      raise SystemExit(f"--int8: {e}") from None
   prompt = jax.random.randint(jax.random.key(0), (args.batch, args.prompt_len), 1, cfg.vocab_size)
   dec_a, tok_a = new_decoder(model, args.batch, slots, prompt)
   with patched(patches):
@@ -115,7 +121,7 @@ def main(argv=None):
       toks[n].block_until_ready()
       times[n].append(1e3 * (time.perf_counter() - t0) / args.steps)
   ratios = [b / a for a, b in zip(times["A"], times["B"])]
-  print(f"{args.preset} batch {args.batch}, {args.rounds} rounds of {args.steps} steps on "
+  print(f"{args.preset}{' (int8 experts)' if args.int8 else ''} batch {args.batch}, {args.rounds} rounds of {args.steps} steps on "
         f"{jax.devices()[0].device_kind}; B: {', '.join(args.patch) or 'no patch (A-A)'}")
   for n in times:
     print(f"  {n}: {statistics.median(times[n]):.4f} ms a step (range {min(times[n]):.4f}-{max(times[n]):.4f})")

@@ -16,6 +16,7 @@ from sparsejax.kernels.decode_qkv import triton as qkv
 from sparsejax.kernels.decode_router import triton as router
 from sparsejax.kernels.row_moves import triton as row_moves
 from sparsejax.kernels.skinny_matmul import triton as skinny
+from sparsejax.kernels.skinny_matmul import triton_row_ffn as row_ffn
 from sparsejax.rope import inverse_frequencies
 
 bf16 = jnp.bfloat16
@@ -51,6 +52,21 @@ def test_skinny_ffn_kernels_lower(act, m, d, f):
   for gated, scaled in [(False, False), (True, True)]:
     fn, *shapes = _hidden_ffn(m, d, f, act, gated, scaled)
     _lowers(fn, *shapes)
+
+
+@pytest.mark.parametrize("act", [jax.nn.gelu, jax.nn.silu, jax.nn.relu], ids=["gelu", "silu", "relu"])
+def test_row_ffn_kernel_lowers(act):
+  """The one-kernel one-row feed-forward: bf16 with the norm folded (medium's d 1,024, f 4,096), int8 GLU with
+  scales, and a row per slot."""
+  f, g = PLAIN[act], jnp.float32
+  fn = lambda x, ns, w_in, w_out, ids: row_ffn.row_ffn_parts((x, ns), skinny.Normed(1e-6), w_in, None, w_out, None,
+                                                              None, ids, f, bf16, interpret=False)
+  _lowers(fn, ((1, 1024), bf16), ((1024,), g), ((4, 1024, 4096), bf16), ((4, 4096, 1024), bf16), ((1,), jnp.int32))
+  fn = lambda x, w_in, w_gate, w_out, s, ids: row_ffn.row_ffn_parts((x,), skinny.Plain(True), w_in, w_gate, w_out, s,
+                                                                     s, ids, f, bf16, interpret=False)
+  i8 = jnp.int8
+  _lowers(fn, ((2, 1, 512), bf16), ((4, 512, 2048), i8), ((4, 512, 2048), i8), ((4, 2048, 512), i8), ((4, 2048), g),
+          ((2,), jnp.int32))
 
 
 @pytest.mark.parametrize("m", [1, 5])

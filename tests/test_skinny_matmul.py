@@ -256,26 +256,45 @@ def _ffn_oracle(x, w_in, w_out, ids, act, w_gate=None, scales=(None, None, None)
   return _oracle(jnp.asarray(h, dtype), w_out, ids, s_out)
 
 
-# (m, d, f, E, ids): one row whose parts (no dot, one row) feed W_out's dot (f > 2048: 16 padded rows);
-# five rows (the parts already padded to 16); one row on both multiply-reduce paths; ids past [0, E)
-# (slots with no expert: zero rows).
+# (m, d, f, E, ids, form): "row" is one kernel of hidden-layer slabs (one row, d a power of two); "split" the
+# two kernels with the hidden layer in W_out's loads: one row whose parts (no dot) feed W_out's dot (f > 2048:
+# 16 padded rows); five rows (the parts already padded to 16); one row on both multiply-reduce paths. ids past
+# [0, E) are slots with no expert (zero rows); 128 slabs at f = 4,096.
 FFN_CASES = {
-    "one_row_into_a_dot": (1, 64, 4096, 3, [2, 0]),
-    "few_rows": (5, 256, 384, 4, [1, 3, 1]),
-    "one_row": (1, 256, 512, 3, [-1, 3, 1]),
+    "split_one_row_into_a_dot": (1, 192, 4096, 3, [2, 0], "split"),
+    "split_few_rows": (5, 256, 384, 4, [1, 3, 1], "split"),
+    "split_one_row": (1, 384, 512, 3, [-1, 3, 1], "split"),
+    "row": (1, 256, 512, 3, [-1, 3, 1], "row"),
+    "row_many_slabs": (1, 64, 4096, 3, [2, 0], "row"),
 }
+
+
+def _form(m, d, f, act=jax.nn.gelu, w_dtype=jnp.float32, gated=False, slots=1):
+  from sparsejax.kernels.skinny_matmul import fuses_hidden, runs_row_ffn
+  if runs_row_ffn(m, d, f, act, "triton", w_dtype, gated, slots):
+    return "row"
+  return "split" if fuses_hidden(m, d, f, act, "triton", slots) else "two_calls"
+
+
+@pytest.fixture
+def row_form_at_any_size(monkeypatch):
+  """The one-kernel form for the tests' small feed-forwards too: it asks for a wave of programs (MIN_PROGRAMS)
+  only so as not to leave SMs idle; its answer does not depend on how many programs run."""
+  from sparsejax.kernels.skinny_matmul import triton_row_ffn
+  monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(FFN_CASES))
-def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype):
-  """skinny_ffn: W_out's programs sum W_in's split-K parts and apply GELU as they load h; against float64."""
-  from sparsejax.kernels.skinny_matmul import fuses_hidden, skinny_ffn
-  m, d, f, e, ids = FFN_CASES[name]
+def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype, row_form_at_any_size):
+  """skinny_ffn as one kernel of slabs, or with W_out's programs summing W_in's split-K parts and applying GELU
+  as they load h; against float64."""
+  from sparsejax.kernels.skinny_matmul import skinny_ffn
+  m, d, f, e, ids, form = FFN_CASES[name]
   seed = seed_of("ffn", name, str(dtype))
   x, w_in, w_out = _draw(seed, (m, d), dtype), _draw(seed + 1, (e, d, f), dtype), _draw(seed + 2, (e, f, d), dtype)
   experts = jnp.asarray(ids, jnp.int32)
-  assert fuses_hidden(m, d, f, jax.nn.gelu, "triton")
+  assert _form(m, d, f, w_dtype=dtype) == form
   got = jax.jit(lambda x, a, b: skinny_ffn(x, a, b, experts=experts, impl="triton"))(x, w_in, w_out)
   assert got.dtype == jnp.float32 and got.shape == (len(ids), m, d)
   want = _ffn_oracle(x, w_in, w_out, experts, _gelu64, dtype=dtype)
@@ -283,28 +302,59 @@ def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype):
   assert not np.any(want[~present]) and np.all(np.any(want[present], axis=-1))
   np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
   two_calls = jax.jit(lambda x, a, b: skinny_ffn(x, a, b, experts=experts, impl="xla"))(x, w_in, w_out)
-  # The two forms round h alike (the activation in float32 on u rounded to dtype), so they agree far
+  # The forms round h alike (the activation in float32 on u rounded to dtype), so they agree far
   # inside bf16's tolerance; a bf16 GELU in bf16 arithmetic was off by up to 7e-3 here.
   same_rounding = TOL[jnp.float32] if dtype == jnp.float32 else dict(rtol=1e-3, atol=1e-3)
   np.testing.assert_allclose(np.asarray(got), np.asarray(two_calls), **same_rounding)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_ffn_gated_int8_and_folded_norm_in_the_kernels(dtype):
-  """SiLU-GLU with int8 experts and their scales, the norm folded into W_in's and W_gate's programs."""
-  from sparsejax.kernels.skinny_matmul import skinny_ffn
-  seed = seed_of("ffn_glu", str(dtype))
+@pytest.mark.parametrize("d,form", [(256, "row"), (2048, "split")])
+def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, dtype, row_form_at_any_size):
+  """SiLU-GLU with int8 experts and their scales, the norm folded into the kernels: the one-kernel form, and
+  the split form (where a program's three slabs of d = 2,048 rows would not fit) in W_in's and W_gate's
+  programs."""
+  from sparsejax.kernels.skinny_matmul import folds_norm, skinny_ffn
+  seed = seed_of("ffn_glu", str(dtype), str(d))
   rng = np.random.default_rng(seed)
-  x = jnp.asarray(rng.standard_normal((1, 256)) * 2.0, dtype)
-  g = jnp.asarray(1.0 + 0.3 * rng.standard_normal(256), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((1, d)) * 2.0, dtype)
+  g = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
   (qi, si), (qg, sg), (qo, so) = (quantize_weight(_draw(seed + i, shape, jnp.float32))
-                                  for i, shape in enumerate([(3, 256, 320), (3, 256, 320), (3, 320, 256)]))
+                                  for i, shape in enumerate([(3, d, 320), (3, d, 320), (3, 320, d)]))
+  assert _form(1, d, 320, jax.nn.silu, jnp.int8, gated=True) == form and folds_norm(1, d, 320, "triton")
   experts = jnp.asarray([2, 0], jnp.int32)
   got = skinny_ffn(x, qi, qo, experts=experts, w_gate=qg, activation=jax.nn.silu, w_in_scale=si, w_gate_scale=sg,
                    w_out_scale=so, norm=(g, 1e-6), impl="triton")
   xn = jnp.asarray(_rms64(x.astype(jnp.float32), g), jnp.float32).astype(dtype)
   want = _ffn_oracle(xn, qi, qo, experts, _silu64, w_gate=qg, scales=(si, sg, so), dtype=dtype)
   np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
+
+
+def test_ffn_row_kernel_per_slot_rows_dense_weights_and_gradients(row_form_at_any_size):
+  """The one-kernel form with a row per slot, with a dense weight (float32: 16-column slabs), and its
+  cotangents (the two-call form's); mixed weight dtypes take the split form."""
+  from sparsejax.kernels.skinny_matmul import skinny_ffn
+  xs = _draw(61, (3, 1, 128), jnp.float32)
+  w_in, w_out = _draw(62, (4, 128, 256), jnp.float32), _draw(63, (4, 256, 128), jnp.float32)
+  experts = jnp.asarray([3, 4, 1], jnp.int32)
+  assert _form(1, 128, 256) == "row"
+  got = skinny_ffn(xs, w_in, w_out, experts=experts, impl="triton")
+  want = np.stack([_ffn_oracle(xs[i], w_in, w_out, experts[i:i + 1], _gelu64)[0] for i in range(3)])
+  assert not np.any(want[1]) and np.all(np.any(want[[0, 2]], axis=-1))
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[jnp.float32])
+  x = _draw(64, (1, 128), jnp.float32)
+  dense = skinny_ffn(x, w_in[2], w_out[2], impl="triton")
+  np.testing.assert_allclose(np.asarray(dense), _ffn_oracle(x, w_in[2:3], w_out[2:3], jnp.zeros(1, jnp.int32),
+                                                            _gelu64)[0], **TOL[jnp.float32])
+  ct = _draw(65, (3, 1, 128), jnp.float32)
+  loss = lambda impl: lambda *a: jnp.sum(skinny_ffn(*a, experts=experts, impl=impl) * ct)
+  got = jax.jit(jax.grad(loss("triton"), argnums=(0, 1, 2)))(xs, w_in, w_out)
+  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2)))(xs, w_in, w_out)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  mixed = skinny_ffn(x, w_in.astype(jnp.bfloat16), w_out, experts=experts[:1], impl="triton")
+  want = _ffn_oracle(x, w_in.astype(jnp.bfloat16).astype(jnp.float32), w_out, experts[:1], _gelu64)
+  np.testing.assert_allclose(np.asarray(mixed), want, **TOL[jnp.float32])
 
 
 def test_ffn_dense_weights_and_the_unfused_cases():
@@ -322,6 +372,14 @@ def test_ffn_dense_weights_and_the_unfused_cases():
   np.testing.assert_allclose(np.asarray(exact), np.asarray(skinny_ffn(x, w_in, w_out, activation=gelu_exact,
                                                                       impl="xla")), rtol=1e-5, atol=1e-5)
   assert fuses_hidden(1, 1024, 4096, jax.nn.gelu, "triton")  # medium-moe at batch 1: 8 parts x 512 rows
+  # ... which runs as one kernel of 128 slabs of 32 columns (d x 64 bytes of W_in and of W_out a program);
+  # int8's slabs are 64 columns wide, so one slot makes 64 programs, too few: two slots make 128
+  assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16) == "row" and _form(1, 1024, 4096, w_dtype=jnp.int8) == "split"
+  assert _form(1, 1024, 4096, w_dtype=jnp.int8, slots=2) == "row"
+  assert _form(1, 512, 2048, w_dtype=jnp.bfloat16) == "split" and _form(1, 512, 2048, w_dtype=jnp.bfloat16, slots=2) == "row"
+  assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16, gated=True) == "split"  # three slabs: 192 KB a program
+  assert _form(1, 768, 3072, w_dtype=jnp.bfloat16) == "split"  # small's d: not a Triton block
+  assert _form(2, 1024, 4096, w_dtype=jnp.bfloat16) != "row"  # two rows
   assert not fuses_hidden(32, 1024, 4096, jax.nn.gelu, "triton")  # 32 rows of parts: too many a program
   assert not fuses_hidden(1, 1024, 4096, jax.nn.gelu, "xla")
 

@@ -26,7 +26,7 @@ from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.activations import PLAIN
 from sparsejax.kernels._reference_vjp import with_reference_vjp
-from sparsejax.kernels.skinny_matmul import triton
+from sparsejax.kernels.skinny_matmul import triton, triton_row_ffn
 from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
 from sparsejax.norm import rms_norm
 
@@ -199,6 +199,15 @@ def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto", slots: 
   return triton.hidden_fits(parts_rows, d // cfg_in.rows_per_program, m, f, d, slots)
 
 
+def runs_row_ffn(m: int, d: int, f: int, activation, impl: str = "auto", w_dtype=jnp.bfloat16,
+                 gated: bool = False, slots: int = 1) -> bool:
+  """Whether skinny_ffn runs as one kernel whose programs each take a slab of the hidden layer through
+  both products (triton_row_ffn; else the split form, fuses_hidden): one row, both products on the
+  kernel, an activation a kernel body computes, and a program's slabs small enough (triton_row_ffn.fits)."""
+  return (runs_kernel(m, d, f, impl) and runs_kernel(m, f, d, impl) and activation in PLAIN
+          and triton_row_ffn.fits(m, d, f, w_dtype, gated, slots))
+
+
 def _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl):
   _check(x, w_in, experts, w_in_scale, norm, impl)
   if w_gate is not None:
@@ -232,10 +241,12 @@ def skinny_ffn(
   """y = h @ W_out with h = act(x W_in), or act(x W_gate) * (x W_in), per slot's expert; float32.
 
   Each product is skinny_matmul's (the same experts, scales and norm), and h is rounded to x's dtype
-  as the two-call form rounds it. Where the kernels run (fuses_hidden), W_in's (and W_gate's) split-K
-  partials are left unsummed and W_out's programs sum them, scale, round and apply the activation as
-  they load their slab of h: no kernel of its own for the hidden layer. Differentiable: the
-  cotangents are the two-call form's.
+  as the two-call form rounds it. At one row where a program's slabs fit (runs_row_ffn), one kernel
+  runs it all: program j takes hidden columns F_j through both products and the caller's sum over j
+  is the product. Else where the kernels run (fuses_hidden), W_in's (and W_gate's) split-K partials
+  are left unsummed and W_out's programs sum them, scale, round and apply the activation as they
+  load their slab of h: no kernel of its own for the hidden layer. Differentiable: the cotangents
+  are the two-call form's.
   """
   _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
   dense = w_in.ndim == 2
@@ -249,27 +260,38 @@ def skinny_ffn(
   f = w_in.shape[-1]
   dt = x.dtype
   slots = 1 if dense else experts.shape[0]
-  if not fuses_hidden(m, d, f, activation, impl, slots):
+  gated = w_gate is not None
+  itemsize = {jnp.dtype(w.dtype).itemsize for w in (w_in, w_gate, w_out) if w is not None}
+  row = len(itemsize) == 1 and runs_row_ffn(m, d, f, activation, impl, w_in.dtype, gated, slots)
+  if not row and not fuses_hidden(m, d, f, activation, impl, slots):
     first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl)
     return skinny_matmul(_hidden(first(w_in, w_in_scale), None if w_gate is None else first(w_gate, w_gate_scale),
                                  activation, dt), w_out, experts=experts, scale=w_out_scale, impl=impl)
-  x, norm = _norm_unless_folded(x, norm, m, d, f, impl)
+  if not row:
+    x, norm = _norm_unless_folded(x, norm, m, d, f, impl)
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   (w_in3, s_in), (w_gate3, s_gate), (w_out3, s_out) = (
       _as3(w_in, w_in_scale), _as3(w_gate, w_gate_scale), _as3(w_out, w_out_scale))
-  cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
-  hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,
-                         up_scaled=s_in is not None, gated=w_gate is not None, gate_scaled=s_gate is not None)
 
-  def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
-    first = lambda w: triton.skinny_matmul_parts((x,) if ns is None else (x, ns), source, w, ids, m, dt, cfg_in,
-                                                 interpret=_interpret())
-    operands = (first(w_in3),) + (() if s_in is None else (s_in,))
-    if w_gate3 is not None:
-      operands += (first(w_gate3),) + (() if s_gate is None else (s_gate,))
-    parts = triton.skinny_matmul_parts(operands, hidden, w_out3, ids, m, dt, cfg_out, interpret=_interpret())
-    return parts.sum(axis=1)[:, :m]
+  if row:  # one kernel: each program takes a slab of h through both products
+    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+      parts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in3, w_gate3, w_out3, s_in,
+                                           s_gate, ids, PLAIN[activation], dt, interpret=_interpret())
+      return parts.sum(axis=1)[:, None, :]
+  else:  # two kernels: W_out's programs sum W_in's split-K parts as they load h
+    cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
+    hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,
+                           up_scaled=s_in is not None, gated=gated, gate_scaled=s_gate is not None)
+
+    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+      first = lambda w: triton.skinny_matmul_parts((x,) if ns is None else (x, ns), source, w, ids, m, dt, cfg_in,
+                                                   interpret=_interpret())
+      operands = (first(w_in3),) + (() if s_in is None else (s_in,))
+      if w_gate3 is not None:
+        operands += (first(w_gate3),) + (() if s_gate is None else (s_gate,))
+      parts = triton.skinny_matmul_parts(operands, hidden, w_out3, ids, m, dt, cfg_out, interpret=_interpret())
+      return parts.sum(axis=1)[:, :m]
 
   def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
     xs = _slots(_normed(x, ns, eps), ids)

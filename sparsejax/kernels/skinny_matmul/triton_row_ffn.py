@@ -1,0 +1,145 @@
+"""skinny_ffn at one row as ONE Pallas Triton kernel: each program owns a slab of the hidden layer.
+
+The split form (triton.py) runs a one-row feed-forward as two one-wave kernels, and at one row a kernel's
+time is mostly a fixed cost (its ramp, the latency of its first loads, its tail), not its bytes: on an
+H100 a one-wave Triton read of 8 MB takes ~5 us and of 16 MB ~8 us (experiments/probe_slab_ffn.py). Here
+program (s, j) owns hidden columns F_j of slot s's expert and takes them through both products, so no
+program waits on another and the whole expert's weights stream through one kernel:
+
+  u_j = x W_in[e][:, F_j] (* s_in)     h_j = round(act(round(u_j)))  (GLU: round(act(round(g_j)) round(u_j)))
+  parts[s, j] = h_j W_out[e][F_j, :]                        (float32 [d]; the caller sums over j)
+
+A program issues its W_out slab's loads first (they depend on nothing it computes), then W_in's (and
+W_gate's), and holds them in registers: F_j is 64 bytes of every W_in row wide, so a program reads
+d x 64 bytes of each weight. x comes as Plain (one row, or one per slot) or Normed (the row's RMSNorm
+folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
+rounding of u, g and h is the split form's (op._hidden). Reference: op.skinny_ffn's reference (the
+two-call form); off the GPU the kernel runs in Pallas' interpret mode (tests/test_skinny_matmul.py).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int, Num
+
+from sparsejax.kernels.shared_lowering import shared_lowering
+from sparsejax.kernels.skinny_matmul.triton import Normed
+
+# Bytes of a W_in row a program reads: 64 (two 32-byte sectors) measured best; 32-byte rows (c = 16 bf16
+# columns) ran 13% slower on an H100, and wider slabs leave fewer programs than SMs at medium's f.
+SLAB_ROW_BYTES = 64
+# Weight bytes a program holds in registers: 128 KB over 8 warps is 128 registers a thread (medium's
+# d 1,024 in bf16, non-gated); more spills.
+MAX_PROGRAM_BYTES = 128 * 1024
+NUM_WARPS = 8
+# Programs (slots x f / c) the form needs: a wave's worth of the H100's 132 SMs. With 64 (xs's f 2,048 in bf16,
+# medium's f 4,096 in int8, one slot) it ran 6-10% slower than the split form in bench_decode's steps.
+MIN_PROGRAMS = 128
+
+
+def slab_columns(w_dtype) -> int:
+  """c: the hidden columns a program owns, SLAB_ROW_BYTES of a W_in row."""
+  return SLAB_ROW_BYTES // jnp.dtype(w_dtype).itemsize
+
+
+def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
+  """Whether the one-kernel form takes this feed-forward: one row, d a power of two (a Triton block), f a
+  multiple of the slab, a program's (2 + gated) slabs of d x 64 bytes within MAX_PROGRAM_BYTES, and at
+  least MIN_PROGRAMS programs."""
+  c = slab_columns(w_dtype)
+  return (m == 1 and d >= 16 and d & (d - 1) == 0 and f % c == 0 and slots * (f // c) >= MIN_PROGRAMS
+          and (2 + gated) * d * SLAB_ROW_BYTES <= MAX_PROGRAM_BYTES)
+
+
+def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gated: bool, up_scaled: bool,
+            gate_scaled: bool):
+  refs = list(refs)
+  x_refs = [refs.pop(0) for _ in range(1 if not isinstance(source, Normed) else 2)]
+  w_in_ref = refs.pop(0)
+  w_gate_ref = refs.pop(0) if gated else None
+  w_out_ref = refs.pop(0)
+  s_in_ref = refs.pop(0) if up_scaled else None
+  s_gate_ref = refs.pop(0) if gate_scaled else None
+  (out_ref,) = refs
+  s, j = pl.program_id(0), pl.program_id(1)
+  e = experts_ref[s]
+  present = (e >= 0) & (e < w_in_ref.shape[0])  # a slot with no expert reads nothing and writes zeros
+  expert = jnp.clip(e, 0, w_in_ref.shape[0] - 1)
+  cols = pl.ds(pl.multiple_of(j * c, c), c)
+  f32 = lambda v: v.astype(jnp.float32)
+  rnd = lambda v: v.astype(dtype).astype(jnp.float32)
+  d = w_out_ref.shape[-1]
+
+  def part(_):
+    w2 = w_out_ref[expert, cols, :]  # [c, d]
+    w1 = w_in_ref[expert, :, cols]  # [d, c]
+    wg = w_gate_ref[expert, :, cols] if gated else None
+    if isinstance(source, Normed):
+      x = x_refs[0][0, :]
+      xs = f32((f32(x) * f32(x_refs[1][:])).astype(x.dtype))
+      r = jax.lax.rsqrt(jnp.sum(f32(x) * f32(x)) / d + source.eps)
+    else:
+      x_ref = x_refs[0]
+      xs, r = f32(x_ref[s, 0, :] if source.per_slot else x_ref[0, :]), None
+
+    def first(w, scale_ref):
+      v = jnp.sum(xs[:, None] * rnd(w), axis=0)  # weights enter as x's dtype (int8 exactly)
+      if r is not None:
+        v = v * r
+      if scale_ref is not None:
+        v = v * f32(scale_ref[expert, cols])
+      return rnd(v)
+
+    u = first(w1, s_in_ref)
+    h = activation(first(wg, s_gate_ref)) * u if gated else activation(u)
+    return jnp.sum(rnd(h)[:, None] * rnd(w2), axis=0)
+
+  # A branch, not a zero trip count (triton.py's _kernel says why).
+  out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
+
+
+@shared_lowering("source", "activation", "dtype")
+def row_ffn_parts(
+    x_operands: tuple,
+    source,
+    w_in: Num[Array, "experts d f"],
+    w_gate: Num[Array, "experts d f"] | None,
+    w_out: Num[Array, "experts f d"],
+    s_in: Float[Array, "experts f"] | None,
+    s_gate: Float[Array, "experts f"] | None,
+    experts: Int[Array, "slots"],
+    activation: Callable,
+    dtype,
+    *,
+    interpret: bool,
+) -> Float[Array, "slots programs d"]:
+  """The module docstring's parts, float32 and unscaled by W_out's scale: FFN_s(x) = sum_j parts[s, j].
+
+  x_operands are what `source` reads: (x,) for triton.Plain (x [1, d], or [slots, 1, d] per slot), (x, g)
+  for Normed. activation is a kernel-body function (sparsejax.activations.PLAIN); dtype is x's (the
+  rounding of u, g and h)."""
+  d, f = w_in.shape[-2:]
+  slots = experts.shape[0]
+  c = slab_columns(w_in.dtype)
+  gated, up_scaled, gate_scaled = w_gate is not None, s_in is not None, s_gate is not None
+  kernel = functools.partial(_kernel, source=source, activation=activation, dtype=jnp.dtype(dtype), c=c,
+                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled)
+  operands = tuple(x_operands) + tuple(w for w in (w_in, w_gate, w_out, s_in, s_gate) if w is not None)
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+  return pl.pallas_call(
+      kernel,
+      grid=(slots, f // c),
+      in_specs=[pl.no_block_spec] * (1 + len(operands)),
+      out_specs=pl.no_block_spec,
+      out_shape=jax.ShapeDtypeStruct((slots, f // c, d), jnp.float32),
+      interpret=interpret,
+      compiler_params=params,
+      name="sparsejax_row_ffn",
+  )(experts.astype(jnp.int32), *operands)
