@@ -6,14 +6,17 @@ twenty-sixth session). That is more than the 1-3% a kernel change is worth, so a
 per tree could not resolve one. Here both variants share a process, the model's weights and the GPU's state. B's
 Decoder is traced while --patch replaces module attributes (a constant, a dispatch flag, or with `const:` a
 function that returns a constant, such as a runs_kernel). Its jitted functions are its own: the decoders' cache of
-compiled steps is cleared between them. Rounds alternate the order (A B, B A, ...). Each time is one device-loop
-call of --steps steps. The report gives each variant's median ms a step, and B / A's median over the rounds with
-its range. Both decode the same greedy tokens from the same prompt, and the fraction that differ is printed (a
-kernel may flip a near-tie).
+compiled steps is cleared between them. A patch must act where the step is traced (a dispatch choice, a config
+read by the caller): a kernel under shared_lowering is a nested jit that A and B share wherever their static
+arguments and shapes agree, so a value read only inside its trace keeps A's. Rounds alternate the order (A B,
+B A, ...). Each time is one device-loop call of --steps steps. The report gives each variant's median ms a step,
+and B / A's median over the rounds with its range. Both decode the same greedy tokens from the same prompt, and
+the fraction that differ is printed (a kernel may flip a near-tie). --int8 decodes both with int8 experts.
 
 Measured on an H100 (results/decode_ab_in_process_H100.log, medium-moe at batch 1, 16 rounds): an A-A run read
 B / A 1.002 (A 0.8265, B 0.8285 ms a step); with decode_qkv's kernel off (XLA's three kernels of glue) 1.010,
-its rounds 0.997-1.052.
+its rounds 0.997-1.052. The one-kernel row FFN against the split form (runs_row_ffn patched to False):
+1.025 and 1.017 on medium-moe (results/decode_row_ffn_ab_in_process_H100.log).
 
   python experiments/ab_decode.py --preset medium-moe --patch sparsejax.models.transformer:qkv_runs_kernel=const:False
   python experiments/ab_decode.py --preset medium-moe           # no patch: an A-A run, the method's own resolution
@@ -121,7 +124,8 @@ def main(argv=None):
       toks[n].block_until_ready()
       times[n].append(1e3 * (time.perf_counter() - t0) / args.steps)
   ratios = [b / a for a, b in zip(times["A"], times["B"])]
-  print(f"{args.preset}{' (int8 experts)' if args.int8 else ''} batch {args.batch}, {args.rounds} rounds of {args.steps} steps on "
+  name = args.preset + (" (int8 experts)" if args.int8 else "")
+  print(f"{name} batch {args.batch}, {args.rounds} rounds of {args.steps} steps on "
         f"{jax.devices()[0].device_kind}; B: {', '.join(args.patch) or 'no patch (A-A)'}")
   for n in times:
     print(f"  {n}: {statistics.median(times[n]):.4f} ms a step (range {min(times[n]):.4f}-{max(times[n]):.4f})")

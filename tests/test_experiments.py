@@ -515,6 +515,17 @@ def test_one_grid_probes_put_a_cta_barrier_before_each_counting_atomic(case, tmp
   assert counting >= 1
 
 
+def test_probe_bench_check_times_decoders_compiled_before_and_after_the_check(capsys):
+  """probe_bench_check: A is timed before and after bench_decode's check, B (and with --copy C) after it; each
+  label has its rounds' times and the report prints the check's error."""
+  import probe_bench_check
+  times = probe_bench_check.main(["--preset", "tiny-moe", "--prompt-len", "8", "--steps", "2", "--rounds", "2",
+                                  "--copy"])
+  assert sorted(times) == ["A after the check", "A before the check", "B after the check", "C after the check"]
+  assert all(len(v) == 2 and all(t > 0 for t in v) for v in times.values())
+  assert "check rel err" in capsys.readouterr().out
+
+
 def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
   """ab_decode: B's Decoder is traced while its patch is in place and A's is not (each has jitted steps of its
   own); the run prints both variants and their ratio; a malformed patch fails with one line."""

@@ -37,7 +37,10 @@ SLAB_ROW_BYTES = 64
 MAX_PROGRAM_BYTES = 128 * 1024
 NUM_WARPS = 8
 # Programs (slots x f / c) the form needs: a wave's worth of the H100's 132 SMs. With 64 (xs's f 2,048 in bf16,
-# medium's f 4,096 in int8, one slot) it ran 6-10% slower than the split form in bench_decode's steps.
+# medium's f 4,096 in int8, one slot) it ran 6-10% slower than the split form in bench_decode's steps. So int8
+# experts keep the split form at one row: in one-process A-Bs of the medium-moe step the int8 row form ran 1.076x
+# the split form's time with 64 programs and 1.020x with 32-byte rows and 128 programs
+# (experiments/results/decode_row_ffn_int8_ab_H100.log).
 MIN_PROGRAMS = 128
 
 
