@@ -307,7 +307,7 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
     gate = None if w_gate3 is None else skinny_matmul_reference(xs, w_gate3, ids, s_gate)
     y = skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
                                 w_out3, ids)
-    return _residual_epilogue_reference(y, *epi[:2], epi[2], ids, dt) if epi else y
+    return _residual_epilogue_reference(y, *epi, ids, dt) if epi else y
 
   epi = () if epilogue is None else (*epilogue, s_out)
   y = with_reference_vjp(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
