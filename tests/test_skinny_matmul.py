@@ -467,7 +467,7 @@ def _residual_oracle(y64, combine, residual, dtype):
 # (d, f, E, ids, w dtype, gated, fused): the row form's epilogue kernel where its parts are a power of two
 # (f / slab columns: 16 bf16, 32 float32, 8 int8 slabs), XLA's epilogue where not (f = 384 in bf16: 12 slabs).
 RESIDUAL_CASES = {
-    "moe_empty_and_repeated_slots": (256, 512, 3, [-1, 2, 2], None, False, True),
+    "moe_empty_padded_and_repeated_slots": (256, 512, 3, [-1, 2, 2, 3], None, False, True),
     "one_expert": (128, 512, 1, [0], None, False, True),
     "glu_int8_scales": (256, 512, 3, [2, 0], jnp.int8, True, True),
     "slabs_not_a_power_of_two": (128, 384, 3, [1, 0], None, False, False),
@@ -478,13 +478,15 @@ RESIDUAL_CASES = {
 @pytest.mark.parametrize("name", list(RESIDUAL_CASES))
 def test_ffn_residual_equals_the_oracle(name, dtype, row_form_at_any_size):
   """skinny_ffn_residual: the row kernel's parts summed, combined over the slots and added to the residual by
-  one more kernel (or by XLA where it does not fuse), against float64; the same answer as the XLA backend."""
+  one more kernel (or by XLA where it does not fuse), against float64; the same answer as the XLA backend. A slot
+  with no expert (id -1 or E) adds nothing even with a NaN weight (decode_moe_mlp passes the router's as given)."""
   from sparsejax.kernels.skinny_matmul import fuses_residual, skinny_ffn_residual
   d, f, e, ids, w_dtype, gated, fused = RESIDUAL_CASES[name]
   seed = seed_of("ffn_residual", name, str(dtype))
   rng = np.random.default_rng(seed)
   x, residual = _draw(seed, (1, d), dtype), jnp.asarray(rng.standard_normal((1, d)), dtype)
-  combine = jnp.asarray(rng.uniform(0.1, 1.0, (1, len(ids))), jnp.float32)
+  valid = (np.asarray(ids) >= 0) & (np.asarray(ids) < e)
+  combine = jnp.asarray(np.where(valid, rng.uniform(0.1, 1.0, (1, len(ids))), np.nan), jnp.float32)
   experts = jnp.asarray(ids, jnp.int32)
   ws = [_draw(seed + i, shape, jnp.float32) for i, shape in enumerate([(e, d, f), (e, d, f), (e, f, d)], 1)]
   act = jax.nn.silu if gated else jax.nn.gelu
@@ -502,7 +504,8 @@ def test_ffn_residual_equals_the_oracle(name, dtype, row_form_at_any_size):
   assert got.dtype == residual.dtype and got.shape == (1, d)
   y = _ffn_oracle(x, w_in, w_out, experts, _silu64 if gated else _gelu64, w_gate=kw["w_gate"], scales=scales,
                   dtype=dtype)
-  np.testing.assert_allclose(np.asarray(got, np.float64), _residual_oracle(y, combine, residual, dtype), **TOL[dtype])
+  want = _residual_oracle(y, np.where(valid, combine, 0.0), residual, dtype)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, **TOL[dtype])
   np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(call("xla")(x, residual, combine), np.float64),
                              **TOL[dtype])
 

@@ -143,7 +143,9 @@ def decode_moe_mlp(
   zero = jnp.zeros((), jnp.int32)
   stats = MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
   if residual is not None and num_tokens == 1:  # the decode step at batch 1: one kernel may sum, combine, add
-    return skinny_ffn_residual(x, w_in, w_out, residual, combine=combine, **ffn), stats
+    # Slot j is the token's j-th choice, so combine is the router's weights with NO_EXPERT's zeroed, which
+    # skinny_ffn_residual does itself: passed as they come, no XLA kernel runs between the router's and the FFN's.
+    return skinny_ffn_residual(x, w_in, w_out, residual, combine=combine_weights.reshape(1, k), **ffn), stats
   out = skinny_ffn(x, w_in, w_out, **ffn).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   return (y if residual is None else residual + y.astype(residual.dtype)), stats

@@ -286,7 +286,7 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
       parts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in3, w_gate3, w_out3, s_in,
                                            s_gate, ids, PLAIN[activation], dt, interpret=_interpret())
       if epi:  # (combine, residual, s_out): the sum, the combine and the residual add as one more kernel
-        return triton_row_ffn.residual_epilogue(parts, *epi, ids, dt, interpret=_interpret())
+        return triton_row_ffn.residual_epilogue(parts, *epi, ids, dt, w_out3.shape[0], interpret=_interpret())
       return parts.sum(axis=1)[:, None, :]
   else:  # two kernels: W_out's programs sum W_in's split-K parts as they load h
     cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
@@ -307,7 +307,7 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
     gate = None if w_gate3 is None else skinny_matmul_reference(xs, w_gate3, ids, s_gate)
     y = skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
                                 w_out3, ids)
-    return _residual_epilogue_reference(y, *epi, ids, dt) if epi else y
+    return _residual_epilogue_reference(y, *epi, ids, dt, w_out3.shape[0]) if epi else y
 
   epi = () if epilogue is None else (*epilogue, s_out)
   y = with_reference_vjp(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
@@ -319,13 +319,17 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
   return y[0] if dense else y
 
 
-def _residual_epilogue_reference(y, combine, residual, s_out, ids, dtype):
-  """residual + round(sum_s combine[:, s] round(y[s] (* s_out[ids[s]]))), in residual's dtype; y [slots, m, d]
-  float32, round to dtype. The decode step's MoE combine (decode_moe_mlp's) and the block's residual add."""
+def _residual_epilogue_reference(y, combine, residual, s_out, ids, dtype, num_experts):
+  """residual + round(sum_s [0 <= ids[s] < num_experts] combine[:, s] round(y[s] (* s_out[ids[s]]))), in
+  residual's dtype; y [slots, m, d] float32, round to dtype; ids None: every slot counts. The decode step's MoE
+  combine (decode_moe_mlp's) and the block's residual add."""
   if s_out is not None:
     y = y * jnp.take(s_out, ids, axis=0, mode="clip").astype(jnp.float32)[:, None, :]
   out = y.astype(dtype).astype(jnp.float32)
-  z = jnp.einsum("ms,smd->md", combine.astype(jnp.float32), out, precision=jax.lax.Precision.HIGHEST)
+  combine = combine.astype(jnp.float32)
+  if ids is not None:
+    combine = jnp.where((ids >= 0) & (ids < num_experts), combine, 0.0)
+  z = jnp.einsum("ms,smd->md", combine, out, precision=jax.lax.Precision.HIGHEST)
   return (residual.astype(jnp.float32) + z.astype(dtype).astype(jnp.float32)).astype(residual.dtype)
 
 
@@ -355,7 +359,8 @@ def skinny_ffn_residual(
 ) -> Float[Array, "m d"]:
   """residual + round(sum_s combine[:, s] round(FFN_s(x))), in residual's dtype, with FFN_s = skinny_ffn's and
   round to x's dtype: a decode step's feed-forward, its MoE combine over the slots (dense weights: combine None,
-  one slot of weight 1) and the block's residual add.
+  one slot of weight 1) and the block's residual add. A slot whose expert is not in [0, experts) (none: FFN_s
+  is zero) adds nothing whatever its combine weight, so a router's weights can be passed as they come.
 
   Where fuses_residual holds (one row, the one-kernel row form), the row kernel's parts are summed, combined
   and added to the residual by one more kernel (triton_row_ffn.residual_epilogue) instead of XLA's reduction
@@ -383,7 +388,8 @@ def skinny_ffn_residual(
     return _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm,
                        impl, epilogue=(combine, residual))
   y = _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
-  return _residual_epilogue_reference(y[None] if dense else y, combine, residual, None, None, x.dtype)
+  return _residual_epilogue_reference(y[None] if dense else y, combine, residual, None, None if dense else experts,
+                                      x.dtype, w_in.shape[0])
 
 
 def split_k_parts(
