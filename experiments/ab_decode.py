@@ -36,6 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsejax.inference import Decoder, Sampling, quantize_model  # noqa: E402
 from sparsejax.models import Transformer, get_preset  # noqa: E402
@@ -96,10 +97,12 @@ def main(argv=None):
   ap.add_argument("--steps", type=int, default=32, help="steps in one timed device-loop call")
   ap.add_argument("--rounds", type=int, default=12)
   ap.add_argument("--patch", action="append", default=[], help="pkg.module:attr=value for B (repeatable)")
+  ap.add_argument("--trace", action="store_true", help="after the rounds, trace one call of each: kernel time per "
+                  "step by kind and a run of a step's kernels (one by one with XLA_FLAGS=--xla_gpu_enable_command_buffer=)")
   args = ap.parse_args(argv)
   patches = [parse_patch(p) for p in args.patch]
   cfg = get_preset(args.preset, dtype=args.dtype, param_dtype=args.dtype)
-  slots = args.prompt_len + 3 + (args.rounds + 1) * args.steps
+  slots = args.prompt_len + 3 + (args.rounds + 1 + args.trace) * args.steps  # and one traced call
   model = Transformer(cfg.replace(max_seq_len=max(cfg.max_seq_len, slots)), rngs=nnx.Rngs(0))
   if args.int8:
     try:
@@ -131,7 +134,13 @@ def main(argv=None):
     print(f"  {n}: {statistics.median(times[n]):.4f} ms a step (range {min(times[n]):.4f}-{max(times[n]):.4f})")
   print(f"  B / A: median {statistics.median(ratios):.4f} (range {min(ratios):.4f}-{max(ratios):.4f}); "
         f"greedy tokens that differ in the first call: {differ:.3f}")
-  return dict(times=times, ratios=ratios, differ=differ)
+  kernels = {}
+  if args.trace:
+    from bench_decode import kernel_lines, trace_loop
+    for n in decs:
+      kernels[n], toks[n] = trace_loop(decs[n], toks[n], args.steps)
+      print(f"  {n}'s traced call:", *kernel_lines(kernels[n]), sep="\n")
+  return dict(times=times, ratios=ratios, differ=differ, kernels=kernels)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,16 @@ def trace_loop(dec, tok, steps: int) -> tuple[dict, jax.Array]:
   return table, tok
 
 
+def kernel_lines(k: dict) -> list[str]:
+  """trace_loop's table as text: kernel time per step by kind, then the run of the last step's kernels."""
+  lines = [f"  kernels: union busy {k['busy_union_ms']:.3f} ms / step; " + "; ".join(
+      f"{name} {ms:.3f} ms x{n:.0f}" for name, ms, n in k["kernels"])]
+  if k.get("run"):
+    lines.append("  a run of the last step's kernels (idle us before, us): " + "; ".join(
+        f"{name} {gap:.1f} {us:.1f}" for name, gap, us in k["run"]))
+  return lines
+
+
 def decode_slots(prompt_len: int, warmup: int, steps: int, reps: int) -> int:
   """Cache slots time_decode fills: prefill, the host-driven steps (first, warm-up, reps x steps,
   steps synced, steps compared with the loop and rewound), then the device loop (one warm-up call,
@@ -244,12 +254,7 @@ def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> lis
       if row.get("loop_tokens_differ"):
         log(f"  device loop vs host steps from one cache: {row['loop_tokens_differ']:.1%} of greedy tokens differ")
       if row.get("kernels"):
-        k = row["kernels"]
-        log(f"  kernels: union busy {k['busy_union_ms']:.3f} ms / step; " + "; ".join(
-            f"{name} {ms:.3f} ms x{n:.0f}" for name, ms, n in k["kernels"]))
-        if k.get("run"):
-          log("  a run of the last step's kernels (idle us before, us): " + "; ".join(
-              f"{name} {gap:.1f} {us:.1f}" for name, gap, us in k["run"]))
+        log(*kernel_lines(row["kernels"]), sep="\n")
       rows.append(row)
     del m
     gc.collect()

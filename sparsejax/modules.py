@@ -91,16 +91,19 @@ class MoE(nnx.Module):
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), names_out)
 
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
-               dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None):
+               dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None):
     """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts.
     norm (an RMSNorm): the layer's input is norm(x); a top-k decode step folds it into the router's
-    and the experts' first kernels (their `norm` argument) instead of running it on its own."""
+    and the experts' first kernels (their `norm` argument) instead of running it on its own.
+    residual (x's shape): the output is residual + y in residual's dtype (the block's add, which a decode
+    step at one token may run inside the experts' last kernel, decode_moe_mlp)."""
     c = self.config
     lead = x.shape[:-1]
     jitter_rng = gate_rng = None
     if rng is not None:
       jitter_rng, gate_rng = jax.random.split(rng)
     x_in = x.reshape(-1, x.shape[-1])
+    res = None if residual is None else residual.reshape(x_in.shape)  # added below unless a layer adds it
     # Folded only where the expert products fold it too: if XLA normalizes x for them anyway, the
     # router taking the norm again would only add work.
     fold = (norm is not None and decode and c.router == "top_k" and jitter_rng is None
@@ -143,7 +146,8 @@ class MoE(nnx.Module):
                                   parallel=self.parallel or parallel.ExpertParallelConfig())
       if decode:  # generation: the small-batch path of sparsejax.inference (reads int8 as stored)
         from sparsejax.inference import decode_moe
-        layer = functools.partial(decode_moe.moe_decode_layer, self, norm=folded)
+        layer = functools.partial(decode_moe.moe_decode_layer, self, norm=folded, residual=res)
+        res = None
       # The combine weights stay float32: the combine is float32, and bf16 would round them.
       y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,
                        w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
@@ -158,6 +162,8 @@ class MoE(nnx.Module):
         router_z_loss=z,
         aux_loss=c.load_balancing_weight * lb + c.z_loss_weight * z,
     )
+    if res is not None:
+      y = res + y.astype(res.dtype)
     return y.reshape(*lead, c.d_model), layer_stats
 
 
@@ -175,9 +181,11 @@ class MLP(nnx.Module):
 
   @jax.named_scope("dense_mlp")
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None, decode: bool = False,
-               norm=None, **unused):
+               norm=None, residual=None, **unused):
     """decode=True (generation) runs the products of a few rows through skinny_matmul. norm (an
-    RMSNorm): the input is norm(x), folded into the first products' kernels in a decode step."""
+    RMSNorm): the input is norm(x), folded into the first products' kernels in a decode step.
+    residual (x's shape): the output is residual + y in residual's dtype, in a decode step through
+    skinny_ffn_residual (one kernel with the sum of the row form's parts where it fuses)."""
     del rng, unused
     c = self.config
     # HIGHEST for float32 (a GPU's default float32 dot is TF32); bf16 keeps the default.
@@ -191,7 +199,12 @@ class MLP(nnx.Module):
     if norm is not None:
       x = norm(x)
     x = x.astype(c.dtype)
-    if skinny:  # one call: the hidden layer may run inside W_out's kernel
+    if skinny and residual is not None:  # the block's add too, after the products' kernels
+      y = skinny_matmul.skinny_ffn_residual(x.reshape(-1, c.d_model), self.w_in[...], self.w_out[...],
+                                            residual.reshape(-1, c.d_model), w_gate=gate,
+                                            activation=c.activation_fn, norm=folded).reshape(residual.shape)
+      residual = None
+    elif skinny:  # one call: the hidden layer may run inside W_out's kernel
       y = skinny_matmul.skinny_ffn(x, self.w_in[...], self.w_out[...], w_gate=gate, activation=c.activation_fn,
                                    norm=folded).astype(c.dtype)
     else:
@@ -202,4 +215,6 @@ class MLP(nnx.Module):
     zero = jnp.zeros((), jnp.float32)
     n = jnp.asarray(x.size // c.d_model, jnp.int32)
     stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)
+    if residual is not None:
+      y = residual + y.astype(residual.dtype)
     return y, stats

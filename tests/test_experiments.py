@@ -528,7 +528,8 @@ def test_probe_bench_check_times_decoders_compiled_before_and_after_the_check(ca
 
 def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
   """ab_decode: B's Decoder is traced while its patch is in place and A's is not (each has jitted steps of its
-  own); the run prints both variants and their ratio; a malformed patch fails with one line."""
+  own); the run prints both variants, their ratio and (--trace) each one's kernel table; a malformed patch fails
+  with one line."""
   import ab_decode
   from sparsejax.models import transformer
   real, calls = transformer.decode_attention, []
@@ -537,9 +538,10 @@ def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
     calls.append(1)
     return real(*a, **kw)
 
-  res = ab_decode.main(["--preset", "tiny-dense", "--prompt-len", "8", "--steps", "2", "--rounds", "2"])
+  res = ab_decode.main(["--preset", "tiny-dense", "--prompt-len", "8", "--steps", "2", "--rounds", "2", "--trace"])
   assert res["differ"] == 0.0 and len(res["ratios"]) == 2 and all(r > 0 for r in res["ratios"])
-  assert "no patch (A-A)" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "no patch (A-A)" in out and "B's traced call" in out and set(res["kernels"]) == {"A", "B"}
   import jax
   from flax import nnx
   from sparsejax.models import Transformer, get_preset

@@ -69,6 +69,16 @@ def test_row_ffn_kernel_lowers(act):
           ((2,), jnp.int32))
 
 
+def test_row_ffn_residual_epilogue_lowers():
+  """The row form's parts summed, combined and added to the residual: medium's 128 parts of one slot, and two
+  slots with int8's output scales and a float32 residual."""
+  g = jnp.float32
+  fn = lambda p, c, r, ids: row_ffn.residual_epilogue(p, c, r, None, ids, bf16, 8, interpret=False)
+  _lowers(fn, ((1, 128, 1024), g), ((1, 1), g), ((1, 1024), bf16), ((1,), jnp.int32))
+  fn = lambda p, c, r, s, ids: row_ffn.residual_epilogue(p, c, r, s, ids, bf16, 8, interpret=False)
+  _lowers(fn, ((2, 64, 512), g), ((1, 2), g), ((1, 512), g), ((8, 512), g), ((2,), jnp.int32))
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_skinny_matmul_plain_rows_lower(m):
   cfg = skinny.default_config(m, 1024, 1024)

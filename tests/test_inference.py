@@ -170,6 +170,32 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(monkeypatch, variant):
+  """One prompt, every decode kernel forced and the feed-forward's one-kernel row form taken at these small
+  sizes: each layer's step runs the row kernel, then one kernel that sums its parts, combines the slots and adds
+  the residual (skinny_ffn_residual). It decodes the full forward's greedy tokens and logits."""
+  from sparsejax.kernels.skinny_matmul import triton_row_ffn
+  force_decode_kernels(monkeypatch)
+  monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
+  real, epilogues = triton_row_ffn.residual_epilogue, []
+
+  def recording(parts, *args, **kwargs):
+    epilogues.append(parts.shape)
+    return real(parts, *args, **kwargs)
+
+  monkeypatch.setattr(triton_row_ffn, "residual_epilogue", recording)
+  # d_ff 128 (8 float32 slabs): a config of its own, so no other test's compiled step is reused here
+  model = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1, d_ff=128), rngs=nnx.Rngs(3))
+  prompt = PROMPTS[:1]
+  got = np.asarray(generate(model, prompt, 5, temperature=0.0))
+  slots = 1 if variant == "dense" else BASE.top_k
+  assert epilogues and set(epilogues) == {(slots, 8, BASE.d_model)} and len(epilogues) % BASE.num_layers == 0
+  full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
+  assert_greedy_matches_full_forward(got, model, prompt, 5, full)
+  assert decode_logits_error(model, model, prompt, 5, full) < 1e-5
+
+
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

@@ -455,3 +455,97 @@ def test_split_k_parts_sum_to_the_product(m, k):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="dense w"):
     split_k_parts(x, w[None], impl="triton")
+
+
+def _residual_oracle(y64, combine, residual, dtype):
+  """float64 residual + round(sum_s combine[:, s] round(y[s])), round to dtype, the sum to residual's dtype."""
+  rnd = lambda v, dt: np.asarray(jnp.asarray(v, dt), np.float64)
+  z = np.einsum("ms,smd->md", np.asarray(combine, np.float64), rnd(y64, dtype))
+  return rnd(np.asarray(residual, np.float64) + rnd(z, dtype), residual.dtype)
+
+
+# (d, f, E, ids, w dtype, gated, fused): the row form's epilogue kernel where its parts are a power of two
+# (f / slab columns: 16 bf16, 32 float32, 8 int8 slabs), XLA's epilogue where not (f = 384 in bf16: 12 slabs).
+RESIDUAL_CASES = {
+    "moe_empty_padded_and_repeated_slots": (256, 512, 3, [-1, 2, 2, 3], None, False, True),
+    "one_expert": (128, 512, 1, [0], None, False, True),
+    "glu_int8_scales": (256, 512, 3, [2, 0], jnp.int8, True, True),
+    "slabs_not_a_power_of_two": (128, 384, 3, [1, 0], None, False, False),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(RESIDUAL_CASES))
+def test_ffn_residual_equals_the_oracle(name, dtype, row_form_at_any_size):
+  """skinny_ffn_residual: the row kernel's parts summed, combined over the slots and added to the residual by
+  one more kernel (or by XLA where it does not fuse), against float64; the same answer as the XLA backend. A slot
+  with no expert (id -1 or E) adds nothing even with a NaN weight (decode_moe_mlp passes the router's as given)."""
+  from sparsejax.kernels.skinny_matmul import fuses_residual, skinny_ffn_residual
+  d, f, e, ids, w_dtype, gated, fused = RESIDUAL_CASES[name]
+  seed = seed_of("ffn_residual", name, str(dtype))
+  rng = np.random.default_rng(seed)
+  x, residual = _draw(seed, (1, d), dtype), jnp.asarray(rng.standard_normal((1, d)), dtype)
+  valid = (np.asarray(ids) >= 0) & (np.asarray(ids) < e)
+  combine = jnp.asarray(np.where(valid, rng.uniform(0.1, 1.0, (1, len(ids))), np.nan), jnp.float32)
+  experts = jnp.asarray(ids, jnp.int32)
+  ws = [_draw(seed + i, shape, jnp.float32) for i, shape in enumerate([(e, d, f), (e, d, f), (e, f, d)], 1)]
+  act = jax.nn.silu if gated else jax.nn.gelu
+  if w_dtype == jnp.int8:
+    (qi, si), (qg, sg), (qo, so) = (quantize_weight(w) for w in ws)
+    kw = dict(w_gate=qg, w_in_scale=si, w_gate_scale=sg, w_out_scale=so)
+    w_in, w_out, scales = qi, qo, (si, sg, so)
+  else:
+    w_in, w_out = (w.astype(dtype) for w in (ws[0], ws[2]))
+    kw, scales = dict(w_gate=ws[1].astype(dtype) if gated else None), (None, None, None)
+  assert fuses_residual(1, d, f, act, "triton", w_in.dtype, gated, len(ids)) == fused
+  call = lambda impl: jax.jit(lambda x, r, c: skinny_ffn_residual(x, w_in, w_out, r, combine=c, experts=experts,
+                                                                   activation=act, impl=impl, **kw))
+  got = call("triton")(x, residual, combine)
+  assert got.dtype == residual.dtype and got.shape == (1, d)
+  y = _ffn_oracle(x, w_in, w_out, experts, _silu64 if gated else _gelu64, w_gate=kw["w_gate"], scales=scales,
+                  dtype=dtype)
+  want = _residual_oracle(y, np.where(valid, combine, 0.0), residual, dtype)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, **TOL[dtype])
+  np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(call("xla")(x, residual, combine), np.float64),
+                             **TOL[dtype])
+
+
+def test_ffn_residual_dense_weights_a_float32_residual_and_gradients(row_form_at_any_size):
+  """Dense weights (combine None: one slot of weight 1), a float32 residual stream under bf16 products (the sum
+  stays float32), and the cotangents of every input (the reference's) through the epilogue kernel."""
+  from sparsejax.kernels.skinny_matmul import fuses_residual, skinny_ffn_residual
+  x = _draw(71, (1, 128), jnp.bfloat16)
+  w_in, w_out = _draw(72, (128, 512), jnp.bfloat16), _draw(73, (512, 128), jnp.bfloat16)
+  residual = _draw(74, (1, 128), jnp.float32)
+  assert fuses_residual(1, 128, 512, jax.nn.gelu, "triton", jnp.bfloat16)
+  got = skinny_ffn_residual(x, w_in, w_out, residual, impl="triton")
+  y = _ffn_oracle(x, w_in[None], w_out[None], jnp.zeros(1, jnp.int32), _gelu64, dtype=jnp.bfloat16)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), _residual_oracle(y, jnp.ones((1, 1)), residual, jnp.bfloat16),
+                             **TOL[jnp.bfloat16])
+  xs = _draw(75, (1, 128), jnp.float32)
+  w3_in, w3_out = _draw(76, (3, 128, 256), jnp.float32), _draw(77, (3, 256, 128), jnp.float32)
+  experts, combine = jnp.asarray([2, 0], jnp.int32), jnp.asarray([[0.7, 0.3]], jnp.float32)
+  assert fuses_residual(1, 128, 256, jax.nn.gelu, "triton", jnp.float32, slots=2)
+  ct = _draw(78, (1, 128), jnp.float32)
+  loss = lambda impl: lambda x, a, b, c, r: jnp.sum(
+      skinny_ffn_residual(x, a, b, r, combine=c, experts=experts, impl=impl) * ct)
+  args = (xs, w3_in, w3_out, combine, _draw(79, (1, 128), jnp.float32))
+  got = jax.jit(jax.grad(loss("triton"), argnums=range(5)))(*args)
+  want = jax.jit(jax.grad(loss("xla"), argnums=range(5)))(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_ffn_residual_bad_inputs_fail_with_clear_errors():
+  from sparsejax.kernels.skinny_matmul import skinny_ffn_residual
+  x, w_in, w_out = jnp.ones((1, 64)), jnp.ones((3, 64, 32)), jnp.ones((3, 32, 64))
+  ids, r = jnp.asarray([0, 2], jnp.int32), jnp.ones((1, 64))
+  with pytest.raises(ValueError, match="combine .* is needed with expert weights"):
+    skinny_ffn_residual(x, w_in, w_out, r, experts=ids)
+  with pytest.raises(ValueError, match=r"combine must be \[m=1, slots=2\]"):
+    skinny_ffn_residual(x, w_in, w_out, r, combine=jnp.ones((1, 3)), experts=ids)
+  with pytest.raises(ValueError, match=r"residual must be x's shape \[m=1, d=64\]"):
+    skinny_ffn_residual(x, w_in, w_out, jnp.ones((2, 64)), combine=jnp.ones((1, 2)), experts=ids)
+  with pytest.raises(ValueError, match=r"takes x \[m, d\]"):
+    skinny_ffn_residual(jnp.ones((2, 1, 64)), w_in, w_out, r, combine=jnp.ones((1, 2)), experts=ids)

@@ -17,7 +17,7 @@ from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
-from sparsejax.kernels.skinny_matmul import skinny_ffn
+from sparsejax.kernels.skinny_matmul import skinny_ffn, skinny_ffn_residual
 from sparsejax.moe import MoEStats, moe_mlp
 from sparsejax.norm import rms_norm
 
@@ -85,9 +85,12 @@ def decode_moe_mlp(
     w_out_scale: Float[Array, "experts d_model"] | None = None,
     w_gate_scale: Float[Array, "experts d_ff"] | None = None,
     norm: tuple[Float[Array, "d_model"], float] | None = None,
+    residual: Float[Array, "tokens d_model"] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
   """y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]), reading only the distinct chosen experts.
   norm = (g, eps): of x's rms_norm(x, g, eps) (sparsejax.norm), taken inside the first products.
+  residual: the result is residual + y (y rounded to x's dtype, the sum to residual's), the block's add; at one
+  token skinny_ffn_residual may do the combine and the add in one kernel after the experts' (fuses_residual).
 
   With n = min(T k, E) (static): u = the distinct ids of e, padded to n with E (no expert: Y[s] = 0); W_s = W[u_s];
   Y[s, t] = FFN_{W_s}(x[t]) for every slot s and token t; y[t] = sum_s C[t, s] Y[s, t] with
@@ -102,6 +105,10 @@ def decode_moe_mlp(
     scales = {"w_in": w_in_scale, "w_out": w_out_scale, "w_gate": w_gate_scale}
   _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales)
   scales = scales or {}
+  if residual is not None:
+    _checks.check_floating("residual", residual)
+    if residual.shape != x.shape:
+      raise ValueError(f"residual must be x's shape {x.shape}; got {residual.shape}.")
   num_tokens, k = expert_ids.shape
   num_experts = w_in.shape[0]
   n = min(num_tokens * k, num_experts)
@@ -130,13 +137,18 @@ def decode_moe_mlp(
   # slot zero rows without reading a weight, and its combine weight is zero.
   # skinny_ffn reads each chosen expert's weights once (on a GPU, split-K Pallas kernels; XLA's own
   # one-row dot writes the broadcast product out before reducing it) and never gathers a copy of them.
-  out = skinny_ffn(x, w_in, w_out, experts=uniq, w_gate=w_gate, activation=activation,
-                   w_in_scale=scales.get("w_in"), w_gate_scale=scales.get("w_gate"),
-                   w_out_scale=scales.get("w_out"), norm=norm).astype(dt)  # rounded like moe_mlp's expert rows
-  y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
+  ffn = dict(experts=uniq, w_gate=w_gate, activation=activation, w_in_scale=scales.get("w_in"),
+             w_gate_scale=scales.get("w_gate"), w_out_scale=scales.get("w_out"), norm=norm)
   counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
   zero = jnp.zeros((), jnp.int32)
-  return y, MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
+  stats = MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
+  if residual is not None and num_tokens == 1:  # the decode step at batch 1: one kernel may sum, combine, add
+    # Slot j is the token's j-th choice, so combine is the router's weights with NO_EXPERT's zeroed, which
+    # skinny_ffn_residual does itself: passed as they come, no XLA kernel runs between the router's and the FFN's.
+    return skinny_ffn_residual(x, w_in, w_out, residual, combine=combine_weights.reshape(1, k), **ffn), stats
+  out = skinny_ffn(x, w_in, w_out, **ffn).astype(dt)  # rounded like moe_mlp's expert rows
+  y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
+  return (y if residual is None else residual + y.astype(residual.dtype)), stats
 
 
 def dequantize(q: Num[Array, "experts n_in n_out"], scale: Float[Array, "experts n_out"], dtype
@@ -178,10 +190,12 @@ def moe_decode_layer(
     capacity_factor: float | None = None,
     impl: str = "auto",
     norm: tuple[Float[Array, "d_model"], float] | None = None,
+    residual: Float[Array, "tokens d_model"] | None = None,
 ) -> tuple[Float[Array, "tokens d_model"], MoEStats]:
   """The layer MoE.__call__(decode=True) runs, with moe_mlp's contract; always dropless (capacity_factor
   is ignored: generation must not depend on which other prompts share the batch). norm = (g, eps):
   the layer's input is rms_norm(x, g, eps), folded into the first products on the small-batch path.
+  residual: the result is residual + y (decode_moe_mlp's residual).
 
   T k <= SMALL_BATCH_MAX_ASSIGNMENTS (the decode step): decode_moe_mlp on the module's stored weights,
   int8 and scales as they are; the compute-dtype copies passed in are then unused and XLA drops them.
@@ -193,8 +207,9 @@ def moe_decode_layer(
   if expert_ids.shape[0] * expert_ids.shape[1] <= SMALL_BATCH_MAX_ASSIGNMENTS:
     w = expert_weights(moe, x.dtype, quantized=True)
     return decode_moe_mlp(x, expert_ids, combine_weights, w.pop("w_in"), w.pop("w_out"),
-                          activation=activation, norm=norm, **w)
+                          activation=activation, norm=norm, residual=residual, **w)
   if norm is not None:
     x = rms_norm(x, *norm)
-  return moe_mlp(x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
-                 capacity_factor=None, impl=impl)
+  y, stats = moe_mlp(x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
+                     capacity_factor=None, impl=impl)
+  return (y if residual is None else residual + y.astype(residual.dtype)), stats

@@ -159,7 +159,8 @@ class Block(nnx.Module):
       y, stats = self.ffn(self.ffn_norm(x), rng=rng)
     else:  # decoding: each layer applies its norm where it can fold it into its first products
       x = x + self.attn(x, cache=cache, norm=self.attn_norm)
-      y, stats = self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm)
+      # and the feed-forward adds the residual itself: at one token, in the kernel that sums its parts
+      return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, residual=x)
     return x + y.astype(x.dtype), stats
 
 

@@ -249,6 +249,13 @@ def skinny_ffn(
   are the two-call form's.
   """
   _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
+  return _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
+
+
+def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm, impl,
+                epilogue=None):
+  """skinny_ffn's body (arguments checked). epilogue = (combine, residual): skinny_ffn_residual's result, for
+  a call that fuses_residual holds for; the row kernel's parts then go to triton_row_ffn.residual_epilogue."""
   dense = w_in.ndim == 2
   if dense and x.ndim != 2:
     lead = x.shape[:-1]
@@ -275,9 +282,11 @@ def skinny_ffn(
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
 
   if row:  # one kernel: each program takes a slab of h through both products
-    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, *epi):
       parts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in3, w_gate3, w_out3, s_in,
                                            s_gate, ids, PLAIN[activation], dt, interpret=_interpret())
+      if epi:  # (combine, residual, s_out): the sum, the combine and the residual add as one more kernel
+        return triton_row_ffn.residual_epilogue(parts, *epi, ids, dt, w_out3.shape[0], interpret=_interpret())
       return parts.sum(axis=1)[:, None, :]
   else:  # two kernels: W_out's programs sum W_in's split-K parts as they load h
     cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
@@ -293,17 +302,94 @@ def skinny_ffn(
       parts = triton.skinny_matmul_parts(operands, hidden, w_out3, ids, m, dt, cfg_out, interpret=_interpret())
       return parts.sum(axis=1)[:, :m]
 
-  def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+  def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, *epi):
     xs = _slots(_normed(x, ns, eps), ids)
     gate = None if w_gate3 is None else skinny_matmul_reference(xs, w_gate3, ids, s_gate)
-    return skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
-                                   w_out3, ids)
+    y = skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
+                                w_out3, ids)
+    return _residual_epilogue_reference(y, *epi, ids, dt, w_out3.shape[0]) if epi else y
 
+  epi = () if epilogue is None else (*epilogue, s_out)
   y = with_reference_vjp(kernel, reference, x, w_in3, w_gate3, w_out3, s_in, s_gate,
-                      None if norm is None else norm[0], ids)
+                         None if norm is None else norm[0], ids, *epi)
+  if epilogue is not None:
+    return y
   if s_out is not None:
     y = y * jnp.take(s_out, ids, axis=0, mode="clip").astype(jnp.float32)[:, None, :]
   return y[0] if dense else y
+
+
+def _residual_epilogue_reference(y, combine, residual, s_out, ids, dtype, num_experts):
+  """residual + round(sum_s [0 <= ids[s] < num_experts] combine[:, s] round(y[s] (* s_out[ids[s]]))), in
+  residual's dtype; y [slots, m, d] float32, round to dtype; ids None: every slot counts. The decode step's MoE
+  combine (decode_moe_mlp's) and the block's residual add."""
+  if s_out is not None:
+    y = y * jnp.take(s_out, ids, axis=0, mode="clip").astype(jnp.float32)[:, None, :]
+  out = y.astype(dtype).astype(jnp.float32)
+  combine = combine.astype(jnp.float32)
+  if ids is not None:
+    combine = jnp.where((ids >= 0) & (ids < num_experts), combine, 0.0)
+  z = jnp.einsum("ms,smd->md", combine, out, precision=jax.lax.Precision.HIGHEST)
+  return (residual.astype(jnp.float32) + z.astype(dtype).astype(jnp.float32)).astype(residual.dtype)
+
+
+def fuses_residual(m: int, d: int, f: int, activation, impl: str = "auto", w_dtype=jnp.bfloat16,
+                   gated: bool = False, slots: int = 1) -> bool:
+  """Whether skinny_ffn_residual runs its epilogue as a kernel after the row form's (runs_row_ffn, and
+  triton_row_ffn.epilogue_fits for its parts); else XLA runs it after skinny_ffn."""
+  return (runs_row_ffn(m, d, f, activation, impl, w_dtype, gated, slots)
+          and triton_row_ffn.epilogue_fits(d, f // triton_row_ffn.slab_columns(w_dtype)))
+
+
+def skinny_ffn_residual(
+    x: Float[Array, "m d"],
+    w_in: Num[Array, "d f"] | Num[Array, "experts d f"],
+    w_out: Num[Array, "f d"] | Num[Array, "experts f d"],
+    residual: Float[Array, "m d"],
+    *,
+    combine: Float[Array, "m slots"] | None = None,
+    experts: Int[Array, "slots"] | None = None,
+    w_gate: Num[Array, "d f"] | Num[Array, "experts d f"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    w_in_scale: Float[Array, "f"] | Float[Array, "experts f"] | None = None,
+    w_gate_scale: Float[Array, "f"] | Float[Array, "experts f"] | None = None,
+    w_out_scale: Float[Array, "d"] | Float[Array, "experts d"] | None = None,
+    norm: tuple[Float[Array, "d"], float] | None = None,
+    impl: str = "auto",
+) -> Float[Array, "m d"]:
+  """residual + round(sum_s combine[:, s] round(FFN_s(x))), in residual's dtype, with FFN_s = skinny_ffn's and
+  round to x's dtype: a decode step's feed-forward, its MoE combine over the slots (dense weights: combine None,
+  one slot of weight 1) and the block's residual add. A slot whose expert is not in [0, experts) (none: FFN_s
+  is zero) adds nothing whatever its combine weight, so a router's weights can be passed as they come.
+
+  Where fuses_residual holds (one row, the one-kernel row form), the row kernel's parts are summed, combined
+  and added to the residual by one more kernel (triton_row_ffn.residual_epilogue) instead of XLA's reduction
+  kernel and add; else XLA runs the same arithmetic after skinny_ffn. Differentiable (the reference's cotangents).
+  """
+  _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
+  dense = w_in.ndim == 2
+  if x.ndim != 2:
+    raise ValueError(f"skinny_ffn_residual takes x [m, d] (shared by the slots); got shape {x.shape}.")
+  m, d = x.shape
+  _checks.check_floating("residual", residual)
+  if residual.shape != (m, d):
+    raise ValueError(f"residual must be x's shape [m={m}, d={d}]; got {residual.shape}.")
+  slots = 1 if dense else experts.shape[0]
+  if combine is None:
+    if not dense:
+      raise ValueError("combine ([m, slots], each row's weight of each slot) is needed with expert weights.")
+    combine = jnp.ones((m, 1), jnp.float32)
+  _checks.check_floating("combine", combine)
+  if combine.shape != (m, slots):
+    raise ValueError(f"combine must be [m={m}, slots={slots}]; got {combine.shape}.")
+  f = w_in.shape[-1]
+  itemsize = {jnp.dtype(w.dtype).itemsize for w in (w_in, w_gate, w_out) if w is not None}
+  if len(itemsize) == 1 and fuses_residual(m, d, f, activation, impl, w_in.dtype, w_gate is not None, slots):
+    return _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm,
+                       impl, epilogue=(combine, residual))
+  y = _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
+  return _residual_epilogue_reference(y[None] if dense else y, combine, residual, None, None if dense else experts,
+                                      x.dtype, w_in.shape[0])
 
 
 def split_k_parts(

@@ -146,3 +146,69 @@ def row_ffn_parts(
       compiler_params=params,
       name="sparsejax_row_ffn",
   )(experts.astype(jnp.int32), *operands)
+
+
+# The epilogue kernel's columns a program owns: d / 32 programs, each summing [P, 32] float32 a slot (16 KB at
+# P = 128), all loads issued at once.
+EPILOGUE_COLUMNS = 32
+
+
+def epilogue_fits(d: int, programs: int) -> bool:
+  """Whether residual_epilogue takes the parts: Triton blocks need P and the column block to be powers of two."""
+  return programs & (programs - 1) == 0 and d % EPILOGUE_COLUMNS == 0
+
+
+def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, dtype, bd: int, scaled: bool,
+                     num_experts: int):
+  s_out_ref = refs[0] if scaled else None
+  out_ref = refs[-1]
+  cols = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
+  rnd = lambda v: v.astype(dtype).astype(jnp.float32)
+  z = jnp.zeros((bd,), jnp.float32)
+  for s in range(parts_ref.shape[0]):  # the slots: static and few (one token's k)
+    y = jnp.sum(parts_ref[s, :, cols], axis=0)
+    e = experts_ref[s]
+    if scaled:
+      y = y * s_out_ref[jnp.clip(e, 0, num_experts - 1), cols].astype(jnp.float32)  # no expert: zero parts
+    # A slot with no expert adds nothing whatever its weight (the caller passes the router's weights unmasked).
+    c = jnp.where((e >= 0) & (e < num_experts), combine_ref[0, s].astype(jnp.float32), 0.0)
+    z = z + c * rnd(y)
+  out_ref[0, cols] = (residual_ref[0, cols].astype(jnp.float32) + rnd(z)).astype(out_ref.dtype)
+
+
+@shared_lowering("dtype", "num_experts")
+def residual_epilogue(
+    parts: Float[Array, "slots programs d"],
+    combine: Float[Array, "1 slots"],
+    residual: Float[Array, "1 d"],
+    s_out: Float[Array, "experts d"] | None,
+    experts: Int[Array, "slots"],
+    dtype,
+    num_experts: int,
+    *,
+    interpret: bool,
+) -> Float[Array, "1 d"]:
+  """residual + round(sum_s [0 <= experts[s] < num_experts] combine[0, s] round(sum_j parts[s, j] (* s_out[experts[s]]))),
+  in residual's dtype; round is to dtype (the FFN input's). What XLA ran as a reduction kernel then the layer's
+  add, as one kernel of d / EPILOGUE_COLUMNS programs (op.skinny_ffn_residual; its reference is
+  op._residual_epilogue_reference)."""
+  d = parts.shape[-1]
+  bd = EPILOGUE_COLUMNS
+  scaled = s_out is not None
+  kernel = functools.partial(_epilogue_kernel, dtype=jnp.dtype(dtype), bd=bd, scaled=scaled,
+                             num_experts=num_experts)
+  operands = (experts.astype(jnp.int32), parts, combine.astype(jnp.float32), residual) + ((s_out,) if scaled else ())
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=4, num_stages=1)
+  return pl.pallas_call(
+      kernel,
+      grid=(d // bd,),
+      in_specs=[pl.no_block_spec] * len(operands),
+      out_specs=pl.no_block_spec,
+      out_shape=jax.ShapeDtypeStruct((1, d), residual.dtype),
+      interpret=interpret,
+      compiler_params=params,
+      name="sparsejax_row_ffn_epilogue",
+  )(*operands)
