@@ -1,4 +1,4 @@
-"""Why bench_decode's medium-moe step is ~10% slower in a process that first ran its check against the full forward.
+"""Whether bench_decode's medium-moe step runs slower in a process that first ran its check against the full forward.
 
 Measured on an H100 (results/decode_bench_spread_H100.log): bench_decode.py --presets medium-moe --batches 1 read
 0.877-0.899 ms a step with its check and 0.798-0.811 without, one process each, the same code. This probe splits the
