@@ -40,7 +40,8 @@ NUM_WARPS = 8
 # medium's f 4,096 in int8, one slot) it ran 6-10% slower than the split form in bench_decode's steps. So int8
 # experts keep the split form at one row: in one-process A-Bs of the medium-moe step the int8 row form ran 1.076x
 # the split form's time with 64 programs and 1.020x with 32-byte rows and 128 programs
-# (experiments/results/decode_row_ffn_int8_ab_H100.log).
+# (experiments/results/decode_row_ffn_int8_ab_H100.log); with 32-byte rows and the residual epilogue, 0.988x and
+# 0.991x, rounds on both sides of 1 (decode_row_ffn_int8_epilogue_ab_H100.log): not yet a reason to change.
 MIN_PROGRAMS = 128
 
 
