@@ -36,7 +36,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsejax.inference import Decoder, Sampling, quantize_model  # noqa: E402
 from sparsejax.models import Transformer, get_preset  # noqa: E402

@@ -130,9 +130,6 @@ def decode_moe_mlp(
     hit = key[:, None] == uniq[None, :]  # [T k, n]
     slot = jnp.argmax(hit, axis=1)  # the first matching slot
     picked = valid & jnp.any(hit, axis=1)
-  c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
-  combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
-                       jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n), precision=hi)
   # uniq may hold NO_EXPERT (-1, one token) or E (padding, or NO_EXPERT's sort key): skinny_ffn gives such a
   # slot zero rows without reading a weight, and its combine weight is zero.
   # skinny_ffn reads each chosen expert's weights once (on a GPU, split-K Pallas kernels; XLA's own
@@ -146,6 +143,9 @@ def decode_moe_mlp(
     # Slot j is the token's j-th choice, so combine is the router's weights with NO_EXPERT's zeroed, which
     # skinny_ffn_residual does itself: passed as they come, no XLA kernel runs between the router's and the FFN's.
     return skinny_ffn_residual(x, w_in, w_out, residual, combine=combine_weights.reshape(1, k), **ffn), stats
+  c = jnp.where(picked, combine_weights.reshape(-1).astype(jnp.float32), 0.0)
+  combine = jnp.einsum("tj,tjn->tn", c.reshape(num_tokens, k),
+                       jax.nn.one_hot(slot, n, dtype=jnp.float32).reshape(num_tokens, k, n), precision=hi)
   out = skinny_ffn(x, w_in, w_out, **ffn).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   return (y if residual is None else residual + y.astype(residual.dtype)), stats

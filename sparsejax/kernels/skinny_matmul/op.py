@@ -208,6 +208,11 @@ def runs_row_ffn(m: int, d: int, f: int, activation, impl: str = "auto", w_dtype
           and triton_row_ffn.fits(m, d, f, w_dtype, gated, slots))
 
 
+def _one_width(*weights) -> bool:
+  """Whether the weights given (None skipped) share one element width: the row form's slabs are sized by it."""
+  return len({jnp.dtype(w.dtype).itemsize for w in weights if w is not None}) == 1
+
+
 def _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl):
   _check(x, w_in, experts, w_in_scale, norm, impl)
   if w_gate is not None:
@@ -268,8 +273,7 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
   dt = x.dtype
   slots = 1 if dense else experts.shape[0]
   gated = w_gate is not None
-  itemsize = {jnp.dtype(w.dtype).itemsize for w in (w_in, w_gate, w_out) if w is not None}
-  row = len(itemsize) == 1 and runs_row_ffn(m, d, f, activation, impl, w_in.dtype, gated, slots)
+  row = _one_width(w_in, w_gate, w_out) and runs_row_ffn(m, d, f, activation, impl, w_in.dtype, gated, slots)
   if not row and not fuses_hidden(m, d, f, activation, impl, slots):
     first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl)
     return skinny_matmul(_hidden(first(w_in, w_in_scale), None if w_gate is None else first(w_gate, w_gate_scale),
@@ -383,8 +387,7 @@ def skinny_ffn_residual(
   if combine.shape != (m, slots):
     raise ValueError(f"combine must be [m={m}, slots={slots}]; got {combine.shape}.")
   f = w_in.shape[-1]
-  itemsize = {jnp.dtype(w.dtype).itemsize for w in (w_in, w_gate, w_out) if w is not None}
-  if len(itemsize) == 1 and fuses_residual(m, d, f, activation, impl, w_in.dtype, w_gate is not None, slots):
+  if _one_width(w_in, w_gate, w_out) and fuses_residual(m, d, f, activation, impl, w_in.dtype, w_gate is not None, slots):
     return _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm,
                        impl, epilogue=(combine, residual))
   y = _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
