@@ -373,9 +373,9 @@ def test_ffn_dense_weights_and_the_unfused_cases():
                                                                       impl="xla")), rtol=1e-5, atol=1e-5)
   assert fuses_hidden(1, 1024, 4096, jax.nn.gelu, "triton")  # medium-moe at batch 1: 8 parts x 512 rows
   # ... which runs as one kernel of 128 slabs of 32 columns (d x 64 bytes of W_in and of W_out a program);
-  # int8's slabs are 64 columns wide, so one slot makes 64 programs, too few: two slots make 128
-  assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16) == "row" and _form(1, 1024, 4096, w_dtype=jnp.int8) == "split"
-  assert _form(1, 1024, 4096, w_dtype=jnp.int8, slots=2) == "row"
+  # int8 reads 32-byte rows, 32 columns as bf16's 64 bytes do: medium's int8 experts take the form at one slot
+  assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16) == "row" and _form(1, 1024, 4096, w_dtype=jnp.int8) == "row"
+  assert _form(1, 512, 2048, w_dtype=jnp.int8) == "split" and _form(1, 512, 2048, w_dtype=jnp.int8, slots=2) == "row"
   assert _form(1, 512, 2048, w_dtype=jnp.bfloat16) == "split" and _form(1, 512, 2048, w_dtype=jnp.bfloat16, slots=2) == "row"
   assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16, gated=True) == "split"  # three slabs: 192 KB a program
   assert _form(1, 768, 3072, w_dtype=jnp.bfloat16) == "split"  # small's d: not a Triton block
@@ -465,7 +465,7 @@ def _residual_oracle(y64, combine, residual, dtype):
 
 
 # (d, f, E, ids, w dtype, gated, fused): the row form's epilogue kernel where its parts are a power of two
-# (f / slab columns: 16 bf16, 32 float32, 8 int8 slabs), XLA's epilogue where not (f = 384 in bf16: 12 slabs).
+# (f / slab columns: 16 bf16, 32 float32, 16 int8 slabs), XLA's epilogue where not (f = 384 in bf16: 12 slabs).
 RESIDUAL_CASES = {
     "moe_empty_padded_and_repeated_slots": (256, 512, 3, [-1, 2, 2, 3], None, False, True),
     "one_expert": (128, 512, 1, [0], None, False, True),

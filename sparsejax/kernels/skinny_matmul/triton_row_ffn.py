@@ -10,9 +10,9 @@ program waits on another and the whole expert's weights stream through one kerne
   parts[s, j] = h_j W_out[e][F_j, :]                        (float32 [d]; the caller sums over j)
 
 A program issues its W_out slab's loads first (they depend on nothing it computes), then W_in's (and
-W_gate's), and holds them in registers: F_j is 64 bytes of every W_in row wide, so a program reads
-d x 64 bytes of each weight. x comes as Plain (one row, or one per slot) or Normed (the row's RMSNorm
-folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
+W_gate's), and holds them in registers: F_j is slab_row_bytes of every W_in row wide (64 bytes in bf16, 32
+in int8: 32 columns either way), so a program reads d x that of each weight. x comes as Plain (one row, or one
+per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
 rounding of u, g and h is the split form's (op._hidden). Reference: op.skinny_ffn's reference (the
 two-call form); off the GPU the kernel runs in Pallas' interpret mode (tests/test_skinny_matmul.py).
 """
@@ -29,34 +29,40 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.triton import Normed
 
-# Bytes of a W_in row a program reads: 64 (two 32-byte sectors) measured best; 32-byte rows (c = 16 bf16
-# columns) ran 13% slower on an H100, and wider slabs leave fewer programs than SMs at medium's f.
+# Bytes of a W_in row a program reads. bf16: 64 (two 32-byte sectors, 32 columns) measured best; 32-byte rows
+# (16 columns) ran 13% slower on an H100, and wider slabs leave fewer programs than SMs at medium's f.
 SLAB_ROW_BYTES = 64
+# int8: 32 bytes (32 columns, as bf16's), so medium's f 4,096 makes 128 programs at one slot. In one-process A-Bs
+# of the medium-moe step against int8's split form it ran 0.986-0.991x its time in four runs (16 rounds each;
+# experiments/results/decode_row_ffn_int8_epilogue_ab{,2}_H100.log); 64-byte int8 rows (64 programs) ran 1.076x
+# (decode_row_ffn_int8_ab_H100.log).
+SLAB_ROW_BYTES_INT8 = 32
 # Weight bytes a program holds in registers: 128 KB over 8 warps is 128 registers a thread (medium's
 # d 1,024 in bf16, non-gated); more spills.
 MAX_PROGRAM_BYTES = 128 * 1024
 NUM_WARPS = 8
-# Programs (slots x f / c) the form needs: a wave's worth of the H100's 132 SMs. With 64 (xs's f 2,048 in bf16,
-# medium's f 4,096 in int8, one slot) it ran 6-10% slower than the split form in bench_decode's steps. So int8
-# experts keep the split form at one row: in one-process A-Bs of the medium-moe step the int8 row form ran 1.076x
-# the split form's time with 64 programs and 1.020x with 32-byte rows and 128 programs
-# (experiments/results/decode_row_ffn_int8_ab_H100.log); with 32-byte rows and the residual epilogue, 0.988x and
-# 0.991x, rounds on both sides of 1 (decode_row_ffn_int8_epilogue_ab_H100.log): not yet a reason to change.
+# Programs (slots x f / c) the form needs: a wave's worth of the H100's 132 SMs. With 64 (xs's f 2,048, one
+# slot) it ran 6-10% slower than the split form in bench_decode's steps.
 MIN_PROGRAMS = 128
 
 
+def slab_row_bytes(w_dtype) -> int:
+  """The bytes of a W_in row a program reads: SLAB_ROW_BYTES_INT8 for int8 weights, else SLAB_ROW_BYTES."""
+  return SLAB_ROW_BYTES_INT8 if jnp.dtype(w_dtype).itemsize == 1 else SLAB_ROW_BYTES
+
+
 def slab_columns(w_dtype) -> int:
-  """c: the hidden columns a program owns, SLAB_ROW_BYTES of a W_in row."""
-  return SLAB_ROW_BYTES // jnp.dtype(w_dtype).itemsize
+  """c: the hidden columns a program owns, slab_row_bytes of a W_in row."""
+  return slab_row_bytes(w_dtype) // jnp.dtype(w_dtype).itemsize
 
 
 def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
   """Whether the one-kernel form takes this feed-forward: one row, d a power of two (a Triton block), f a
-  multiple of the slab, a program's (2 + gated) slabs of d x 64 bytes within MAX_PROGRAM_BYTES, and at
+  multiple of the slab, a program's (2 + gated) slabs of d x slab_row_bytes within MAX_PROGRAM_BYTES, and at
   least MIN_PROGRAMS programs."""
   c = slab_columns(w_dtype)
   return (m == 1 and d >= 16 and d & (d - 1) == 0 and f % c == 0 and slots * (f // c) >= MIN_PROGRAMS
-          and (2 + gated) * d * SLAB_ROW_BYTES <= MAX_PROGRAM_BYTES)
+          and (2 + gated) * d * slab_row_bytes(w_dtype) <= MAX_PROGRAM_BYTES)
 
 
 def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gated: bool, up_scaled: bool,
