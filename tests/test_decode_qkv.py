@@ -102,3 +102,82 @@ def test_bad_inputs_fail_with_clear_errors(args, match):
   call.update(args)
   with pytest.raises((ValueError, TypeError), match=match):
     decode_qkv(**call, rope_base=BASE, dtype=jnp.float32)
+
+
+# decode_qkv_product: (d, heads, head_dim, slots, start, index, norm): the norm folded or not, several programs a
+# head half (head_dim 64: 4 of 8 columns), a negative position (start > index), and a write past the end.
+PRODUCT_CASES = {
+    "norm_folded": (128, 3, 64, 20, 0, 11, True),
+    "no_norm": (64, 2, 32, 16, 3, 9, False),
+    "padding_row_past_the_end": (256, 2, 16, 8, 10, 12, True),
+}
+
+
+def _product_oracle(x, w, g, eps, k_cache, v_cache, index, start, dtype):
+  """float64: xn = rms_norm(x, g, eps) (x without a norm), xn W as the one part of _oracle."""
+  x64 = np.asarray(x, np.float64)
+  if g is not None:
+    x64 = x64 / np.sqrt(np.mean(x64 ** 2, axis=-1, keepdims=True) + eps) * np.asarray(g, np.float64)
+  qkv = x64 @ np.asarray(w, np.float64)
+  return _oracle(qkv[None], k_cache, v_cache, index, start, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(PRODUCT_CASES))
+def test_product_kernel_equals_oracle_and_reference(name, dtype):
+  """The qkv product, RoPE and the cache write in one kernel at one row, against float64 and the reference."""
+  from sparsejax.kernels.decode_qkv import decode_qkv_product, decode_qkv_product_reference, runs_product_kernel
+  d, h, dh, s, start, index, normed = PRODUCT_CASES[name]
+  rng = np.random.default_rng(seed_of("decode_qkv_product", name, str(dtype)))
+  x = jnp.asarray(rng.standard_normal((1, d)) * 2.0, dtype)
+  w = jnp.asarray(rng.standard_normal((d, 3 * h * dh)) / np.sqrt(d), dtype)
+  g = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32) if normed else None
+  k_cache, v_cache = (jnp.asarray(rng.standard_normal((1, s, h, dh)), dtype) for _ in range(2))
+  start, index = jnp.asarray([start], jnp.int32), jnp.asarray(index, jnp.int32)
+  norm = None if g is None else (g, 1e-6)
+  assert runs_product_kernel(1, d, dh, "triton") and not runs_product_kernel(2, d, dh, "triton")
+  got = jax.jit(lambda *a: decode_qkv_product(*a, norm=norm, rope_base=BASE, dtype=dtype, impl="triton"))(
+      x, w, k_cache, v_cache, index, start)
+  want = _product_oracle(x, w, g, 1e-6, k_cache, v_cache, int(index), np.asarray(start), dtype)
+  ref = decode_qkv_product_reference(x, w, g, k_cache, v_cache, index, start, 1e-6, BASE, dtype)
+  for gv, wv, rv in zip(got, want, ref):
+    assert gv.dtype == dtype and gv.shape == rv.shape
+    np.testing.assert_allclose(np.asarray(gv, np.float64), wv, **TOL[dtype])
+    np.testing.assert_allclose(np.asarray(gv, np.float64), np.asarray(rv, np.float64), **TOL[dtype])
+  others = np.arange(s) != min(int(index), s - 1)
+  np.testing.assert_array_equal(np.asarray(got[1])[:, others], np.asarray(k_cache)[:, others])
+  np.testing.assert_array_equal(np.asarray(got[2])[:, others], np.asarray(v_cache)[:, others])
+
+
+def test_product_gradients_are_the_references():
+  from sparsejax.kernels.decode_qkv import decode_qkv_product
+  rng = np.random.default_rng(5)
+  x, w = jnp.asarray(rng.standard_normal((1, 32)), jnp.float32), jnp.asarray(rng.standard_normal((32, 96)), jnp.float32)
+  g = jnp.asarray(1.0 + 0.2 * rng.standard_normal(32), jnp.float32)
+  k_cache, v_cache = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32) for _ in range(2))
+  start, index = jnp.asarray([1], jnp.int32), jnp.asarray(4, jnp.int32)
+  cts = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in [(1, 2, 16), (1, 8, 2, 16), (1, 8, 2, 16)]]
+  loss = lambda impl: lambda x, w, g, k, v: sum(jnp.sum(o * c) for o, c in zip(
+      decode_qkv_product(x, w, k, v, index, start, norm=(g, 1e-6), rope_base=BASE, dtype=jnp.float32, impl=impl), cts))
+  got = jax.jit(jax.grad(loss("triton"), argnums=(0, 1, 2, 3, 4)))(x, w, g, k_cache, v_cache)
+  want = jax.jit(jax.grad(loss("xla"), argnums=(0, 1, 2, 3, 4)))(x, w, g, k_cache, v_cache)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(x=jnp.zeros((1, 16))), r"x \[rows, 16\] and w \[32, ...\] must share d"),
+    (dict(x=jnp.zeros((2, 32))), r"one row per cache row \(1\)"),
+    (dict(x=jnp.zeros((32,))), "x must have rank 2"),
+    (dict(norm=(jnp.ones((16,)), 1e-6)), r"norm's scale must be \[32\]"),
+    (dict(w=jnp.zeros((32, 95))), r"3 \* 2 \* 16 = 96"),
+    (dict(impl="cuda"), "impl must be one of"),
+])
+def test_product_bad_inputs_fail_with_clear_errors(args, match):
+  from sparsejax.kernels.decode_qkv import decode_qkv_product
+  call = dict(x=jnp.zeros((1, 32)), w=jnp.zeros((32, 96)), k_cache=jnp.zeros((1, 8, 2, 16)),
+              v_cache=jnp.zeros((1, 8, 2, 16)), index=jnp.asarray(1, jnp.int32), start=jnp.zeros((1,), jnp.int32),
+              norm=None, impl="auto")
+  call.update(args)
+  with pytest.raises((ValueError, TypeError), match=match):
+    decode_qkv_product(**call, rope_base=BASE, dtype=jnp.float32)
