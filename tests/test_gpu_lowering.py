@@ -13,7 +13,6 @@ import pytest
 from sparsejax.activations import PLAIN
 from sparsejax.kernels.decode_attention import triton as attention
 from sparsejax.kernels.decode_qkv import triton as qkv
-from sparsejax.kernels.decode_qkv import triton_product as qkv_product
 from sparsejax.kernels.decode_router import triton as router
 from sparsejax.kernels.row_moves import triton as row_moves
 from sparsejax.kernels.skinny_matmul import triton as skinny
@@ -88,18 +87,6 @@ def test_skinny_matmul_plain_rows_lower(m):
     fn = lambda x, w, ids: skinny.skinny_matmul_parts((x,), skinny.Plain(per_slot), w, ids, m, bf16, cfg,
                                                       interpret=False)
     _lowers(fn, (shape, bf16), ((4, 1024, 1024), bf16), ((2,), jnp.int32))
-
-
-def test_decode_qkv_product_lowers():
-  """medium's shapes: d 1,024, 16 heads of 64, the norm folded and not."""
-  fn = lambda x, g, w, k, v, i, s: qkv_product.decode_qkv_product((x, g), w, k, v, i, s, inverse_frequencies(64, 1e4),
-                                                                  1e-6, bf16, interpret=False)
-  _lowers(fn, ((1, 1024), bf16), ((1024,), jnp.float32), ((1024, 3 * 16 * 64), bf16), ((1, 160, 16, 64), bf16),
-          ((1, 160, 16, 64), bf16), ((), jnp.int32), ((1,), jnp.int32))
-  fn = lambda x, w, k, v, i, s: qkv_product.decode_qkv_product((x,), w, k, v, i, s, inverse_frequencies(64, 1e4),
-                                                               None, bf16, interpret=False)
-  _lowers(fn, ((1, 1024), bf16), ((1024, 3 * 16 * 64), bf16), ((1, 160, 16, 64), bf16), ((1, 160, 16, 64), bf16),
-          ((), jnp.int32), ((1,), jnp.int32))
 
 
 def test_decode_qkv_lowers():

@@ -196,32 +196,6 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
   assert decode_logits_error(model, model, prompt, 5, full) < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
-def test_greedy_decoding_at_batch_one_with_the_qkv_product_kernel(monkeypatch, variant):
-  """One prompt, every decode kernel forced: each layer's one-token step computes the qkv product, RoPE and the
-  cache write in one kernel (decode_qkv_product), where a batch of prompts takes the split-K parts and
-  decode_qkv. It decodes the full forward's greedy tokens and logits."""
-  from sparsejax.kernels.decode_qkv import triton_product
-  seen = force_decode_kernels(monkeypatch)
-  real, shapes = triton_product.decode_qkv_product, []
-
-  def recording(x_operands, w, *args, **kwargs):
-    shapes.append((x_operands[0].shape, w.shape))
-    return real(x_operands, w, *args, **kwargs)
-
-  monkeypatch.setattr(triton_product, "decode_qkv_product", recording)
-  # max_seq_len 40: a config of its own, so no other test's compiled step is reused here
-  model = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1, max_seq_len=40), rngs=nnx.Rngs(4))
-  prompt = PROMPTS[:1]
-  got = np.asarray(generate(model, prompt, 5, temperature=0.0))
-  d, h, dh = BASE.d_model, BASE.num_heads, BASE.head_dim
-  assert shapes and set(shapes) == {((1, d), (d, 3 * h * dh))} and len(shapes) % BASE.num_layers == 0
-  assert "qkv" not in seen  # the split-K parts and decode_qkv did not run
-  full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
-  assert_greedy_matches_full_forward(got, model, prompt, 5, full)
-  assert decode_logits_error(model, model, prompt, 5, full) < 1e-5
-
-
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

@@ -22,8 +22,7 @@ from sparsejax.norm import rms_norm
 from sparsejax.rope import rotary
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
-from sparsejax.kernels.decode_qkv import decode_qkv, decode_qkv_product, runs_kernel as qkv_runs_kernel
-from sparsejax.kernels.decode_qkv import runs_product_kernel as qkv_product_runs_kernel
+from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
@@ -107,13 +106,7 @@ class Attention(nnx.Module):
     few_rows = cache is not None and b * t <= skinny_matmul.MAX_ROWS  # a decode step
     folded = None if norm is None else norm.folded()
     if cache is not None:
-      if few_rows and t == 1 and qkv_product_runs_kernel(b, d, dh):
-        # One row: one kernel computes the product, applies RoPE and writes the cache slot.
-        q, keys, values = decode_qkv_product(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh),
-                                             self.cached_key[...], self.cached_value[...], cache.index, cache.start,
-                                             norm=folded, rope_base=cfg.rope_base, dtype=dt)
-        q = q[:, None]
-      elif few_rows and t == 1 and qkv_runs_kernel(dh):
+      if few_rows and t == 1 and qkv_runs_kernel(dh):
         # One token a row: the qkv product's split-K parts go straight to one kernel that sums them,
         # applies RoPE and writes the cache slot (XLA would run three kernels for that glue).
         parts = skinny_matmul.split_k_parts(x.reshape(b, d), self.w_qkv[...].reshape(d, 3 * h * dh), norm=folded)

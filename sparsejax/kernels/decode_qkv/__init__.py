@@ -1,11 +1,9 @@
 """The qkv projection's split-K parts into a decode step's query and cache slot.
 
 op.py: the contract, its custom_vjp and the dispatch; reference.py: the sum, RoPE and cache writes in
-jnp that the kernel is tested against; triton.py: one Pallas Triton program per (row, head);
-triton_product.py: at one row, the qkv product itself in the same kernel (decode_qkv_product).
+jnp that the kernel is tested against; triton.py: one Pallas Triton program per (row, head).
 """
-from sparsejax.kernels.decode_qkv.op import IMPLS, decode_qkv, decode_qkv_product, runs_kernel, runs_product_kernel
-from sparsejax.kernels.decode_qkv.reference import decode_qkv_product_reference, decode_qkv_reference
+from sparsejax.kernels.decode_qkv.op import IMPLS, decode_qkv, runs_kernel
+from sparsejax.kernels.decode_qkv.reference import decode_qkv_reference
 
-__all__ = ["IMPLS", "decode_qkv", "decode_qkv_product", "decode_qkv_product_reference", "decode_qkv_reference",
-           "runs_kernel", "runs_product_kernel"]
+__all__ = ["IMPLS", "decode_qkv", "decode_qkv_reference", "runs_kernel"]

@@ -6,10 +6,6 @@ with i = min(index, slots - 1): RoPE as sparsejax.rope.rotary, the write as infe
 new token a row; its dynamic_update_slice clamps a write past the end onto the last slot). Backends:
 "triton" (triton.py; off the GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a
 GPU when dh / 2 is a power of two. Differentiable: the cotangents are the reference's.
-
-decode_qkv_product: the same from one row x and W_qkv (the norm optionally folded), qkv = norm(x) W_qkv
-rounded to dtype; its kernel (triton_product.py) computes the product too, so the step runs one kernel
-where decode_qkv needs skinny_matmul's split-K kernel before it.
 """
 from __future__ import annotations
 
@@ -19,8 +15,8 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 from sparsejax.kernels._reference_vjp import with_reference_vjp
-from sparsejax.kernels.decode_qkv import triton, triton_product
-from sparsejax.kernels.decode_qkv.reference import decode_qkv_product_reference, decode_qkv_reference
+from sparsejax.kernels.decode_qkv import triton
+from sparsejax.kernels.decode_qkv.reference import decode_qkv_reference
 from sparsejax.rope import inverse_frequencies
 
 IMPLS = ("auto", "triton", "xla")
@@ -83,50 +79,3 @@ def decode_qkv(
                              interpret=jax.default_backend() != "gpu")
 
   return with_reference_vjp(kernel, reference, parts, k_cache, v_cache, index, start)
-
-
-def runs_product_kernel(rows: int, d: int, dh: int, impl: str = "auto") -> bool:
-  """Whether decode_qkv_product runs its one kernel: where decode_qkv's runs (runs_kernel) and the product
-  fits it (one row, d a power of two, COLUMNS dividing dh / 2: triton_product.fits)."""
-  return runs_kernel(dh, impl) and triton_product.fits(rows, d, dh)
-
-
-def decode_qkv_product(
-    x: Float[Array, "rows d"],
-    w: Num[Array, "d three_h_dh"],
-    k_cache: Float[Array, "b s h dh"],
-    v_cache: Float[Array, "b s h dh"],
-    index: Int[Array, ""],
-    start: Int[Array, "b"],
-    *,
-    norm: tuple[Float[Array, "d"], float] | None = None,
-    rope_base: float,
-    dtype,
-    impl: str = "auto",
-) -> tuple[Float[Array, "b h dh"], Float[Array, "b s h dh"], Float[Array, "b s h dh"]]:
-  """decode_qkv of qkv = rms_norm(x, *norm) W (x W when norm is None): one kernel where runs_product_kernel
-  holds, else the reference in XLA's kernels."""
-  index = jnp.asarray(index)
-  _checks.check_rank("x", x, 2, "[rows, d]")
-  _checks.check_floating("x", x)
-  _checks.check_rank("w", w, 2, "[d, 3 * heads * head_dim]")
-  if x.shape[1] != w.shape[0]:
-    raise ValueError(f"x [rows, {x.shape[1]}] and w [{w.shape[0]}, ...] must share d.")
-  if norm is not None and tuple(jnp.shape(norm[0])) != (x.shape[1],):
-    raise ValueError(f"norm's scale must be [{x.shape[1]}] (x's d); got {tuple(jnp.shape(norm[0]))}.")
-  _check(jnp.zeros((1, x.shape[0], w.shape[1]), jnp.float32), k_cache, v_cache, index, start, impl)
-  b, dh = k_cache.shape[0], k_cache.shape[-1]
-  if x.shape[0] != b:
-    raise ValueError(f"x must have one row per cache row ({b}); got {x.shape[0]}.")
-  g, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
-  reference = lambda x, w, g, k, v, i, s: decode_qkv_product_reference(x, w, g, k, v, i, s, eps, rope_base, dtype)
-  if not runs_product_kernel(x.shape[0], x.shape[1], dh, impl):
-    return reference(x, w, g, k_cache, v_cache, index, start)
-
-  def kernel(x, w, g, k_cache, v_cache, index, start):
-    inv_freq = inverse_frequencies(dh, float(rope_base))
-    operands = (x,) if g is None else (x, g)
-    return triton_product.decode_qkv_product(operands, w, k_cache, v_cache, index, start, inv_freq, eps,
-                                             jnp.dtype(dtype), interpret=jax.default_backend() != "gpu")
-
-  return with_reference_vjp(kernel, reference, x, w, g, k_cache, v_cache, index, start)

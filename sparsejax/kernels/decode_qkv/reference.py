@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, Num
+from jaxtyping import Array, Float, Int
 
-from sparsejax._precision import dot_precision
 from sparsejax.inference import kv_cache
-from sparsejax.norm import rms_norm
 from sparsejax.rope import rotary
 
 
@@ -26,21 +24,3 @@ def decode_qkv_reference(
   pos = kv_cache.positions(index, start, 1)
   q, k = rotary(qkv[:, :, 0], rope_base, pos), rotary(qkv[:, :, 1], rope_base, pos)
   return (q[:, 0], kv_cache.write(k_cache, k, index), kv_cache.write(v_cache, qkv[:, :, 2], index))
-
-
-def decode_qkv_product_reference(
-    x: Float[Array, "rows d"],
-    w: Num[Array, "d three_h_dh"],
-    norm_scale: Float[Array, "d"] | None,
-    k_cache: Float[Array, "b s h dh"],
-    v_cache: Float[Array, "b s h dh"],
-    index: Int[Array, ""],
-    start: Int[Array, "b"],
-    eps: float | None,
-    rope_base: float,
-    dtype,
-) -> tuple[Float[Array, "b h dh"], Float[Array, "b s h dh"], Float[Array, "b s h dh"]]:
-  """decode_qkv_reference of the one part xn W (float32), xn = rms_norm(x, norm_scale, eps), or x without a norm."""
-  xn = x if norm_scale is None else rms_norm(x, norm_scale, eps)
-  qkv = jnp.dot(xn, w.astype(xn.dtype), precision=dot_precision(xn.dtype), preferred_element_type=jnp.float32)
-  return decode_qkv_reference(qkv[None], k_cache, v_cache, index, start, rope_base, dtype)
