@@ -13,6 +13,11 @@ default REPEAT, past the L2), with a small XLA fusion between products, in four 
   prefetch    the same, the weight slab loaded before the wait, x after it (x's address depends on
               the wait's result, so the load cannot move above it)
 
+Measured: no form and no flag moved the chain (results/decode_pdl_probe_H100.log). Why, read from XLA's sources in
+the twenty-ninth session (notes_decode.md): with xla_gpu_enable_pdl on, XLA already launches every Pallas Triton
+kernel as a dependent and inserts its own `griddepcontrol.wait` at the kernel's very start, so `prefetch`'s loads
+still follow a wait; probe_pdl_mosaic.py tries the same with Mosaic GPU kernels, which place their own wait.
+
 `griddepcontrol.wait` returns at once in a grid not launched as a dependent, so the kernels are correct
 under any flags; every form is checked against a float64 host oracle over one pass of the 24 weights
 (over 192 products rounding differences grow along the chain, and the check would say little). Run it once per XLA_FLAGS

@@ -459,6 +459,21 @@ def test_tma_read_probe_tokens_equal_what_each_band_holds():
   assert "mosaic_gpu" in text
 
 
+def test_pdl_mosaic_probe_token_holds_band_and_previous_output_and_every_form_lowers():
+  """probe_pdl_mosaic: the plain kernel's token in interpret mode is its band's first rows, then the previous
+  kernel's token (interpret mode has no griddepcontrol); every form, with its grid-dependency calls, lowers for CUDA."""
+  import jax
+  import jax.numpy as jnp
+  import probe_pdl_mosaic as probe
+  assert probe.check(interpret=True, forms=("plain",)) == {"plain": 0.0}
+  shapes = [jax.ShapeDtypeStruct((2048, probe.D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 2, probe.TOK, probe.CHUNK), jnp.bfloat16)]
+  for form in probe.FORMS:
+    text = jax.jit(lambda w, p, form=form: probe.step(w, p, ctas=128, form=form)).trace(*shapes).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, form
+
+
 def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
   """probe_overlap_phases in interpret mode: the three-kernel chain and every one-grid variant equal the reference
   over three calls on one counter and one across its int32 wrap, and each call leaves the count the next waits
