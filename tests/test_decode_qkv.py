@@ -49,9 +49,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("programs_per_head", [3, 1])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_kernel_equals_oracle_and_reference(name, dtype):
+def test_kernel_equals_oracle_and_reference(name, dtype, programs_per_head, monkeypatch):
+  """Both grids: q, k and v a program each (the default), and one program a (row, head)."""
+  from sparsejax.kernels.decode_qkv import triton as qkv_triton
+  monkeypatch.setattr(qkv_triton, "PROGRAMS_PER_HEAD", programs_per_head)
   b, splits, rows, s, h, dh, start, index = CASES[name]
   rng = np.random.default_rng(seed_of("decode_qkv", name, str(dtype)))
   parts = jnp.asarray(rng.standard_normal((splits, rows, 3 * h * dh)), jnp.float32)
@@ -102,3 +106,11 @@ def test_bad_inputs_fail_with_clear_errors(args, match):
   call.update(args)
   with pytest.raises((ValueError, TypeError), match=match):
     decode_qkv(**call, rope_base=BASE, dtype=jnp.float32)
+
+
+def test_an_unknown_grid_is_refused(monkeypatch):
+  from sparsejax.kernels.decode_qkv import triton as qkv_triton
+  monkeypatch.setattr(qkv_triton, "PROGRAMS_PER_HEAD", 2)
+  with pytest.raises(ValueError, match="PROGRAMS_PER_HEAD must be 1 or 3"):
+    decode_qkv(jnp.zeros((2, 1, 96)), jnp.zeros((1, 8, 2, 16)), jnp.zeros((1, 8, 2, 16)), jnp.asarray(1, jnp.int32),
+               jnp.zeros((1,), jnp.int32), rope_base=BASE, dtype=jnp.float32, impl="triton")
