@@ -183,7 +183,6 @@ def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, d
   out_ref[0, cols] = (residual_ref[0, cols].astype(jnp.float32) + rnd(z)).astype(out_ref.dtype)
 
 
-@shared_lowering("dtype", "num_experts")
 def residual_epilogue(
     parts: Float[Array, "slots programs d"],
     combine: Float[Array, "1 slots"],
@@ -198,9 +197,16 @@ def residual_epilogue(
   """residual + round(sum_s [0 <= experts[s] < num_experts] combine[0, s] round(sum_j parts[s, j] (* s_out[experts[s]]))),
   in residual's dtype; round is to dtype (the FFN input's). What XLA ran as a reduction kernel then the layer's
   add, as one kernel of d / EPILOGUE_COLUMNS programs (op.skinny_ffn_residual; its reference is
-  op._residual_epilogue_reference)."""
+  op._residual_epilogue_reference). EPILOGUE_COLUMNS is read here, outside the shared lowering, so a changed
+  value lowers anew."""
+  return _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts, EPILOGUE_COLUMNS,
+                            interpret=interpret)
+
+
+@shared_lowering("dtype", "num_experts", "bd")
+def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int, *,
+                       interpret: bool):
   d = parts.shape[-1]
-  bd = EPILOGUE_COLUMNS
   scaled = s_out is not None
   kernel = functools.partial(_epilogue_kernel, dtype=jnp.dtype(dtype), bd=bd, scaled=scaled,
                              num_experts=num_experts)
