@@ -86,19 +86,8 @@ def decode_qkv(
 
 
 @shared_lowering("dtype", "split", "num_warps")
-def _decode_qkv(
-    parts: Float[Array, "splits rows three_h_dh"],
-    k_cache: Float[Array, "b s h dh"],
-    v_cache: Float[Array, "b s h dh"],
-    index: Int[Array, ""],
-    start: Int[Array, "b"],
-    inv_freq: Float[Array, "half"],
-    dtype,
-    split: bool,
-    num_warps: int,
-    *,
-    interpret: bool,
-) -> tuple[Float[Array, "b h dh"], Float[Array, "b s h dh"], Float[Array, "b s h dh"]]:
+def _decode_qkv(parts, k_cache, v_cache, index, start, inv_freq, dtype, split: bool, num_warps: int, *,
+                interpret: bool):
   """decode_qkv's kernel: split gives q, k and v a program each (grid (b, heads, 3)), else (b, heads)."""
   b, _, heads, dh = k_cache.shape
   params = None
