@@ -37,12 +37,16 @@ class Config:
   num_stages: int = 3
 
 
+# Numbers of W_r a program's [block_k, E] float32 tile may hold: 8,192 is 64 a thread at 4 warps.
+TILE_NUMBERS = 8192
+
+
 def default_config(d_model: int, num_experts: int) -> Config | None:
   """The largest block_k of (128, 64, 32, 16) dividing d_model whose [block_k, E] float32 tile stays
-  within 8192 numbers (64 a thread at 4 warps); splits = the largest power of two up to 64 dividing
-  the d_model / block_k tiles. None when no block_k divides d_model."""
+  within TILE_NUMBERS; splits = the largest power of two up to 64 dividing the d_model / block_k tiles.
+  None when no block_k divides d_model."""
   for bk in (128, 64, 32, 16):
-    if d_model % bk == 0 and bk * num_experts <= 8192:
+    if d_model % bk == 0 and bk * num_experts <= TILE_NUMBERS:
       tiles = d_model // bk
       return Config(block_k=bk, splits=min(tiles & -tiles, 64))
   return None
