@@ -37,7 +37,9 @@ class Config:
   num_stages: int = 3
 
 
-# Numbers of W_r a program's [block_k, E] float32 tile may hold: 8,192 is 64 a thread at 4 warps.
+# Numbers of W_r a program's [block_k, E] float32 tile may hold: 8,192 is 64 a thread at 4 warps. At medium's
+# d 1,024 and E 64, 4,096 and 2,048 (16 and 32 programs) ran the step 0.997x and 0.995x, a tie
+# (experiments/results/decode_router_splits_ab_H100.log).
 TILE_NUMBERS = 8192
 
 
