@@ -122,6 +122,7 @@ class MoE(nnx.Module):
       w = decode_moe.expert_weights(self, c.dtype, quantized=False)
       w_in, w_gate, w_out = w["w_in"], w["w_gate"], w["w_out"]
     act = c.activation_fn
+    routed = False
     if c.router == "expert_choice":
       r = routing.expert_choice_routing(logits, c.capacity_factor)
       y, stats = expert_choice_mlp(x2, r, w_in, w_out, w_gate=w_gate, activation=act)
@@ -131,27 +132,35 @@ class MoE(nnx.Module):
       if c.router == "top_k":
         r = routing.top_k_routing(logits, c.top_k, renormalize=c.renormalize)
         if decode and jitter_rng is None and runs_kernel(*x2.shape, c.num_experts, c.top_k):
-          # A decode step's few tokens: ids and weights from two kernels instead of XLA's six. The
-          # probabilities and logits above then feed only the layer's losses, which XLA drops unless used.
-          # (Where the kernels do not run, r already is what decode_router's reference would compute.)
-          ids, weights = decode_router(x_in, self.router.w[...], c.top_k, renormalize=c.renormalize,
-                                       norm=folded)
-          r = r.replace(expert_ids=ids, combine_weights=weights)
+          from sparsejax.inference import decode_moe
+          # One token: the experts' kernels select from the router's partial logits (routed_decode_layer).
+          routed = res is not None and decode_moe.selects_in_experts(self, x_in, act)
+          if not routed:
+            # A decode step's few tokens: ids and weights from two kernels instead of XLA's six. The
+            # probabilities and logits above then feed only the layer's losses, which XLA drops unless used.
+            # (Where the kernels do not run, r already is what decode_router's reference would compute.)
+            ids, weights = decode_router(x_in, self.router.w[...], c.top_k, renormalize=c.renormalize,
+                                         norm=folded)
+            r = r.replace(expert_ids=ids, combine_weights=weights)
       else:
         r = routing.dense_to_sparse_routing(logits, dts_temperature, c.dts_threshold,
                                             max_k=c.dts_max_k, rng=gate_rng)
-      layer = moe_mlp
-      if self.mesh is not None:  # expert parallelism: same contract, experts sharded over the mesh
-        layer = functools.partial(parallel.expert_parallel_moe_mlp, mesh=self.mesh,
-                                  parallel=self.parallel or parallel.ExpertParallelConfig())
-      if decode:  # generation: the small-batch path of sparsejax.inference (reads int8 as stored)
-        from sparsejax.inference import decode_moe
-        layer = functools.partial(decode_moe.moe_decode_layer, self, norm=folded, residual=res)
-        res = None
-      # The combine weights stay float32: the combine is float32, and bf16 would round them.
-      y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,
-                       w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
-                       impl=c.impl)
+      if routed:  # the block's residual is added in the experts' last kernel
+        y, stats, ids = decode_moe.routed_decode_layer(self, x_in, activation=act, norm=folded, residual=res)
+        r, res = r.replace(expert_ids=ids), None
+      else:
+        layer = moe_mlp
+        if self.mesh is not None:  # expert parallelism: same contract, experts sharded over the mesh
+          layer = functools.partial(parallel.expert_parallel_moe_mlp, mesh=self.mesh,
+                                    parallel=self.parallel or parallel.ExpertParallelConfig())
+        if decode:  # generation: the small-batch path of sparsejax.inference (reads int8 as stored)
+          from sparsejax.inference import decode_moe
+          layer = functools.partial(decode_moe.moe_decode_layer, self, norm=folded, residual=res)
+          res = None
+        # The combine weights stay float32: the combine is float32, and bf16 would round them.
+        y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,
+                         w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
+                         impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)
     z = losses.router_z_loss(logits)
     layer_stats = MoELayerStats(

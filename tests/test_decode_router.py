@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsejax.kernels.decode_router import decode_router, decode_router_reference, kernel_fits, runs_kernel
+from sparsejax.kernels.decode_router import (decode_router, decode_router_reference, kernel_fits, router_logit_parts,
+                                             runs_kernel, select_from_parts, splits_logits)
 from sparsejax.kernels.decode_router.triton import Config, default_config
 from tests.moe_testing import seed_of
 
@@ -63,7 +64,8 @@ def test_kernel_equals_oracle_and_the_routing_functions(name, dtype):
 
 
 def test_equal_probabilities_take_the_lower_expert_first():
-  """Experts 1, 3 and 6 have identical router columns, so identical probabilities: top_k_small's order."""
+  """Experts 1, 3 and 6 have identical router columns, so identical logits and probabilities: top_k_small's
+  order (the kernel takes the k largest logits, lower index first among equal ones)."""
   rng = np.random.default_rng(0)
   w = rng.standard_normal((64, 8)) * 0.01
   w[:, [1, 3, 6]] = rng.standard_normal((64, 1)) * 0.5
@@ -175,3 +177,44 @@ def test_folded_norm_scale_of_the_wrong_width_is_an_error():
   x, w = _case("tiles_top2", jnp.float32)
   with pytest.raises(ValueError, match=r"scale must have shape \(320,\)"):
     decode_router(x, w, 2, norm=(jnp.ones((32,)), 1e-6))
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("name", ["decode_top1", "k_equals_e", "splits_of_several_tiles", "wide_router"])
+def test_logit_parts_are_the_first_kernel_and_select_as_the_router(name, norm):
+  """router_logit_parts: split s's partial logits against float64; selected from (select_from_parts, the rule the
+  experts' kernels apply to them) they give decode_router's ids and weights."""
+  t, d, e, k, renorm = CASES[name]
+  x, w = _case(name, jnp.float32)
+  g = jnp.asarray(1 + 0.1 * np.random.default_rng(3).standard_normal(d), jnp.float32)
+  nrm = (g, 1e-6) if norm else None
+  parts = jax.jit(lambda x, w: router_logit_parts(x, w, norm=nrm))(x, w)
+  splits = default_config(d, e).splits
+  assert parts.shape == (t, splits, e) and parts.dtype == jnp.float32 and splits > 1
+  xn = np.asarray(x, np.float64)
+  if norm:
+    xn = xn / np.sqrt(np.mean(xn * xn, axis=1, keepdims=True) + 1e-6) * np.asarray(g, np.float64)
+  want = np.einsum("tsr,sre->tse", xn.reshape(t, splits, -1), np.asarray(w, np.float64).reshape(splits, -1, e))
+  np.testing.assert_allclose(np.asarray(parts), want, rtol=1e-5, atol=1e-5)
+  ids, wts = select_from_parts(parts, k, renorm)
+  want_ids, want_wts = decode_router(x, w, k, renormalize=renorm, norm=nrm, impl="triton")
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+  np.testing.assert_allclose(np.asarray(wts), np.asarray(want_wts), **TOL)
+
+
+def test_logit_parts_gradients_and_errors():
+  x, w = _case("splits_of_several_tiles", jnp.float32)
+  g = jnp.asarray(np.random.default_rng(4).uniform(0.5, 1.5, 768), jnp.float32)
+  ct = jnp.asarray(np.random.default_rng(5).standard_normal((2, 2, 16)), jnp.float32)
+  from sparsejax.kernels.decode_router.reference import logit_parts_reference
+  from sparsejax.norm import rms_norm
+  got = jax.grad(lambda x, w, g: jnp.sum(router_logit_parts(x, w, norm=(g, 1e-6)) * ct), argnums=(0, 1, 2))(x, w, g)
+  want = jax.grad(lambda x, w, g: jnp.sum(logit_parts_reference(rms_norm(x, g, 1e-6), w, 2) * ct),
+                  argnums=(0, 1, 2))(x, w, g)
+  for a, b in zip(got, want):
+    assert float(jnp.max(jnp.abs(b))) > 0
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  with pytest.raises(ValueError, match="W_r over several programs") as info:
+    router_logit_parts(jnp.ones((1, 320)), jnp.ones((320, 8)))  # 5 tiles: one program
+  assert "\n" not in str(info.value)
+  assert splits_logits(1, 1024, 64, 1, impl="triton") and not splits_logits(1, 64, 8, 1, impl="triton")

@@ -79,6 +79,30 @@ def test_row_ffn_residual_epilogue_lowers():
   _lowers(fn, ((2, 64, 512), g), ((1, 2), g), ((1, 512), g), ((8, 512), g), ((2,), jnp.int32))
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_routed_row_ffn_and_epilogue_lower(k):
+  """The row kernel and its epilogue selecting the token's experts from the router's partial logits (medium's 8
+  splits of 64 experts): top-1 in bf16 with the norm folded, top-2 renormalized on int8 GLU weights."""
+  g, i8, f = jnp.float32, jnp.int8, PLAIN[jax.nn.gelu]
+
+  def top1(x, ns, w_in, w_out, rp, r):
+    parts, ids = row_ffn.row_ffn_parts((x, ns), skinny.Normed(1e-6), w_in, None, w_out, None, None, rp, f, bf16, 1,
+                                       interpret=False)
+    return row_ffn.residual_epilogue(parts, rp, r, None, ids, bf16, 64, False, interpret=False)
+
+  def top2(x, w_in, w_gate, w_out, s, so, rp, r):
+    parts, ids = row_ffn.row_ffn_parts((x,), skinny.Plain(False), w_in, w_gate, w_out, s, s, rp, f, bf16, 2,
+                                       interpret=False)
+    return row_ffn.residual_epilogue(parts, rp, r, so, ids, bf16, 8, True, interpret=False)
+
+  if k == 1:
+    _lowers(top1, ((1, 1024), bf16), ((1024,), g), ((64, 1024, 4096), bf16), ((64, 4096, 1024), bf16),
+            ((1, 8, 64), g), ((1, 1024), bf16))
+  else:
+    _lowers(top2, ((1, 512), bf16), ((8, 512, 2048), i8), ((8, 512, 2048), i8), ((8, 2048, 512), i8),
+            ((8, 2048), g), ((8, 512), g), ((1, 4, 8), g), ((1, 512), g))
+
+
 @pytest.mark.parametrize("m", [1, 5])
 def test_skinny_matmul_plain_rows_lower(m):
   cfg = skinny.default_config(m, 1024, 1024)
@@ -105,6 +129,12 @@ def test_decode_attention_lowers():
 def test_decode_router_lowers(norm):
   cfg = router.default_config(1024, 64)
   fn = lambda x, w, g: router.decode_router(x, w, 1, False, cfg, interpret=False, norm=(g, 1e-6) if norm else None)
+  _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32))
+
+
+def test_router_logit_parts_lower():
+  cfg = router.default_config(1024, 64)
+  fn = lambda x, w, g: router.logit_parts(x, w, cfg, interpret=False, norm=(g, 1e-6))
   _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32))
 
 

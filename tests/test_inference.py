@@ -170,27 +170,38 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "moe_routed"])
 def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(monkeypatch, variant):
   """One prompt, every decode kernel forced and the feed-forward's one-kernel row form taken at these small
   sizes: each layer's step runs the row kernel, then one kernel that sums its parts, combines the slots and adds
-  the residual (skinny_ffn_residual). It decodes the full forward's greedy tokens and logits."""
+  the residual (skinny_ffn_residual). moe_routed: W_r split over two programs, so the router runs its logits
+  kernel alone and the row kernel and the epilogue select from its parts (decode_moe.routed_decode_layer). It
+  decodes the full forward's greedy tokens and logits."""
+  from sparsejax.inference import decode_moe
+  from sparsejax.kernels.decode_router import splits_logits
+  from sparsejax.kernels.decode_router import triton as router_triton
   from sparsejax.kernels.skinny_matmul import triton_row_ffn
   force_decode_kernels(monkeypatch)
   monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
+  if variant == "moe_routed":  # [16, 4] tiles: d_model 32 is two of them, one a program
+    monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)
+    monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
   real, epilogues = triton_row_ffn.residual_epilogue, []
 
-  def recording(parts, *args, **kwargs):
-    epilogues.append(parts.shape)
-    return real(parts, *args, **kwargs)
+  def recording(parts, combine, *args, **kwargs):
+    epilogues.append((parts.shape, combine.ndim))
+    return real(parts, combine, *args, **kwargs)
 
   monkeypatch.setattr(triton_row_ffn, "residual_epilogue", recording)
-  # d_ff 128 (8 float32 slabs): a config of its own, so no other test's compiled step is reused here
-  model = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1, d_ff=128), rngs=nnx.Rngs(3))
+  # d_ff 128 or 256 (8 or 16 float32 slabs): a config of its own, so no other test's compiled step is reused here
+  d_ff = 256 if variant == "moe_routed" else 128
+  model = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1, d_ff=d_ff), rngs=nnx.Rngs(3))
   prompt = PROMPTS[:1]
   got = np.asarray(generate(model, prompt, 5, temperature=0.0))
   slots = 1 if variant == "dense" else BASE.top_k
-  assert epilogues and set(epilogues) == {(slots, 8, BASE.d_model)} and len(epilogues) % BASE.num_layers == 0
+  # the combine operand: [1, slots] weights, or in the routed step the router's [1, splits, E] partial logits
+  assert epilogues and set(epilogues) == {((slots, d_ff // 16, BASE.d_model), 3 if variant == "moe_routed" else 2)}
+  assert len(epilogues) % BASE.num_layers == 0
   full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
   assert_greedy_matches_full_forward(got, model, prompt, 5, full)
   assert decode_logits_error(model, model, prompt, 5, full) < 1e-5

@@ -549,3 +549,97 @@ def test_ffn_residual_bad_inputs_fail_with_clear_errors():
     skinny_ffn_residual(x, w_in, w_out, jnp.ones((2, 64)), combine=jnp.ones((1, 2)), experts=ids)
   with pytest.raises(ValueError, match=r"takes x \[m, d\]"):
     skinny_ffn_residual(jnp.ones((2, 1, 64)), w_in, w_out, r, combine=jnp.ones((1, 2)), experts=ids)
+
+
+def _select64(router_parts, k, renormalize):
+  """float64: logits = the parts' sum; ids = the k largest (the lower expert first among equal); their softmax."""
+  logits = np.asarray(router_parts, np.float64)[0].sum(axis=0)
+  p = np.exp(logits - logits.max())
+  p /= p.sum()
+  ids = np.argsort(-logits, kind="stable")[:k]
+  wts = p[ids] / (p[ids].sum() if renormalize else 1.0)
+  return ids, wts[None]
+
+
+# (d, f, E, k, router splits, renormalize, w dtype, gated, fused): the row kernel and its epilogue selecting for
+# themselves (f / slab columns a power of two), and XLA selecting where the epilogue does not fuse (12 slabs).
+ROUTED_CASES = {
+    "top1": (256, 512, 8, 1, 4, False, None, False, True),
+    "top2_renormalized_int8_glu": (256, 512, 8, 2, 2, True, jnp.int8, True, True),
+    "k_equals_e": (128, 512, 4, 4, 8, True, None, False, True),
+    "one_expert": (128, 512, 1, 1, 2, False, None, False, True),
+    "slabs_not_a_power_of_two": (128, 384, 4, 2, 2, True, None, False, False),
+}
+
+
+def _routed_case(name, dtype):
+  d, f, e, k, splits, renormalize, w_dtype, gated, fused = ROUTED_CASES[name]
+  seed = seed_of("routed_ffn", name, str(dtype))
+  rng = np.random.default_rng(seed)
+  x, residual = _draw(seed, (1, d), dtype), jnp.asarray(rng.standard_normal((1, d)), dtype)
+  parts = jnp.asarray(rng.standard_normal((1, splits, e)), jnp.float32)
+  ws = [_draw(seed + i, shape, jnp.float32) for i, shape in enumerate([(e, d, f), (e, d, f), (e, f, d)], 1)]
+  if w_dtype == jnp.int8:
+    (qi, si), (qg, sg), (qo, so) = (quantize_weight(w) for w in ws)
+    kw, w_in, w_out, scales = dict(w_gate=qg, w_in_scale=si, w_gate_scale=sg, w_out_scale=so), qi, qo, (si, sg, so)
+  else:
+    w_in, w_out = (w.astype(dtype) for w in (ws[0], ws[2]))
+    kw, scales = dict(w_gate=ws[1].astype(dtype) if gated else None), (None, None, None)
+  return x, residual, parts, w_in, w_out, kw, scales
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", list(ROUTED_CASES))
+def test_routed_ffn_residual_selects_as_the_router_and_equals_the_oracle(name, dtype, row_form_at_any_size):
+  """routed_ffn_residual: the row kernel's programs take their slot's expert from the router's partial logits and
+  the epilogue their weights; against float64 (the k largest logits, their softmax), the XLA backend, and the
+  ids of select_from_parts, which decode_router's select kernel equals."""
+  from sparsejax.kernels.decode_router import select_from_parts
+  from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual
+  d, f, e, k, splits, renormalize, w_dtype, gated, fused = ROUTED_CASES[name]
+  x, residual, parts, w_in, w_out, kw, scales = _routed_case(name, dtype)
+  act = jax.nn.silu if gated else jax.nn.gelu
+  assert fuses_routing(d, f, act, "triton", k, splits, w_in, kw["w_gate"], w_out) == fused
+  call = lambda impl: jax.jit(lambda x, r, p: routed_ffn_residual(x, p, w_in, w_out, r, k=k, renormalize=renormalize,
+                                                                  activation=act, impl=impl, **kw))
+  got, ids = call("triton")(x, residual, parts)
+  want_ids, want_wts = _select64(parts, k, renormalize)
+  np.testing.assert_array_equal(np.asarray(ids), want_ids)
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(select_from_parts(parts, k, renormalize)[0][0]))
+  assert got.dtype == residual.dtype and got.shape == (1, d) and ids.dtype == jnp.int32
+  y = _ffn_oracle(x, w_in, w_out, jnp.asarray(want_ids), _silu64 if gated else _gelu64, w_gate=kw["w_gate"],
+                  scales=scales, dtype=dtype)
+  np.testing.assert_allclose(np.asarray(got, np.float64), _residual_oracle(y, want_wts, residual, dtype), **TOL[dtype])
+  got_xla, ids_xla = call("xla")(x, residual, parts)
+  np.testing.assert_array_equal(np.asarray(ids_xla), want_ids)
+  np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(got_xla, np.float64), **TOL[dtype])
+
+
+def test_routed_ffn_residual_ties_gradients_and_bad_inputs(row_form_at_any_size):
+  """Two equal largest logits: the lower expert first, in the kernels as in the reference. The cotangents of
+  every input (the reference's, to the router's parts through the weights). Bad inputs: one line each."""
+  from sparsejax.kernels.skinny_matmul import routed_ffn_residual
+  x, residual, parts, w_in, w_out, kw, _ = _routed_case("top1", jnp.float32)
+  tied = parts.at[0, :, 2].set(parts[0, :, 5]).at[0, 0, 5].add(10.0).at[0, 0, 2].add(10.0)
+  for impl in ("triton", "xla"):
+    _, ids = routed_ffn_residual(x, tied, w_in, w_out, residual, k=2, renormalize=True, impl=impl)
+    np.testing.assert_array_equal(np.asarray(ids), [2, 5])
+  ct = _draw(81, (1, 256), jnp.float32)
+  loss = lambda impl: lambda x, a, b, p, r: jnp.sum(
+      routed_ffn_residual(x, p, a, b, r, k=2, renormalize=True, impl=impl)[0] * ct)
+  args = (x, w_in, w_out, parts, residual)
+  got = jax.jit(jax.grad(loss("triton"), argnums=range(5)))(*args)
+  want = jax.jit(jax.grad(loss("xla"), argnums=range(5)))(*args)
+  assert float(jnp.max(jnp.abs(want[3]))) > 0  # the weights carry a gradient to the router's parts
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match=r"router_parts \[1, splits, E\]"):
+    routed_ffn_residual(x, parts[0], w_in, w_out, residual, k=1, renormalize=False)
+  with pytest.raises(ValueError, match=r"router_parts \[1, splits, E\]"):
+    routed_ffn_residual(x, parts[:, :, :4], w_in, w_out, residual, k=1, renormalize=False)
+  with pytest.raises(ValueError, match="one token"):
+    routed_ffn_residual(jnp.ones((2, 256)), parts, w_in, w_out, jnp.ones((2, 256)), k=1, renormalize=False)
+  with pytest.raises(ValueError, match=r"residual must be x's shape"):
+    routed_ffn_residual(x, parts, w_in, w_out, jnp.ones((1, 128)), k=1, renormalize=False)
+  with pytest.raises(ValueError, match="top_k|k="):
+    routed_ffn_residual(x, parts, w_in, w_out, residual, k=9, renormalize=False)

@@ -17,7 +17,8 @@ from jaxtyping import Array, Float, Int, Num
 
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
-from sparsejax.kernels.skinny_matmul import skinny_ffn, skinny_ffn_residual
+from sparsejax.kernels.decode_router import router_logit_parts, splits_logits
+from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual, skinny_ffn, skinny_ffn_residual
 from sparsejax.moe import MoEStats, moe_mlp
 from sparsejax.norm import rms_norm
 
@@ -26,6 +27,10 @@ from sparsejax.norm import rms_norm
 # i.e. T FLOPs per weight byte-pair. Up to T = 64 that is still below an H100's ~300 FLOPs per byte
 # of bandwidth, so the step stays bound by the bytes of the experts it reads.
 SMALL_BATCH_MAX_ASSIGNMENTS = 64
+# A decode step at one token lets the experts' row kernel and its epilogue select the token's experts from the
+# router's partial logits (selects_in_experts), so the router's select kernel does not run. Read where the layer
+# is traced: an A-B (experiments/ab_decode.py --patch) sets it False to run the router's two kernels instead.
+SELECTS_IN_EXPERTS = True
 
 
 def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
@@ -149,6 +154,44 @@ def decode_moe_mlp(
   out = skinny_ffn(x, w_in, w_out, **ffn).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   return (y if residual is None else residual + y.astype(residual.dtype)), stats
+
+
+def selects_in_experts(moe, x: Float[Array, "tokens d_model"], activation: Callable) -> bool:
+  """Whether the MoE module's decode step at these tokens takes routed_decode_layer: one token, the router's
+  two-kernel form (decode_router.splits_logits) and the experts' row kernel with its epilogue for the top-k
+  slots on the weights as stored (skinny_matmul.fuses_routing)."""
+  c = moe.config
+  if not SELECTS_IN_EXPERTS or x.shape[0] != 1 or getattr(moe, "mesh", None) is not None:
+    return False
+  if not splits_logits(1, c.d_model, c.num_experts, c.top_k):
+    return False
+  w = expert_weights(moe, x.dtype, quantized=True)
+  return fuses_routing(c.d_model, c.d_ff, activation, "auto", c.top_k, 2, w["w_in"], w["w_gate"], w["w_out"])
+
+
+def routed_decode_layer(
+    moe,
+    x: Float[Array, "1 d_model"],
+    *,
+    activation: Callable,
+    norm: tuple[Float[Array, "d_model"], float] | None,
+    residual: Float[Array, "1 d_model"],
+) -> tuple[Float[Array, "1 d_model"], MoEStats, Int[Array, "1 k"]]:
+  """(residual + y, stats, ids): the MoE layer at one token as decode_router then decode_moe_mlp compute it, in
+  three kernels: the router's partial logits (decode_router.router_logit_parts), then the experts' row kernel
+  and its epilogue, which select the token's experts and weights from them (skinny_matmul.routed_ffn_residual).
+  norm = (g, eps): the layer's input is rms_norm(x, g, eps), taken inside the router's and the experts' kernels."""
+  c = moe.config
+  k = c.top_k
+  renormalize = k > 1 if c.renormalize is None else bool(c.renormalize)
+  parts = router_logit_parts(x, moe.router.w[...], norm=norm)
+  w = expert_weights(moe, x.dtype, quantized=True)
+  y, ids = routed_ffn_residual(x, parts, w.pop("w_in"), w.pop("w_out"), residual, k=k, renormalize=renormalize,
+                               activation=activation, norm=norm, **w)
+  counts = jnp.sum(jax.nn.one_hot(ids, c.num_experts, dtype=jnp.int32), axis=0)
+  zero = jnp.zeros((), jnp.int32)
+  stats = MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
+  return y, stats, ids[None]
 
 
 def dequantize(q: Num[Array, "experts n_in n_out"], scale: Float[Array, "experts n_out"], dtype

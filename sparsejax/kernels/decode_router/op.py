@@ -1,10 +1,13 @@
 """decode_router: top-k routing of a few tokens in Pallas kernels (a decode step's router).
 
-  p = softmax(float32(x) W_r); ids = the k largest p per token, largest first, the lower expert first
-  among equal p (top_k_small's order); weights = p[ids], divided by their sum when renormalize
-This is routing.top_k_routing(routing.router_logits(x, W_r), k, renormalize) without jitter: the ids
-equal it wherever no two probabilities are within the logits' float32 rounding of each other, and
-the weights agree to float32 rounding. Backends: "triton" (triton.py; off the GPU in interpret mode)
+  logits = float32(x) W_r; ids = the k largest logits per token, largest first, the lower expert first
+  among equal ones; weights = softmax(logits)[ids], divided by their sum when renormalize
+This is routing.top_k_routing(routing.router_logits(x, W_r), k, renormalize) without jitter (softmax is
+monotone, so the k largest logits are the k largest p): the ids equal it wherever no two probabilities are
+within the logits' float32 rounding of each other, and the weights agree to float32 rounding. The ids are
+taken from the logits, by comparisons only, so that every kernel selecting from the same partial logits
+(router_logit_parts: the experts' row kernel and its epilogue do at one token) gets the same ids.
+Backends: "triton" (triton.py; off the GPU in interpret mode)
 and "xla" (reference.py); "auto" takes triton on a GPU for at most MAX_TOKENS tokens when the kernel
 fits (kernel_fits) and W_r splits over several programs or is one tile (the one-program form of a
 longer W_r is not measured faster than XLA). Differentiable in x and W_r through the weights: the
@@ -21,8 +24,9 @@ import jax
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_router import triton
-from sparsejax.kernels.decode_router.reference import decode_router_reference
+from sparsejax.kernels.decode_router.reference import decode_router_reference, logit_parts_reference
 from sparsejax.norm import rms_norm
 from sparsejax.top_k import MAX_PASSES_K
 
@@ -109,3 +113,39 @@ def decode_router(
     return _kernel(x, w_router, None if norm is None else norm[0], k, renormalize,
                    None if norm is None else float(norm[1]))
   return decode_router_reference(x, w_router, k, renormalize)
+
+
+def splits_logits(num_tokens: int, d_model: int, num_experts: int, k: int, impl: str = "auto") -> bool:
+  """Whether decode_router runs its two-kernel form here (runs_kernel, W_r over several programs): then
+  router_logit_parts is its first kernel, and a kernel after it can select for itself."""
+  return runs_kernel(num_tokens, d_model, num_experts, k, impl) and triton.default_config(d_model, num_experts).splits > 1
+
+
+def router_logit_parts(
+    x: Float[Array, "tokens d_model"],
+    w_router: Float[Array, "d_model experts"],
+    *,
+    norm: tuple[Float[Array, "d_model"], float] | None = None,
+) -> Float[Array, "tokens splits experts"]:
+  """decode_router's first kernel alone: float32 partial logits, sum_s parts[:, s] = float32(xn) W_r, xn = x or
+  rms_norm(x, g, eps) (norm = (g, eps), taken in the kernel where triton.norm_fits). For a consumer kernel that
+  sums them in split order and selects as decode_router does (triton.summed_logits, top_ids, weights_of;
+  reference: reference.select_from_parts), so that no kernel of its own runs between the router and it.
+  Only where splits_logits holds (or off the GPU, in interpret mode). Differentiable: the reference's cotangents."""
+  _check(x, w_router, 1, "triton", norm)
+  cfg = triton.default_config(x.shape[1], w_router.shape[1])
+  if cfg.splits < 2:
+    raise ValueError(f"router_logit_parts needs W_r over several programs; d_model={x.shape[1]} with "
+                     f"{w_router.shape[1]} experts runs in one (decode_router's one-kernel form).")
+  if norm is not None and not triton.norm_fits(x.shape[1]):
+    x, norm = rms_norm(x, *norm), None
+  eps = None if norm is None else float(norm[1])
+
+  def kernel(x, w, ns):
+    return triton.logit_parts(x, w, cfg, interpret=jax.default_backend() != "gpu",
+                              norm=None if ns is None else (ns, eps))
+
+  def reference(x, w, ns):
+    return logit_parts_reference(x if ns is None else rms_norm(x, ns, eps), w, cfg.splits)
+
+  return with_reference_vjp(kernel, reference, x, w_router, None if norm is None else norm[0])

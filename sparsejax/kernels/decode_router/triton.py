@@ -96,33 +96,66 @@ def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None
   return jax.lax.fori_loop(0, steps, step, jnp.zeros((1, e), jnp.float32))
 
 
-def _select(logits, ids_ref, wts_ref, *, k: int, renormalize: bool):
-  """softmax of [1, E] logits, then k argmax passes (the lower index first among equal p)."""
-  e = logits.shape[1]
-  kp = ids_ref.shape[-1]
-  z = jnp.exp(logits - jnp.max(logits, axis=1, keepdims=True))
-  p = z / jnp.sum(z, axis=1, keepdims=True)  # jax.nn.softmax's formula
-  col = jax.lax.broadcasted_iota(jnp.int32, (1, e), 1)
-  slot = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
-  ids = jnp.zeros((1, kp), jnp.int32)
-  wts = jnp.zeros((1, kp), jnp.float32)
-  for j in range(k):  # probabilities are >= 0, so -1 marks a taken expert
-    best = jnp.max(p, axis=1, keepdims=True)
-    idx = jnp.min(jnp.where(p == best, col, e), axis=1, keepdims=True)
-    ids = jnp.where(slot == j, idx, ids)
-    wts = jnp.where(slot == j, best, wts)
-    p = jnp.where(col == idx, -1.0, p)
+def summed_logits(part_ref, t, splits: int):
+  """[E] float32: token t's partial logits part_ref[t, s, :] summed in split order. A fixed order of elementwise
+  adds, so every kernel that sums them (the select kernel, and the row FFN and its epilogue where they route
+  themselves) gets the same numbers whatever its layout, and so the same ids."""
+  logits = part_ref[t, 0, :]
+  for s in range(1, splits):
+    logits = logits + part_ref[t, s, :]
+  return logits
+
+
+def top_ids(logits, k: int) -> list:
+  """The k largest of [E] logits as int32 scalars, largest first, the lower index first among equal ones.
+  Exact (maxima and comparisons only), so every kernel that takes them from the same logits agrees."""
+  e = logits.shape[0]
+  col = jax.lax.broadcasted_iota(jnp.int32, (e,), 0)
+  free = jnp.ones((e,), jnp.int32)  # 0 once taken: a mask, not -inf, so a logit of -inf is still taken in turn
+  ids = []
+  for _ in range(k):
+    best = jnp.max(jnp.where(free > 0, logits, -jnp.inf))
+    idx = jnp.min(jnp.where((free > 0) & (logits == best), col, e))
+    ids.append(idx)
+    free = jnp.where(col == idx, 0, free)
+  return ids
+
+
+def weights_of(logits, ids: list, renormalize: bool) -> list:
+  """p[ids] as float32 scalars, p = softmax(logits) (jax.nn.softmax's formula); divided by their sum when
+  renormalize."""
+  e = logits.shape[0]
+  col = jax.lax.broadcasted_iota(jnp.int32, (e,), 0)
+  z = jnp.exp(logits - jnp.max(logits))
+  p = z / jnp.sum(z)
+  wts = [jnp.sum(jnp.where(col == i, p, 0.0)) for i in ids]
   if renormalize:
-    wts = wts / jnp.sum(wts, axis=1, keepdims=True)  # slots past k hold 0
-  ids_ref[...] = ids
-  wts_ref[...] = wts
+    total = wts[0]
+    for w in wts[1:]:
+      total = total + w
+    wts = [w / total for w in wts]
+  return wts
+
+
+def _select(logits, ids_ref, wts_ref, *, k: int, renormalize: bool):
+  """[E] logits: the k largest (top_ids), and their softmax probabilities (weights_of)."""
+  kp = ids_ref.shape[-1]
+  slot = jax.lax.broadcasted_iota(jnp.int32, (1, kp), 1)
+  ids = top_ids(logits, k)
+  wts = weights_of(logits, ids, renormalize)
+  id_row, wt_row = jnp.zeros((1, kp), jnp.int32), jnp.zeros((1, kp), jnp.float32)  # slots past k hold 0
+  for j in range(k):
+    id_row = jnp.where(slot == j, ids[j], id_row)
+    wt_row = jnp.where(slot == j, wts[j], wt_row)
+  ids_ref[...] = id_row
+  wts_ref[...] = wt_row
 
 
 def _route_kernel(x_ref, w_ref, *refs, cfg: Config, k: int, renormalize: bool, eps):
   g_ref, (ids_ref, wts_ref) = (refs[0], refs[1:]) if eps is not None else (None, refs)
   steps = w_ref.shape[0] // cfg.block_k
   logits = _partial_logits(x_ref, w_ref, pl.program_id(0), 0, steps, cfg.block_k, g_ref, eps)
-  _select(logits, ids_ref, wts_ref, k=k, renormalize=renormalize)
+  _select(jnp.sum(logits, axis=0), ids_ref, wts_ref, k=k, renormalize=renormalize)
 
 
 def _split_kernel(x_ref, w_ref, *refs, cfg: Config, eps):
@@ -133,7 +166,7 @@ def _split_kernel(x_ref, w_ref, *refs, cfg: Config, eps):
 
 
 def _select_kernel(part_ref, ids_ref, wts_ref, *, k: int, renormalize: bool):
-  _select(jnp.sum(part_ref[...], axis=1), ids_ref, wts_ref, k=k, renormalize=renormalize)
+  _select(summed_logits(part_ref, 0, part_ref.shape[1]), ids_ref, wts_ref, k=k, renormalize=renormalize)
 
 
 def decode_router(
@@ -171,15 +204,46 @@ def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
         grid=(t,), in_specs=[pl.no_block_spec] * (2 + len(extra)), interpret=interpret,
         compiler_params=params, name="sparsejax_decode_router", **outs)(x, w_router, *extra)
   else:
-    part = pl.pallas_call(
-        functools.partial(_split_kernel, cfg=cfg, eps=eps),
-        grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * (2 + len(extra)),
-        out_specs=pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0)),
-        out_shape=jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32),
-        interpret=interpret, compiler_params=params,
-        name="sparsejax_decode_router_logits")(x, w_router, *extra)
+    part = _split_logits(x, w_router, g, cfg, eps, params, interpret)
     ids, wts = pl.pallas_call(
         functools.partial(_select_kernel, k=k, renormalize=renormalize),
         grid=(t,), in_specs=[pl.BlockSpec((1, cfg.splits, e), lambda i: (i, 0, 0))],
         interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select", **outs)(part)
   return ids[:, :k], wts[:, :k]
+
+
+def _split_logits(x, w_router, g, cfg: Config, eps, params, interpret: bool):
+  t, e = x.shape[0], w_router.shape[1]
+  extra = () if g is None else (g,)
+  return pl.pallas_call(
+      functools.partial(_split_kernel, cfg=cfg, eps=eps),
+      grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * (2 + len(extra)),
+      out_specs=pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0)),
+      out_shape=jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32),
+      interpret=interpret, compiler_params=params,
+      name="sparsejax_decode_router_logits")(x, w_router, *extra)
+
+
+def logit_parts(
+    x: Float[Array, "tokens d_model"],
+    w_router: Float[Array, "d_model experts"],
+    cfg: Config,
+    *,
+    interpret: bool,
+    norm: tuple[Float[Array, "d_model"], float] | None = None,
+) -> Float[Array, "tokens splits experts"]:
+  """The first kernel alone (cfg.splits > 1): parts[t, s] = xn[t, R_s] W_r[R_s, :] in float32 over split s's rows
+  R_s, xn = x or rms_norm(x, g, eps); for kernels that select themselves (summed_logits, top_ids, weights_of)."""
+  if cfg.splits < 2:
+    raise ValueError(f"logit_parts runs the split form; cfg has splits={cfg.splits}.")
+  g, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
+  return _logit_parts(x, w_router, g, cfg, eps, interpret=interpret)
+
+
+@shared_lowering("cfg", "eps")
+def _logit_parts(x, w_router, g, cfg, eps, *, interpret):
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  return _split_logits(x, w_router, g, cfg, eps, params, interpret)

@@ -26,6 +26,7 @@ from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.activations import PLAIN
 from sparsejax.kernels._reference_vjp import with_reference_vjp
+from sparsejax.kernels.decode_router.reference import select_from_parts
 from sparsejax.kernels.skinny_matmul import triton, triton_row_ffn
 from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
 from sparsejax.norm import rms_norm
@@ -307,10 +308,7 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
       return parts.sum(axis=1)[:, :m]
 
   def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, *epi):
-    xs = _slots(_normed(x, ns, eps), ids)
-    gate = None if w_gate3 is None else skinny_matmul_reference(xs, w_gate3, ids, s_gate)
-    y = skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
-                                w_out3, ids)
+    y = _ffn_reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, eps, activation, dt)
     return _residual_epilogue_reference(y, *epi, ids, dt, w_out3.shape[0]) if epi else y
 
   epi = () if epilogue is None else (*epilogue, s_out)
@@ -321,6 +319,14 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
   if s_out is not None:
     y = y * jnp.take(s_out, ids, axis=0, mode="clip").astype(jnp.float32)[:, None, :]
   return y[0] if dense else y
+
+
+def _ffn_reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, eps, activation, dt):
+  """[slots, m, d] float32: the two-call form of skinny_ffn (unscaled by W_out's scale), x normed when ns is given."""
+  xs = _slots(_normed(x, ns, eps), ids)
+  gate = None if w_gate3 is None else skinny_matmul_reference(xs, w_gate3, ids, s_gate)
+  return skinny_matmul_reference(_hidden(skinny_matmul_reference(xs, w_in3, ids, s_in), gate, activation, dt),
+                                 w_out3, ids)
 
 
 def _residual_epilogue_reference(y, combine, residual, s_out, ids, dtype, num_experts):
@@ -393,6 +399,76 @@ def skinny_ffn_residual(
   y = _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
   return _residual_epilogue_reference(y[None] if dense else y, combine, residual, None, None if dense else experts,
                                       x.dtype, w_in.shape[0])
+
+
+def fuses_routing(d: int, f: int, activation, impl: str, k: int, splits: int, w_in, w_gate, w_out) -> bool:
+  """Whether routed_ffn_residual's kernels select for themselves: the row form with its epilogue for k slots
+  (fuses_residual), the weights of one width, and splits and E powers of two (Triton's blocks)."""
+  e = w_in.shape[0]
+  return (_one_width(w_in, w_gate, w_out) and splits & (splits - 1) == 0 and e & (e - 1) == 0
+          and fuses_residual(1, d, f, activation, impl, w_in.dtype, w_gate is not None, k))
+
+
+def routed_ffn_residual(
+    x: Float[Array, "1 d"],
+    router_parts: Float[Array, "1 splits experts"],
+    w_in: Num[Array, "experts d f"],
+    w_out: Num[Array, "experts f d"],
+    residual: Float[Array, "1 d"],
+    *,
+    k: int,
+    renormalize: bool,
+    w_gate: Num[Array, "experts d f"] | None = None,
+    activation: Callable = jax.nn.gelu,
+    w_in_scale: Float[Array, "experts f"] | None = None,
+    w_gate_scale: Float[Array, "experts f"] | None = None,
+    w_out_scale: Float[Array, "experts d"] | None = None,
+    norm: tuple[Float[Array, "d"], float] | None = None,
+    impl: str = "auto",
+) -> tuple[Float[Array, "1 d"], Int[Array, "k"]]:
+  """(skinny_ffn_residual(x, ..., experts=ids, combine=weights), ids) for one token routed by its router's
+  partial logits: (ids, weights) = decode_router.reference.select_from_parts(router_parts, k, renormalize), the
+  parts as decode_router.router_logit_parts makes them.
+
+  Where fuses_residual holds for k slots, the row kernel's programs each select their slot's expert from the
+  parts, and its epilogue the weights, as decode_router's select kernel would (the same exact rule, so they
+  agree): no kernel runs between the router's logits and the experts'. Else XLA selects and
+  skinny_ffn_residual runs. Differentiable (the reference's cotangents, through the weights to the parts)."""
+  _checks.check_floating("router_parts", router_parts)
+  num_experts = w_in.shape[0] if w_in.ndim == 3 else None
+  if w_in.ndim != 3 or router_parts.ndim != 3 or router_parts.shape[0] != 1 or router_parts.shape[2] != num_experts:
+    raise ValueError(f"routed_ffn_residual takes expert weights [E, d, f] and router_parts [1, splits, E]; got "
+                     f"w_in {w_in.shape}, router_parts {router_parts.shape}.")
+  _checks.check_top_k(k, num_experts)
+  _check_ffn(x, w_in, w_out, jnp.zeros((k,), jnp.int32), w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
+  if x.ndim != 2 or x.shape[0] != 1:
+    raise ValueError(f"routed_ffn_residual takes one token, x [1, d]; got shape {x.shape}.")
+  _checks.check_floating("residual", residual)
+  if residual.shape != x.shape:
+    raise ValueError(f"residual must be x's shape {x.shape}; got {residual.shape}.")
+  d, f = w_in.shape[-2:]
+  dt, renormalize = x.dtype, bool(renormalize)
+  if not fuses_routing(d, f, activation, impl, k, router_parts.shape[1], w_in, w_gate, w_out):
+    ids, wts = select_from_parts(router_parts, k, renormalize)
+    y = skinny_ffn_residual(x, w_in, w_out, residual, combine=wts, experts=ids[0], w_gate=w_gate,
+                            activation=activation, w_in_scale=w_in_scale, w_gate_scale=w_gate_scale,
+                            w_out_scale=w_out_scale, norm=norm, impl=impl)
+    return y, ids[0]
+  source, eps = _source(x, norm), None if norm is None else float(norm[1])
+
+  def kernel(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
+    parts, ids = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in, w_gate, w_out, s_in,
+                                              s_gate, rp, PLAIN[activation], dt, k, interpret=_interpret())
+    return triton_row_ffn.residual_epilogue(parts, rp, residual, s_out, ids, dt, num_experts, renormalize,
+                                            interpret=_interpret()), ids
+
+  def reference(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
+    ids, wts = select_from_parts(rp, k, renormalize)
+    y = _ffn_reference(x, w_in, w_gate, w_out, s_in, s_gate, ns, ids[0], eps, activation, dt)
+    return _residual_epilogue_reference(y, wts, residual, s_out, ids[0], dt, num_experts), ids[0]
+
+  return with_reference_vjp(kernel, reference, x, w_in, w_gate, w_out, w_in_scale, w_gate_scale, w_out_scale,
+                            None if norm is None else norm[0], router_parts, residual)
 
 
 def split_k_parts(

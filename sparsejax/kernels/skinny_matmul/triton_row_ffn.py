@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
+from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.triton import Normed
 
@@ -65,8 +66,18 @@ def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
           and (2 + gated) * d * slab_row_bytes(w_dtype) <= MAX_PROGRAM_BYTES)
 
 
+def _slot_expert(router_ref, s, k: int):
+  """Slot s's expert when the kernel routes itself: the s-th of the token's k largest logits, from the
+  router's partial logits [1, splits, E] (decode_router's own rule, so every program gets the same ids)."""
+  ids = top_ids(summed_logits(router_ref, 0, router_ref.shape[1]), k)
+  e = ids[0]
+  for i in range(1, k):
+    e = jnp.where(s == i, ids[i], e)
+  return e
+
+
 def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gated: bool, up_scaled: bool,
-            gate_scaled: bool):
+            gate_scaled: bool, routed_k: int | None):
   refs = list(refs)
   x_refs = [refs.pop(0) for _ in range(1 if not isinstance(source, Normed) else 2)]
   w_in_ref = refs.pop(0)
@@ -74,9 +85,16 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   w_out_ref = refs.pop(0)
   s_in_ref = refs.pop(0) if up_scaled else None
   s_gate_ref = refs.pop(0) if gate_scaled else None
-  (out_ref,) = refs
+  out_ref, ids_ref = refs if routed_k else (refs[0], None)
   s, j = pl.program_id(0), pl.program_id(1)
-  e = experts_ref[s]
+  if routed_k:
+    e = _slot_expert(experts_ref, s, routed_k)
+
+    @pl.when(j == 0)
+    def _():
+      ids_ref[s] = e
+  else:
+    e = experts_ref[s]
   present = (e >= 0) & (e < w_in_ref.shape[0])  # a slot with no expert reads nothing and writes zeros
   expert = jnp.clip(e, 0, w_in_ref.shape[0] - 1)
   cols = pl.ds(pl.multiple_of(j * c, c), c)
@@ -112,7 +130,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
 
 
-@shared_lowering("source", "activation", "dtype")
+@shared_lowering("source", "activation", "dtype", "routed_k")
 def row_ffn_parts(
     x_operands: tuple,
     source,
@@ -121,38 +139,44 @@ def row_ffn_parts(
     w_out: Num[Array, "experts f d"],
     s_in: Float[Array, "experts f"] | None,
     s_gate: Float[Array, "experts f"] | None,
-    experts: Int[Array, "slots"],
+    experts: Int[Array, "slots"] | Float[Array, "1 splits experts"],
     activation: Callable,
     dtype,
+    routed_k: int | None = None,
     *,
     interpret: bool,
-) -> Float[Array, "slots programs d"]:
+) -> Float[Array, "slots programs d"] | tuple[Float[Array, "slots programs d"], Int[Array, "slots"]]:
   """The module docstring's parts, float32 and unscaled by W_out's scale: FFN_s(x) = sum_j parts[s, j].
 
   x_operands are what `source` reads: (x,) for triton.Plain (x [1, d], or [slots, 1, d] per slot), (x, g)
   for Normed. activation is a kernel-body function (sparsejax.activations.PLAIN); dtype is x's (the
-  rounding of u, g and h)."""
+  rounding of u, g and h). routed_k = k: `experts` is the router's partial logits of the token
+  (decode_router.router_logit_parts) and slot s's expert its s-th choice, which every program takes itself
+  (the router's select kernel then never runs); the result is (parts, the k ids)."""
   d, f = w_in.shape[-2:]
-  slots = experts.shape[0]
+  slots = routed_k or experts.shape[0]
   c = slab_columns(w_in.dtype)
   gated, up_scaled, gate_scaled = w_gate is not None, s_in is not None, s_gate is not None
   kernel = functools.partial(_kernel, source=source, activation=activation, dtype=jnp.dtype(dtype), c=c,
-                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled)
+                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled, routed_k=routed_k)
   operands = tuple(x_operands) + tuple(w for w in (w_in, w_gate, w_out, s_in, s_gate) if w is not None)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
+  out_shape = jax.ShapeDtypeStruct((slots, f // c, d), jnp.float32)
+  if routed_k:
+    out_shape = (out_shape, jax.ShapeDtypeStruct((slots,), jnp.int32))
   return pl.pallas_call(
       kernel,
       grid=(slots, f // c),
       in_specs=[pl.no_block_spec] * (1 + len(operands)),
-      out_specs=pl.no_block_spec,
-      out_shape=jax.ShapeDtypeStruct((slots, f // c, d), jnp.float32),
+      out_specs=(pl.no_block_spec,) * 2 if routed_k else pl.no_block_spec,
+      out_shape=out_shape,
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_row_ffn",
-  )(experts.astype(jnp.int32), *operands)
+  )(experts if routed_k else experts.astype(jnp.int32), *operands)
 
 
 # The epilogue kernel's columns a program owns: d / 32 programs, each summing [P, 32] float32 a slot (16 KB at
@@ -167,50 +191,58 @@ def epilogue_fits(d: int, programs: int) -> bool:
 
 
 def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, dtype, bd: int, scaled: bool,
-                     num_experts: int):
+                     num_experts: int, renormalize: bool | None):
   s_out_ref = refs[0] if scaled else None
   out_ref = refs[-1]
   cols = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
   z = jnp.zeros((bd,), jnp.float32)
-  for s in range(parts_ref.shape[0]):  # the slots: static and few (one token's k)
+  slots = parts_ref.shape[0]
+  if renormalize is not None:  # combine_ref holds the router's partial logits: the weights of the row kernel's ids
+    routed = weights_of(summed_logits(combine_ref, 0, combine_ref.shape[1]), [experts_ref[s] for s in range(slots)],
+                        renormalize)
+  for s in range(slots):  # static and few (one token's k)
     y = jnp.sum(parts_ref[s, :, cols], axis=0)
     e = experts_ref[s]
     if scaled:
       y = y * s_out_ref[jnp.clip(e, 0, num_experts - 1), cols].astype(jnp.float32)  # no expert: zero parts
     # A slot with no expert adds nothing whatever its weight (the caller passes the router's weights unmasked).
-    c = jnp.where((e >= 0) & (e < num_experts), combine_ref[0, s].astype(jnp.float32), 0.0)
+    weight = combine_ref[0, s].astype(jnp.float32) if renormalize is None else routed[s]
+    c = jnp.where((e >= 0) & (e < num_experts), weight, 0.0)
     z = z + c * rnd(y)
   out_ref[0, cols] = (residual_ref[0, cols].astype(jnp.float32) + rnd(z)).astype(out_ref.dtype)
 
 
 def residual_epilogue(
     parts: Float[Array, "slots programs d"],
-    combine: Float[Array, "1 slots"],
+    combine: Float[Array, "1 slots"] | Float[Array, "1 splits experts"],
     residual: Float[Array, "1 d"],
     s_out: Float[Array, "experts d"] | None,
     experts: Int[Array, "slots"],
     dtype,
     num_experts: int,
+    renormalize: bool | None = None,
     *,
     interpret: bool,
 ) -> Float[Array, "1 d"]:
   """residual + round(sum_s [0 <= experts[s] < num_experts] combine[0, s] round(sum_j parts[s, j] (* s_out[experts[s]]))),
   in residual's dtype; round is to dtype (the FFN input's). What XLA ran as a reduction kernel then the layer's
   add, as one kernel of d / EPILOGUE_COLUMNS programs (op.skinny_ffn_residual; its reference is
-  op._residual_epilogue_reference). EPILOGUE_COLUMNS is read here, outside the shared lowering, so a changed
-  value lowers anew."""
+  op._residual_epilogue_reference). renormalize not None: combine is the router's partial logits of the token
+  (row_ffn_parts' routed form, whose ids `experts` are) and combine[0, s] the softmax probability of experts[s]
+  (decode_router's weights_of), divided by the slots' sum when renormalize. EPILOGUE_COLUMNS is read here,
+  outside the shared lowering, so a changed value lowers anew."""
   return _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts, EPILOGUE_COLUMNS,
-                            interpret=interpret)
+                            renormalize, interpret=interpret)
 
 
-@shared_lowering("dtype", "num_experts", "bd")
-def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int, *,
-                       interpret: bool):
+@shared_lowering("dtype", "num_experts", "bd", "renormalize")
+def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int,
+                       renormalize: bool | None, *, interpret: bool):
   d = parts.shape[-1]
   scaled = s_out is not None
   kernel = functools.partial(_epilogue_kernel, dtype=jnp.dtype(dtype), bd=bd, scaled=scaled,
-                             num_experts=num_experts)
+                             num_experts=num_experts, renormalize=renormalize)
   operands = (experts.astype(jnp.int32), parts, combine.astype(jnp.float32), residual) + ((s_out,) if scaled else ())
   params = None
   if not interpret:
