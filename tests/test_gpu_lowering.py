@@ -81,18 +81,19 @@ def test_row_ffn_residual_epilogue_lowers():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_routed_row_ffn_and_epilogue_lower(k):
-  """The row kernel and its epilogue selecting the token's experts from the router's partial logits (medium's 8
-  splits of 64 experts): top-1 in bf16 with the norm folded, top-2 renormalized on int8 GLU weights."""
+  """The row kernel selecting the token's experts from the router's partial logits (medium's 8 splits of 64
+  experts): top-1 in bf16 with the norm folded, its programs (0, 0) storing the weight, then the epilogue; top-2
+  renormalized on int8 GLU weights with the epilogue taking the weights from the parts itself."""
   g, i8, f = jnp.float32, jnp.int8, PLAIN[jax.nn.gelu]
 
   def top1(x, ns, w_in, w_out, rp, r):
-    parts, ids = row_ffn.row_ffn_parts((x, ns), skinny.Normed(1e-6), w_in, None, w_out, None, None, rp, f, bf16, 1,
-                                       interpret=False)
-    return row_ffn.residual_epilogue(parts, rp, r, None, ids, bf16, 64, False, interpret=False)
+    parts, ids, wts = row_ffn.row_ffn_parts((x, ns), skinny.Normed(1e-6), w_in, None, w_out, None, None, rp, f, bf16,
+                                            row_ffn.Routed(1, False), interpret=False)
+    return row_ffn.residual_epilogue(parts, wts[None], r, None, ids, bf16, 64, interpret=False)
 
   def top2(x, w_in, w_gate, w_out, s, so, rp, r):
-    parts, ids = row_ffn.row_ffn_parts((x,), skinny.Plain(False), w_in, w_gate, w_out, s, s, rp, f, bf16, 2,
-                                       interpret=False)
+    parts, ids = row_ffn.row_ffn_parts((x,), skinny.Plain(False), w_in, w_gate, w_out, s, s, rp, f, bf16,
+                                       row_ffn.Routed(2), interpret=False)
     return row_ffn.residual_epilogue(parts, rp, r, so, ids, bf16, 8, True, interpret=False)
 
   if k == 1:

@@ -18,6 +18,7 @@ two-call form); off the GPU the kernel runs in Pallas' interpret mode (tests/tes
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -66,18 +67,25 @@ def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
           and (2 + gated) * d * slab_row_bytes(w_dtype) <= MAX_PROGRAM_BYTES)
 
 
-def _slot_expert(router_ref, s, k: int):
-  """Slot s's expert when the kernel routes itself: the s-th of the token's k largest logits, from the
-  router's partial logits [1, splits, E] (decode_router's own rule, so every program gets the same ids)."""
-  ids = top_ids(summed_logits(router_ref, 0, router_ref.shape[1]), k)
-  e = ids[0]
-  for i in range(1, k):
-    e = jnp.where(s == i, ids[i], e)
-  return e
+@dataclasses.dataclass(frozen=True)
+class Routed:
+  """The row kernel routes itself: `experts` is the token's router partial logits [1, splits, E], slot s's expert
+  its s-th largest logit (decode_router's own rule, so every program gets the same ids), and programs (s, 0) store
+  the ids; with renormalize not None they also store the slots' weights (decode_router.triton.weights_of)."""
+  k: int
+  renormalize: bool | None = None
+
+
+def _pick(values: list, s):
+  """values[s] for a traced slot index s over a static list."""
+  v = values[0]
+  for i in range(1, len(values)):
+    v = jnp.where(s == i, values[i], v)
+  return v
 
 
 def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gated: bool, up_scaled: bool,
-            gate_scaled: bool, routed_k: int | None):
+            gate_scaled: bool, routed: Routed | None):
   refs = list(refs)
   x_refs = [refs.pop(0) for _ in range(1 if not isinstance(source, Normed) else 2)]
   w_in_ref = refs.pop(0)
@@ -85,14 +93,12 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   w_out_ref = refs.pop(0)
   s_in_ref = refs.pop(0) if up_scaled else None
   s_gate_ref = refs.pop(0) if gate_scaled else None
-  out_ref, ids_ref = refs if routed_k else (refs[0], None)
+  out_ref, *routed_refs = refs
   s, j = pl.program_id(0), pl.program_id(1)
-  if routed_k:
-    e = _slot_expert(experts_ref, s, routed_k)
-
-    @pl.when(j == 0)
-    def _():
-      ids_ref[s] = e
+  if routed:
+    logits = summed_logits(experts_ref, 0, experts_ref.shape[1])
+    ids = top_ids(logits, routed.k)
+    e = _pick(ids, s)
   else:
     e = experts_ref[s]
   present = (e >= 0) & (e < w_in_ref.shape[0])  # a slot with no expert reads nothing and writes zeros
@@ -128,9 +134,16 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
   out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
+  if routed:  # after the slab's work: the weights' softmax stays off the weight stream's path
+
+    @pl.when(j == 0)
+    def _():
+      routed_refs[0][s] = e
+      if routed.renormalize is not None:
+        routed_refs[1][s] = _pick(weights_of(logits, ids, routed.renormalize), s)
 
 
-@shared_lowering("source", "activation", "dtype", "routed_k")
+@shared_lowering("source", "activation", "dtype", "routed")
 def row_ffn_parts(
     x_operands: tuple,
     source,
@@ -142,41 +155,44 @@ def row_ffn_parts(
     experts: Int[Array, "slots"] | Float[Array, "1 splits experts"],
     activation: Callable,
     dtype,
-    routed_k: int | None = None,
+    routed: Routed | None = None,
     *,
     interpret: bool,
-) -> Float[Array, "slots programs d"] | tuple[Float[Array, "slots programs d"], Int[Array, "slots"]]:
+) -> Float[Array, "slots programs d"] | tuple:
   """The module docstring's parts, float32 and unscaled by W_out's scale: FFN_s(x) = sum_j parts[s, j].
 
   x_operands are what `source` reads: (x,) for triton.Plain (x [1, d], or [slots, 1, d] per slot), (x, g)
   for Normed. activation is a kernel-body function (sparsejax.activations.PLAIN); dtype is x's (the
-  rounding of u, g and h). routed_k = k: `experts` is the router's partial logits of the token
+  rounding of u, g and h). routed (Routed): `experts` is the router's partial logits of the token
   (decode_router.router_logit_parts) and slot s's expert its s-th choice, which every program takes itself
-  (the router's select kernel then never runs); the result is (parts, the k ids)."""
+  (the router's select kernel then never runs); the result is (parts, the k ids), and their weights
+  (float32 [k]) too where routed.renormalize is not None."""
   d, f = w_in.shape[-2:]
-  slots = routed_k or experts.shape[0]
+  slots = routed.k if routed else experts.shape[0]
   c = slab_columns(w_in.dtype)
   gated, up_scaled, gate_scaled = w_gate is not None, s_in is not None, s_gate is not None
   kernel = functools.partial(_kernel, source=source, activation=activation, dtype=jnp.dtype(dtype), c=c,
-                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled, routed_k=routed_k)
+                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled, routed=routed)
   operands = tuple(x_operands) + tuple(w for w in (w_in, w_gate, w_out, s_in, s_gate) if w is not None)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
   out_shape = jax.ShapeDtypeStruct((slots, f // c, d), jnp.float32)
-  if routed_k:
+  if routed:
     out_shape = (out_shape, jax.ShapeDtypeStruct((slots,), jnp.int32))
+    if routed.renormalize is not None:
+      out_shape += (jax.ShapeDtypeStruct((slots,), jnp.float32),)
   return pl.pallas_call(
       kernel,
       grid=(slots, f // c),
       in_specs=[pl.no_block_spec] * (1 + len(operands)),
-      out_specs=(pl.no_block_spec,) * 2 if routed_k else pl.no_block_spec,
+      out_specs=(pl.no_block_spec,) * len(out_shape) if routed else pl.no_block_spec,
       out_shape=out_shape,
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_row_ffn",
-  )(experts if routed_k else experts.astype(jnp.int32), *operands)
+  )(experts if routed else experts.astype(jnp.int32), *operands)
 
 
 # The epilogue kernel's columns a program owns: d / 32 programs, each summing [P, 32] float32 a slot (16 KB at
