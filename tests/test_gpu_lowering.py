@@ -81,9 +81,8 @@ def test_row_ffn_residual_epilogue_lowers():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_routed_row_ffn_and_epilogue_lower(k):
-  """The row kernel selecting the token's experts from the router's partial logits (medium's 8 splits of 64
-  experts): top-1 in bf16 with the norm folded, its programs (0, 0) storing the weight, then the epilogue; top-2
-  renormalized on int8 GLU weights with the epilogue taking the weights from the parts itself."""
+  """The row kernel selecting the token's experts and weights from the router's partial logits (medium's 8 splits
+  of 64 experts), then the epilogue: top-1 in bf16 with the norm folded, top-2 renormalized on int8 GLU weights."""
   g, i8, f = jnp.float32, jnp.int8, PLAIN[jax.nn.gelu]
 
   def top1(x, ns, w_in, w_out, rp, r):
@@ -92,9 +91,9 @@ def test_routed_row_ffn_and_epilogue_lower(k):
     return row_ffn.residual_epilogue(parts, wts[None], r, None, ids, bf16, 64, interpret=False)
 
   def top2(x, w_in, w_gate, w_out, s, so, rp, r):
-    parts, ids = row_ffn.row_ffn_parts((x,), skinny.Plain(False), w_in, w_gate, w_out, s, s, rp, f, bf16,
-                                       row_ffn.Routed(2), interpret=False)
-    return row_ffn.residual_epilogue(parts, rp, r, so, ids, bf16, 8, True, interpret=False)
+    parts, ids, wts = row_ffn.row_ffn_parts((x,), skinny.Plain(False), w_in, w_gate, w_out, s, s, rp, f, bf16,
+                                            row_ffn.Routed(2, True), interpret=False)
+    return row_ffn.residual_epilogue(parts, wts[None], r, so, ids, bf16, 8, interpret=False)
 
   if k == 1:
     _lowers(top1, ((1, 1024), bf16), ((1024,), g), ((64, 1024, 4096), bf16), ((64, 4096, 1024), bf16),

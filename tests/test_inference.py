@@ -187,20 +187,27 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
     monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)
     monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
   real, epilogues = triton_row_ffn.residual_epilogue, []
+  real_row, routes = triton_row_ffn.row_ffn_parts, []
 
-  def recording(parts, combine, *args, **kwargs):
-    epilogues.append((parts.shape, combine.ndim))
-    return real(parts, combine, *args, **kwargs)
+  def recording(parts, *args, **kwargs):
+    epilogues.append(parts.shape)
+    return real(parts, *args, **kwargs)
+
+  def recording_row(*args, **kwargs):
+    routes.append(args[10] if len(args) > 10 else kwargs.get("routed"))
+    return real_row(*args, **kwargs)
 
   monkeypatch.setattr(triton_row_ffn, "residual_epilogue", recording)
+  monkeypatch.setattr(triton_row_ffn, "row_ffn_parts", recording_row)
   # d_ff 128 or 256 (8 or 16 float32 slabs): a config of its own, so no other test's compiled step is reused here
   d_ff = 256 if variant == "moe_routed" else 128
   model = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1, d_ff=d_ff), rngs=nnx.Rngs(3))
   prompt = PROMPTS[:1]
   got = np.asarray(generate(model, prompt, 5, temperature=0.0))
   slots = 1 if variant == "dense" else BASE.top_k
-  # the combine operand: [1, slots] weights, or in the routed step the router's [1, splits, E] partial logits
-  assert epilogues and set(epilogues) == {((slots, d_ff // 16, BASE.d_model), 3 if variant == "moe_routed" else 2)}
+  assert epilogues and set(epilogues) == {(slots, d_ff // 16, BASE.d_model)}
+  # the routed step's row kernel selects the top-k itself (and takes the weights: renormalize, as top_k > 1)
+  assert set(routes) == ({triton_row_ffn.Routed(BASE.top_k, True)} if variant == "moe_routed" else {None})
   assert len(epilogues) % BASE.num_layers == 0
   full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
   assert_greedy_matches_full_forward(got, model, prompt, 5, full)

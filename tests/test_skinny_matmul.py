@@ -588,18 +588,14 @@ def _routed_case(name, dtype):
   return x, residual, parts, w_in, w_out, kw, scales
 
 
-@pytest.mark.parametrize("weights_in", ["row", "epilogue"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("name", list(ROUTED_CASES))
-def test_routed_ffn_residual_selects_as_the_router_and_equals_the_oracle(name, dtype, weights_in, monkeypatch,
-                                                                          row_form_at_any_size):
-  """routed_ffn_residual: the row kernel's programs take their slot's expert from the router's partial logits, and
-  the weights are taken by its programs (s, 0) or by the epilogue's; against float64 (the k largest logits, their
-  softmax), the XLA backend, and the ids of select_from_parts, which decode_router's select kernel equals."""
+def test_routed_ffn_residual_selects_as_the_router_and_equals_the_oracle(name, dtype, row_form_at_any_size):
+  """routed_ffn_residual: the row kernel's programs take their slot's expert from the router's partial logits and
+  its programs (s, 0) the weights; against float64 (the k largest logits, their softmax), the XLA backend, and the
+  ids of select_from_parts, which decode_router's select kernel equals."""
   from sparsejax.kernels.decode_router import select_from_parts
   from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual
-  from sparsejax.kernels.skinny_matmul import op
-  monkeypatch.setattr(op, "ROUTED_WEIGHTS_IN_ROW_KERNEL", weights_in == "row")
   d, f, e, k, splits, renormalize, w_dtype, gated, fused = ROUTED_CASES[name]
   x, residual, parts, w_in, w_out, kw, scales = _routed_case(name, dtype)
   act = jax.nn.silu if gated else jax.nn.gelu

@@ -401,11 +401,6 @@ def skinny_ffn_residual(
                                       x.dtype, w_in.shape[0])
 
 
-# Where routed_ffn_residual's kernels take the slots' weights: True, the row kernel's programs (s, 0) after their
-# slab (its epilogue then reads k numbers); False, every program of the epilogue from the router's parts.
-ROUTED_WEIGHTS_IN_ROW_KERNEL = True
-
-
 def fuses_routing(d: int, f: int, activation, impl: str, k: int, splits: int, w_in, w_gate, w_out) -> bool:
   """Whether routed_ffn_residual's kernels select for themselves: the row form with its epilogue for k slots
   (fuses_residual), the weights of one width, and splits and E powers of two (Triton's blocks)."""
@@ -436,8 +431,8 @@ def routed_ffn_residual(
   parts as decode_router.router_logit_parts makes them.
 
   Where fuses_residual holds for k slots, the row kernel's programs each select their slot's expert from the
-  parts, and its epilogue the weights, as decode_router's select kernel would (the same exact rule, so they
-  agree): no kernel runs between the router's logits and the experts'. Else XLA selects and
+  parts as decode_router's select kernel would (the same exact rule, so they agree), and programs (s, 0) store
+  the slots' weights for the epilogue: no kernel runs between the router's logits and the experts'. Else XLA selects and
   skinny_ffn_residual runs. Differentiable (the reference's cotangents, through the weights to the parts)."""
   _checks.check_floating("router_parts", router_parts)
   num_experts = w_in.shape[0] if w_in.ndim == 3 else None
@@ -461,20 +456,12 @@ def routed_ffn_residual(
     return y, ids[0]
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
 
-  in_row = ROUTED_WEIGHTS_IN_ROW_KERNEL  # read here, outside the shared lowerings: an A-B patches it
-
   def kernel(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
-    routed = triton_row_ffn.Routed(k, renormalize if in_row else None)
-    parts, ids, *wts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in, w_gate, w_out,
-                                                    s_in, s_gate, rp, PLAIN[activation], dt, routed,
-                                                    interpret=_interpret())
-    if in_row:  # the weights from the row kernel's programs (s, 0)
-      y = triton_row_ffn.residual_epilogue(parts, wts[0][None], residual, s_out, ids, dt, num_experts,
-                                           interpret=_interpret())
-    else:  # the epilogue's programs each take the weights from the parts
-      y = triton_row_ffn.residual_epilogue(parts, rp, residual, s_out, ids, dt, num_experts, renormalize,
-                                           interpret=_interpret())
-    return y, ids
+    parts, ids, wts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in, w_gate, w_out,
+                                                   s_in, s_gate, rp, PLAIN[activation], dt,
+                                                   triton_row_ffn.Routed(k, renormalize), interpret=_interpret())
+    return triton_row_ffn.residual_epilogue(parts, wts[None], residual, s_out, ids, dt, num_experts,
+                                            interpret=_interpret()), ids
 
   def reference(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
     ids, wts = select_from_parts(rp, k, renormalize)

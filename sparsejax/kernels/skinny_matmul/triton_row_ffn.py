@@ -13,8 +13,10 @@ A program issues its W_out slab's loads first (they depend on nothing it compute
 W_gate's), and holds them in registers: F_j is slab_row_bytes of every W_in row wide (64 bytes in bf16, 32
 in int8: 32 columns either way), so a program reads d x that of each weight. x comes as Plain (one row, or one
 per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
-rounding of u, g and h is the split form's (op._hidden). Reference: op.skinny_ffn's reference (the
-two-call form); off the GPU the kernel runs in Pallas' interpret mode (tests/test_skinny_matmul.py).
+rounding of u, g and h is the split form's (op._hidden). At a decode step's one token the kernel can route itself
+(Routed): each program takes its slot's expert from the router's partial logits, so the router's select kernel
+never runs (op.routed_ffn_residual). Reference: op.skinny_ffn's reference (the two-call form); off the GPU the
+kernel runs in Pallas' interpret mode (tests/test_skinny_matmul.py).
 """
 from __future__ import annotations
 
@@ -71,9 +73,11 @@ def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
 class Routed:
   """The row kernel routes itself: `experts` is the token's router partial logits [1, splits, E], slot s's expert
   its s-th largest logit (decode_router's own rule, so every program gets the same ids), and programs (s, 0) store
-  the ids; with renormalize not None they also store the slots' weights (decode_router.triton.weights_of)."""
+  its id and, after their slab, its weight (decode_router.triton.weights_of). Taken there, the weights' softmax
+  is off every other program's path: in the epilogue's 32 programs it ran 2.4 us against 1.9 and the medium-MoE
+  step 1.1-2.2% slower (experiments/results/decode_select_in_experts_weights_ab_H100.log)."""
   k: int
-  renormalize: bool | None = None
+  renormalize: bool
 
 
 def _pick(values: list, s):
@@ -139,8 +143,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
     @pl.when(j == 0)
     def _():
       routed_refs[0][s] = e
-      if routed.renormalize is not None:
-        routed_refs[1][s] = _pick(weights_of(logits, ids, routed.renormalize), s)
+      routed_refs[1][s] = _pick(weights_of(logits, ids, routed.renormalize), s)
 
 
 @shared_lowering("source", "activation", "dtype", "routed")
@@ -165,8 +168,7 @@ def row_ffn_parts(
   for Normed. activation is a kernel-body function (sparsejax.activations.PLAIN); dtype is x's (the
   rounding of u, g and h). routed (Routed): `experts` is the router's partial logits of the token
   (decode_router.router_logit_parts) and slot s's expert its s-th choice, which every program takes itself
-  (the router's select kernel then never runs); the result is (parts, the k ids), and their weights
-  (float32 [k]) too where routed.renormalize is not None."""
+  (the router's select kernel then never runs); the result is (parts, the k ids, their float32 weights)."""
   d, f = w_in.shape[-2:]
   slots = routed.k if routed else experts.shape[0]
   c = slab_columns(w_in.dtype)
@@ -180,9 +182,7 @@ def row_ffn_parts(
     params = plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1)
   out_shape = jax.ShapeDtypeStruct((slots, f // c, d), jnp.float32)
   if routed:
-    out_shape = (out_shape, jax.ShapeDtypeStruct((slots,), jnp.int32))
-    if routed.renormalize is not None:
-      out_shape += (jax.ShapeDtypeStruct((slots,), jnp.float32),)
+    out_shape = (out_shape, jax.ShapeDtypeStruct((slots,), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.float32))
   return pl.pallas_call(
       kernel,
       grid=(slots, f // c),
@@ -207,58 +207,50 @@ def epilogue_fits(d: int, programs: int) -> bool:
 
 
 def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, dtype, bd: int, scaled: bool,
-                     num_experts: int, renormalize: bool | None):
+                     num_experts: int):
   s_out_ref = refs[0] if scaled else None
   out_ref = refs[-1]
   cols = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
   z = jnp.zeros((bd,), jnp.float32)
-  slots = parts_ref.shape[0]
-  if renormalize is not None:  # combine_ref holds the router's partial logits: the weights of the row kernel's ids
-    routed = weights_of(summed_logits(combine_ref, 0, combine_ref.shape[1]), [experts_ref[s] for s in range(slots)],
-                        renormalize)
-  for s in range(slots):  # static and few (one token's k)
+  for s in range(parts_ref.shape[0]):  # the slots: static and few (one token's k)
     y = jnp.sum(parts_ref[s, :, cols], axis=0)
     e = experts_ref[s]
     if scaled:
       y = y * s_out_ref[jnp.clip(e, 0, num_experts - 1), cols].astype(jnp.float32)  # no expert: zero parts
     # A slot with no expert adds nothing whatever its weight (the caller passes the router's weights unmasked).
-    weight = combine_ref[0, s].astype(jnp.float32) if renormalize is None else routed[s]
-    c = jnp.where((e >= 0) & (e < num_experts), weight, 0.0)
+    c = jnp.where((e >= 0) & (e < num_experts), combine_ref[0, s].astype(jnp.float32), 0.0)
     z = z + c * rnd(y)
   out_ref[0, cols] = (residual_ref[0, cols].astype(jnp.float32) + rnd(z)).astype(out_ref.dtype)
 
 
 def residual_epilogue(
     parts: Float[Array, "slots programs d"],
-    combine: Float[Array, "1 slots"] | Float[Array, "1 splits experts"],
+    combine: Float[Array, "1 slots"],
     residual: Float[Array, "1 d"],
     s_out: Float[Array, "experts d"] | None,
     experts: Int[Array, "slots"],
     dtype,
     num_experts: int,
-    renormalize: bool | None = None,
     *,
     interpret: bool,
 ) -> Float[Array, "1 d"]:
   """residual + round(sum_s [0 <= experts[s] < num_experts] combine[0, s] round(sum_j parts[s, j] (* s_out[experts[s]]))),
   in residual's dtype; round is to dtype (the FFN input's). What XLA ran as a reduction kernel then the layer's
   add, as one kernel of d / EPILOGUE_COLUMNS programs (op.skinny_ffn_residual; its reference is
-  op._residual_epilogue_reference). renormalize not None: combine is the router's partial logits of the token
-  (row_ffn_parts' routed form, whose ids `experts` are) and combine[0, s] the softmax probability of experts[s]
-  (decode_router's weights_of), divided by the slots' sum when renormalize. EPILOGUE_COLUMNS is read here,
-  outside the shared lowering, so a changed value lowers anew."""
+  op._residual_epilogue_reference). EPILOGUE_COLUMNS is read here, outside the shared lowering, so a changed
+  value lowers anew."""
   return _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts, EPILOGUE_COLUMNS,
-                            renormalize, interpret=interpret)
+                            interpret=interpret)
 
 
-@shared_lowering("dtype", "num_experts", "bd", "renormalize")
-def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int,
-                       renormalize: bool | None, *, interpret: bool):
+@shared_lowering("dtype", "num_experts", "bd")
+def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int, *,
+                       interpret: bool):
   d = parts.shape[-1]
   scaled = s_out is not None
   kernel = functools.partial(_epilogue_kernel, dtype=jnp.dtype(dtype), bd=bd, scaled=scaled,
-                             num_experts=num_experts, renormalize=renormalize)
+                             num_experts=num_experts)
   operands = (experts.astype(jnp.int32), parts, combine.astype(jnp.float32), residual) + ((s_out,) if scaled else ())
   params = None
   if not interpret:
