@@ -17,7 +17,8 @@ from sparsejax import losses, parallel, routing
 from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
-from sparsejax.kernels.decode_router import decode_router, runs_kernel
+from sparsejax.kernels.decode_router import decode_router, router_logit_parts, runs_kernel
+from sparsejax.kernels.decode_router.triton import norm_fits as router_norm_fits
 from sparsejax.moe import expert_choice_mlp, moe_mlp
 
 
@@ -90,13 +91,29 @@ class MoE(nnx.Module):
     self.w_gate = _param(init(rngs.params(), shape_in, c.param_dtype), names_in) if c.glu else None
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), names_out)
 
+  def takes_pending(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None) -> bool:
+    """Whether a decode call at these tokens (with a norm) takes `pending`: one token whose router kernel folds
+    the norm and whose experts' kernels select (decode_moe.selects_in_experts). decode_moe.PENDING_RESIDUAL
+    (read here, at trace time) turns it off."""
+    from sparsejax.inference import decode_moe
+    c = self.config
+    x_in = x.reshape(-1, x.shape[-1])
+    return (decode_moe.PENDING_RESIDUAL and rng is None and c.router == "top_k" and x_in.shape[0] == 1
+            and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape, c.d_ff)
+            and runs_kernel(*x_in.shape, c.num_experts, c.top_k) and router_norm_fits(x_in.shape[1])
+            and decode_moe.selects_in_experts(self, x_in, c.activation_fn))
+
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
-               dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None):
+               dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None,
+               pending: Float[Array, "p rows d_model"] | None = None):
     """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts.
     norm (an RMSNorm): the layer's input is norm(x); a top-k decode step folds it into the router's
     and the experts' first kernels (their `norm` argument) instead of running it on its own.
     residual (x's shape): the output is residual + y in residual's dtype (the block's add, which a decode
-    step at one token may run inside the experts' last kernel, decode_moe_mlp)."""
+    step at one token may run inside the experts' last kernel, decode_moe_mlp).
+    pending (decode, with norm, where takes_pending holds): the split-K parts of a product the block adds to x
+    first (its attention's W_o); the layer's input and residual are then h = x + that product, which the
+    router's kernel adds (decode_router.router_logit_parts), so no XLA kernel runs for the add."""
     c = self.config
     lead = x.shape[:-1]
     jitter_rng = gate_rng = None
@@ -109,6 +126,13 @@ class MoE(nnx.Module):
     fold = (norm is not None and decode and c.router == "top_k" and jitter_rng is None
             and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape, c.d_ff))
     folded = norm.folded() if fold else None
+    router_parts = None
+    if pending is not None:
+      if not (decode and norm is not None and residual is None and self.takes_pending(x, rng=rng)):
+        raise ValueError("pending is for a decode step at one token with a norm and no residual, where "
+                         "takes_pending(x) holds.")
+      router_parts, x_in = router_logit_parts(x_in, self.router.w[...], norm=folded, pending=pending)
+      res = x_in
     # x2, the layer's input, feeds whatever does not fold the norm (in a folded decode step only the
     # losses, which XLA drops); x_in is what the folding kernels take.
     x2 = (x_in if norm is None else norm(x_in)).astype(c.dtype)
@@ -146,7 +170,8 @@ class MoE(nnx.Module):
         r = routing.dense_to_sparse_routing(logits, dts_temperature, c.dts_threshold,
                                             max_k=c.dts_max_k, rng=gate_rng)
       if routed:  # the block's residual is added in the experts' last kernel
-        y, stats, ids = decode_moe.routed_decode_layer(self, x_in, activation=act, norm=folded, residual=res)
+        y, stats, ids = decode_moe.routed_decode_layer(self, x_in, activation=act, norm=folded, residual=res,
+                                                       router_parts=router_parts)
         r, res = r.replace(expert_ids=ids), None
       else:
         layer = moe_mlp

@@ -218,3 +218,53 @@ def test_logit_parts_gradients_and_errors():
     router_logit_parts(jnp.ones((1, 320)), jnp.ones((320, 8)))  # 5 tiles: one program
   assert "\n" not in str(info.value)
   assert splits_logits(1, 1024, 64, 1, impl="triton") and not splits_logits(1, 64, 8, 1, impl="triton")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", ["decode_top1", "splits_of_several_tiles"])
+def test_logit_parts_add_a_pending_product_first(name, dtype):
+  """pending: a product's split-K parts that the router's programs add to x (as x + product.astype(x.dtype)
+  rounds it) before the norm; the sum h comes back for the layer's other kernels. Against float64, and against
+  XLA's add then the plain kernel; the cotangents are the reference's, to x, W_r, g and the parts."""
+  t, d, e, _, _ = CASES[name]
+  x, w = _case(name, dtype)
+  rng = np.random.default_rng(seed_of("pending", name, str(dtype)))
+  pending = jnp.asarray(rng.standard_normal((4, 16, d)) * 0.5, jnp.float32)  # 4 parts, rows padded to 16
+  g = jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32)
+  parts, h = jax.jit(lambda x, w, g, p: router_logit_parts(x, w, norm=(g, 1e-6), pending=p))(x, w, g, pending)
+  rnd = lambda v: np.asarray(jnp.asarray(v, dtype), np.float64)
+  want_h = rnd(np.asarray(x, np.float64) + rnd(np.asarray(pending, np.float64).sum(axis=0)[:t]))
+  assert h.dtype == dtype and h.shape == x.shape
+  np.testing.assert_allclose(np.asarray(h, np.float64), want_h, **(TOL if dtype == jnp.float32 else dict(rtol=1e-2)))
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(router_logit_parts(h, w, norm=(g, 1e-6))), **TOL)
+  if dtype == jnp.float32:
+    ct = jnp.asarray(rng.standard_normal(parts.shape), jnp.float32)
+    ch = jnp.asarray(rng.standard_normal(h.shape), jnp.float32)
+
+    def loss(fn):
+      return lambda x, w, g, p: sum(jnp.sum(a * c) for a, c in zip(fn(x, w, g, p), (ct, ch)))
+
+    from sparsejax.kernels.decode_router.op import _added
+    from sparsejax.kernels.decode_router.reference import logit_parts_reference
+    from sparsejax.norm import rms_norm
+    kernel = lambda x, w, g, p: router_logit_parts(x, w, norm=(g, 1e-6), pending=p)
+    ref = lambda x, w, g, p: (logit_parts_reference(rms_norm(_added(x, p), g, 1e-6), w, parts.shape[1]), _added(x, p))
+    got = jax.grad(loss(kernel), argnums=range(4))(x, w, g, pending)
+    want = jax.grad(loss(ref), argnums=range(4))(x, w, g, pending)
+    for a, b in zip(got, want):
+      assert float(jnp.max(jnp.abs(b))) > 0
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_logit_parts_pending_without_a_norm_and_bad_pending():
+  """Without a norm the add runs in XLA first (the kernel loads the whole row only for a norm); bad parts fail."""
+  x, w = _case("decode_top1", jnp.float32)
+  pending = jnp.ones((2, 1, 1024), jnp.float32)
+  parts, h = router_logit_parts(x, w, pending=pending)
+  np.testing.assert_array_equal(np.asarray(h), np.asarray(x + 2.0))
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(router_logit_parts(x + 2.0, w)), rtol=1e-6)
+  with pytest.raises(ValueError, match=r"pending must be \[parts, rows >= 1, 1024\]") as info:
+    router_logit_parts(x, w, pending=jnp.ones((2, 1, 512)))
+  assert "\n" not in str(info.value)
+  with pytest.raises(ValueError, match="pending must be"):
+    router_logit_parts(x, w, pending=jnp.ones((1, 1024)))

@@ -133,9 +133,12 @@ def test_decode_router_lowers(norm):
 
 
 def test_router_logit_parts_lower():
+  """The router's logits kernel alone, and adding a pending product's 8 split-K parts to x first."""
   cfg = router.default_config(1024, 64)
   fn = lambda x, w, g: router.logit_parts(x, w, cfg, interpret=False, norm=(g, 1e-6))
   _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32))
+  fn = lambda x, w, g, p: router.logit_parts(x, w, cfg, interpret=False, norm=(g, 1e-6), pending=p)
+  _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32), ((8, 1, 1024), jnp.float32))
 
 
 def test_row_gather_lowers():

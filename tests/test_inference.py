@@ -170,22 +170,33 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe", "moe_routed"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "moe_routed", "moe_routed_added_by_xla"])
 def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(monkeypatch, variant):
   """One prompt, every decode kernel forced and the feed-forward's one-kernel row form taken at these small
   sizes: each layer's step runs the row kernel, then one kernel that sums its parts, combines the slots and adds
   the residual (skinny_ffn_residual). moe_routed: W_r split over two programs, so the router runs its logits
-  kernel alone and the row kernel and the epilogue select from its parts (decode_moe.routed_decode_layer). It
-  decodes the full forward's greedy tokens and logits."""
+  kernel alone, adding the attention's W_o parts to the residual stream itself (MoE's pending), and the row
+  kernel selects from its parts (decode_moe.routed_decode_layer); moe_routed_added_by_xla: the same with XLA's
+  add (PENDING_RESIDUAL off). It decodes the full forward's greedy tokens and logits."""
+  from sparsejax import modules
   from sparsejax.inference import decode_moe
   from sparsejax.kernels.decode_router import splits_logits
   from sparsejax.kernels.decode_router import triton as router_triton
   from sparsejax.kernels.skinny_matmul import triton_row_ffn
   force_decode_kernels(monkeypatch)
   monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
-  if variant == "moe_routed":  # [16, 4] tiles: d_model 32 is two of them, one a program
+  routed = variant.startswith("moe_routed")
+  pendings, real_parts = [], modules.router_logit_parts
+  if routed:  # [16, 4] tiles: d_model 32 is two of them, one a program
     monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)
     monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
+    monkeypatch.setattr(decode_moe, "PENDING_RESIDUAL", variant == "moe_routed")
+
+    def recording_parts(*args, pending=None, **kwargs):
+      pendings.append(None if pending is None else pending.shape)
+      return real_parts(*args, pending=pending, **kwargs)
+
+    monkeypatch.setattr(modules, "router_logit_parts", recording_parts)
   real, epilogues = triton_row_ffn.residual_epilogue, []
   real_row, routes = triton_row_ffn.row_ffn_parts, []
 
@@ -199,15 +210,18 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
 
   monkeypatch.setattr(triton_row_ffn, "residual_epilogue", recording)
   monkeypatch.setattr(triton_row_ffn, "row_ffn_parts", recording_row)
-  # d_ff 128 or 256 (8 or 16 float32 slabs): a config of its own, so no other test's compiled step is reused here
-  d_ff = 256 if variant == "moe_routed" else 128
+  # d_ff 128, 256 or 512 (8, 16 or 32 float32 slabs): a config of its own, so no other test's compiled step is
+  # reused here
+  d_ff = {"moe_routed": 256, "moe_routed_added_by_xla": 512}.get(variant, 128)
   model = Transformer(BASE.replace(moe_every=0 if variant == "dense" else 1, d_ff=d_ff), rngs=nnx.Rngs(3))
   prompt = PROMPTS[:1]
   got = np.asarray(generate(model, prompt, 5, temperature=0.0))
   slots = 1 if variant == "dense" else BASE.top_k
   assert epilogues and set(epilogues) == {(slots, d_ff // 16, BASE.d_model)}
   # the routed step's row kernel selects the top-k itself (and takes the weights: renormalize, as top_k > 1)
-  assert set(routes) == ({triton_row_ffn.Routed(BASE.top_k, True)} if variant == "moe_routed" else {None})
+  assert set(routes) == ({triton_row_ffn.Routed(BASE.top_k, True)} if routed else {None})
+  # the pending W_o product: K 32 is one split-K part of one row (the router's tests sum several)
+  assert set(pendings) == ({(1, 1, BASE.d_model)} if variant == "moe_routed" else set())
   assert len(epilogues) % BASE.num_layers == 0
   full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
   assert_greedy_matches_full_forward(got, model, prompt, 5, full)

@@ -31,6 +31,10 @@ SMALL_BATCH_MAX_ASSIGNMENTS = 64
 # router's partial logits (selects_in_experts), so the router's select kernel does not run. Read where the layer
 # is traced: an A-B (experiments/ab_decode.py --patch) sets it False to run the router's two kernels instead.
 SELECTS_IN_EXPERTS = True
+# Where it does, the block hands the MoE layer its attention's W_o product as split-K parts and the router's kernel
+# adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace time;
+# an A-B sets it False.
+PENDING_RESIDUAL = True
 
 
 def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
@@ -176,15 +180,17 @@ def routed_decode_layer(
     activation: Callable,
     norm: tuple[Float[Array, "d_model"], float] | None,
     residual: Float[Array, "1 d_model"],
+    router_parts: Float[Array, "1 splits experts"] | None = None,
 ) -> tuple[Float[Array, "1 d_model"], MoEStats, Int[Array, "1 k"]]:
   """(residual + y, stats, ids): the MoE layer at one token as decode_router then decode_moe_mlp compute it, in
   three kernels: the router's partial logits (decode_router.router_logit_parts), then the experts' row kernel
   and its epilogue, which select the token's experts and weights from them (skinny_matmul.routed_ffn_residual).
-  norm = (g, eps): the layer's input is rms_norm(x, g, eps), taken inside the router's and the experts' kernels."""
+  norm = (g, eps): the layer's input is rms_norm(x, g, eps), taken inside the router's and the experts' kernels.
+  router_parts: the router's partial logits of x where the caller ran its kernel (MoE's pending residual)."""
   c = moe.config
   k = c.top_k
   renormalize = k > 1 if c.renormalize is None else bool(c.renormalize)
-  parts = router_logit_parts(x, moe.router.w[...], norm=norm)
+  parts = router_logit_parts(x, moe.router.w[...], norm=norm) if router_parts is None else router_parts
   w = expert_weights(moe, x.dtype, quantized=True)
   y, ids = routed_ffn_residual(x, parts, w.pop("w_in"), w.pop("w_out"), residual, k=k, renormalize=renormalize,
                                activation=activation, norm=norm, **w)

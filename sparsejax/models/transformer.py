@@ -95,8 +95,10 @@ class Attention(nnx.Module):
 
   @jax.named_scope("attention")
   def __call__(self, x: Float[Array, "b t d"], *, cache: "DecodeView | None" = None,
-               norm: "RMSNorm | None" = None) -> Float[Array, "b t d"]:
-    """Attention of norm(x) (of x when norm is None); a decode step folds the norm into the qkv product."""
+               norm: "RMSNorm | None" = None, unsummed: bool = False) -> Float[Array, "b t d"]:
+    """Attention of norm(x) (of x when norm is None); a decode step folds the norm into the qkv product.
+    unsummed (a decode step of one row): the output product's split-K parts [p, rows, d] float32 instead
+    (skinny_matmul.split_k_parts), for a kernel that adds them to the residual stream itself."""
     cfg, dt = self.cfg, self.cfg.compute_dtype
     b, t, d = x.shape
     h, dh = cfg.num_heads, cfg.head_dim
@@ -126,6 +128,8 @@ class Attention(nnx.Module):
           o = jax.nn.dot_product_attention(q, keys, values, mask=cache.mask)
       if few_rows:
         w_out = self.w_out[...].reshape(h * dh, d)
+        if unsummed and b * t == 1:
+          return skinny_matmul.split_k_parts(o.reshape(1, h * dh), w_out)
         return skinny_matmul.skinny_matmul(o.reshape(b, t, h * dh), w_out).astype(dt)
       return jnp.einsum("bthk,hkd->btd", o, self.w_out[...].astype(dt), precision=hi)
     q, k, v = self._qkv(x, norm, folded, few_rows)
@@ -158,6 +162,10 @@ class Block(nnx.Module):
       x = x + self.attn(self.attn_norm(x))
       y, stats = self.ffn(self.ffn_norm(x), rng=rng)
     else:  # decoding: each layer applies its norm where it can fold it into its first products
+      if self.is_moe and x.shape[0] * x.shape[1] == 1 and self.ffn.takes_pending(x, rng=rng):
+        # one token: the router's kernel adds the attention's output to the residual stream
+        pending = self.attn(x, cache=cache, norm=self.attn_norm, unsummed=True)
+        return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, pending=pending)
       x = x + self.attn(x, cache=cache, norm=self.attn_norm)
       # and the feed-forward adds the residual itself: at one token, in the kernel that sums its parts
       return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, residual=x)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
@@ -126,26 +127,47 @@ def router_logit_parts(
     w_router: Float[Array, "d_model experts"],
     *,
     norm: tuple[Float[Array, "d_model"], float] | None = None,
-) -> Float[Array, "tokens splits experts"]:
+    pending: Float[Array, "p rows d_model"] | None = None,
+) -> Float[Array, "tokens splits experts"] | tuple[Float[Array, "tokens splits experts"], Float[Array, "tokens d_model"]]:
   """decode_router's first kernel alone: float32 partial logits, sum_s parts[:, s] = float32(xn) W_r, xn = x or
   rms_norm(x, g, eps) (norm = (g, eps), taken in the kernel where triton.norm_fits). For a consumer kernel that
   sums them in split order and selects as decode_router does (triton.summed_logits, top_ids, weights_of;
   reference: reference.select_from_parts), so that no kernel of its own runs between the router and it.
-  Only where splits_logits holds (or off the GPU, in interpret mode). Differentiable: the reference's cotangents."""
+  pending: the split-K parts of a product the block adds to x first (skinny_matmul.split_k_parts, rows >= tokens):
+  x is then h = round(x + round(sum_p pending[p, :tokens])), as x + product.astype(x.dtype) rounds it, and the result
+  is (parts, h): the add runs in the router's programs instead of as an XLA kernel before them (it needs norm, with
+  triton.norm_fits, else XLA adds first). Only where splits_logits holds (or off the GPU, in interpret mode).
+  Differentiable: the reference's cotangents."""
   _check(x, w_router, 1, "triton", norm)
   cfg = triton.default_config(x.shape[1], w_router.shape[1])
   if cfg.splits < 2:
     raise ValueError(f"router_logit_parts needs W_r over several programs; d_model={x.shape[1]} with "
                      f"{w_router.shape[1]} experts runs in one (decode_router's one-kernel form).")
+  if pending is not None:
+    _checks.check_floating("pending", pending)
+    if pending.ndim != 3 or pending.shape[1] < x.shape[0] or pending.shape[2] != x.shape[1]:
+      raise ValueError(f"pending must be [parts, rows >= {x.shape[0]}, {x.shape[1]}] (a product's split-K parts); "
+                       f"got {pending.shape}.")
+    if norm is None or not triton.norm_fits(x.shape[1]):
+      h = _added(x, pending)
+      return router_logit_parts(h, w_router, norm=norm), h
   if norm is not None and not triton.norm_fits(x.shape[1]):
     x, norm = rms_norm(x, *norm), None
   eps = None if norm is None else float(norm[1])
+  interpret = jax.default_backend() != "gpu"
 
-  def kernel(x, w, ns):
-    return triton.logit_parts(x, w, cfg, interpret=jax.default_backend() != "gpu",
-                              norm=None if ns is None else (ns, eps))
+  def kernel(x, w, ns, pend):
+    return triton.logit_parts(x, w, cfg, interpret=interpret, norm=None if ns is None else (ns, eps), pending=pend)
 
-  def reference(x, w, ns):
-    return logit_parts_reference(x if ns is None else rms_norm(x, ns, eps), w, cfg.splits)
+  def reference(x, w, ns, pend):
+    h = x if pend is None else _added(x, pend)
+    parts = logit_parts_reference(h if ns is None else rms_norm(h, ns, eps), w, cfg.splits)
+    return parts if pend is None else (parts, h)
 
-  return with_reference_vjp(kernel, reference, x, w_router, None if norm is None else norm[0])
+  return with_reference_vjp(kernel, reference, x, w_router, None if norm is None else norm[0], pending)
+
+
+def _added(x, pending):
+  """x + (the parts' sum, rounded to x's dtype), in x's dtype: the block's residual add of the product."""
+  y = jnp.sum(pending, axis=0)[:x.shape[0]].astype(x.dtype)
+  return (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)

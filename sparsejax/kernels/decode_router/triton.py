@@ -60,11 +60,24 @@ def norm_fits(d_model: int) -> bool:
   return d_model & (d_model - 1) == 0 and d_model <= 16384
 
 
-def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None, eps=None):
-  """[1, E] float32: sum over rows first .. first + steps * block_k of xn[t, r] W_r[r, :], with xn = x,
-  or with g_ref rms_norm(x, g, eps) rounded to x's dtype as the norm's module rounds it."""
-  e = w_ref.shape[1]
-  x_row = x_ref[pl.ds(t, 1), :] if g_ref is not None else None  # [1, d]: the norm's whole row
+def _row(x_ref, pend_ref, t, cols):
+  """x[t, cols] as [1, n]; with pend_ref (float32 [P, rows, d]: a product's split-K parts, not yet summed) the
+  block's residual add as XLA rounds it, round(x + round(sum_p pend[p, t, cols])), the parts summed in order."""
+  xs = x_ref[pl.ds(t, 1), cols]
+  if pend_ref is None:
+    return xs
+  y = pend_ref[0, pl.ds(t, 1), cols]
+  for p in range(1, pend_ref.shape[0]):
+    y = y + pend_ref[p, pl.ds(t, 1), cols]
+  return (xs.astype(jnp.float32) + y.astype(x_ref.dtype).astype(jnp.float32)).astype(x_ref.dtype)
+
+
+def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None, eps=None, pend_ref=None):
+  """([1, E] float32, the row): the sum over rows first .. first + steps * block_k of xn[t, r] W_r[r, :], with
+  xn = x, or with g_ref rms_norm(x, g, eps) rounded to x's dtype as the norm's module rounds it; x is _row's (the
+  residual add of pend_ref's parts where given). The row is x[t] whole ([1, d]) where the norm loads it, else None."""
+  e, d = w_ref.shape[1], x_ref.shape[1]
+  x_row = _row(x_ref, pend_ref, t, pl.ds(0, d)) if g_ref is not None else None  # the norm's whole row
 
   def tile(i):
     start = first + i * block_k
@@ -73,7 +86,7 @@ def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None
     return ks, w_ref[ks, :].astype(jnp.float32)  # [block_k, E]
 
   def xs_of(ks, r):
-    xs = x_ref[pl.ds(t, 1), ks]  # [1, block_k]
+    xs = _row(x_ref, pend_ref, t, ks)  # [1, block_k]
     if g_ref is not None:
       xs = (xs.astype(jnp.float32) * r * g_ref[ks].astype(jnp.float32)[None, :]).astype(x_ref.dtype)
     return xs.astype(jnp.float32)
@@ -86,14 +99,14 @@ def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None
 
   if steps == 1:  # the split form's one tile: its load is issued before the norm waits on the row
     ks, ws = tile(0)
-    return jnp.sum(xs_of(ks, rms_scale())[:, :, None] * ws[None], axis=1)
+    return jnp.sum(xs_of(ks, rms_scale())[:, :, None] * ws[None], axis=1), x_row
   r = rms_scale()
 
   def step(i, acc):
     ks, ws = tile(i)
     return acc + jnp.sum(xs_of(ks, r)[:, :, None] * ws[None], axis=1)
 
-  return jax.lax.fori_loop(0, steps, step, jnp.zeros((1, e), jnp.float32))
+  return jax.lax.fori_loop(0, steps, step, jnp.zeros((1, e), jnp.float32)), x_row
 
 
 def summed_logits(part_ref, t, splits: int):
@@ -154,15 +167,24 @@ def _select(logits, ids_ref, wts_ref, *, k: int, renormalize: bool):
 def _route_kernel(x_ref, w_ref, *refs, cfg: Config, k: int, renormalize: bool, eps):
   g_ref, (ids_ref, wts_ref) = (refs[0], refs[1:]) if eps is not None else (None, refs)
   steps = w_ref.shape[0] // cfg.block_k
-  logits = _partial_logits(x_ref, w_ref, pl.program_id(0), 0, steps, cfg.block_k, g_ref, eps)
+  logits, _ = _partial_logits(x_ref, w_ref, pl.program_id(0), 0, steps, cfg.block_k, g_ref, eps)
   _select(jnp.sum(logits, axis=0), ids_ref, wts_ref, k=k, renormalize=renormalize)
 
 
-def _split_kernel(x_ref, w_ref, *refs, cfg: Config, eps):
-  g_ref, part_ref = refs if eps is not None else (None, refs[0])
+def _split_kernel(x_ref, w_ref, *refs, cfg: Config, eps, pending: bool):
+  refs = list(refs)
+  g_ref = refs.pop(0) if eps is not None else None
+  pend_ref = refs.pop(0) if pending else None
+  part_ref, *h_ref = refs
+  t, s = pl.program_id(0), pl.program_id(1)
   steps = w_ref.shape[0] // (cfg.splits * cfg.block_k)
-  first = pl.program_id(1) * steps * cfg.block_k
-  part_ref[...] = _partial_logits(x_ref, w_ref, pl.program_id(0), first, steps, cfg.block_k, g_ref, eps)[None]
+  logits, x_row = _partial_logits(x_ref, w_ref, t, s * steps * cfg.block_k, steps, cfg.block_k, g_ref, eps, pend_ref)
+  part_ref[...] = logits[None]
+  if pending:  # the residual stream after the add, for the kernels after the router
+
+    @pl.when(s == 0)
+    def _():
+      h_ref[0][pl.ds(t, 1), :] = x_row
 
 
 def _select_kernel(part_ref, ids_ref, wts_ref, *, k: int, renormalize: bool):
@@ -212,14 +234,17 @@ def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
   return ids[:, :k], wts[:, :k]
 
 
-def _split_logits(x, w_router, g, cfg: Config, eps, params, interpret: bool):
+def _split_logits(x, w_router, g, cfg: Config, eps, params, interpret: bool, pending=None):
   t, e = x.shape[0], w_router.shape[1]
-  extra = () if g is None else (g,)
+  extra = (() if g is None else (g,)) + (() if pending is None else (pending,))
+  out_specs = pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0))
+  out_shape = jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32)
+  if pending is not None:
+    out_specs, out_shape = (out_specs, pl.no_block_spec), (out_shape, jax.ShapeDtypeStruct(x.shape, x.dtype))
   return pl.pallas_call(
-      functools.partial(_split_kernel, cfg=cfg, eps=eps),
+      functools.partial(_split_kernel, cfg=cfg, eps=eps, pending=pending is not None),
       grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * (2 + len(extra)),
-      out_specs=pl.BlockSpec((1, 1, e), lambda i, s: (i, s, 0)),
-      out_shape=jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32),
+      out_specs=out_specs, out_shape=out_shape,
       interpret=interpret, compiler_params=params,
       name="sparsejax_decode_router_logits")(x, w_router, *extra)
 
@@ -231,19 +256,24 @@ def logit_parts(
     *,
     interpret: bool,
     norm: tuple[Float[Array, "d_model"], float] | None = None,
-) -> Float[Array, "tokens splits experts"]:
+    pending: Float[Array, "p rows d_model"] | None = None,
+) -> Float[Array, "tokens splits experts"] | tuple:
   """The first kernel alone (cfg.splits > 1): parts[t, s] = xn[t, R_s] W_r[R_s, :] in float32 over split s's rows
-  R_s, xn = x or rms_norm(x, g, eps); for kernels that select themselves (summed_logits, top_ids, weights_of)."""
+  R_s, xn = x or rms_norm(x, g, eps); for kernels that select themselves (summed_logits, top_ids, weights_of).
+  pending (with norm): a product's split-K parts that the block adds to x first (_row's rounding), and the result
+  is (parts, h) with h = that sum [tokens, d_model] in x's dtype, which programs (t, 0) store."""
   if cfg.splits < 2:
     raise ValueError(f"logit_parts runs the split form; cfg has splits={cfg.splits}.")
+  if pending is not None and norm is None:
+    raise ValueError("logit_parts takes pending parts with a norm (its programs then load the whole row).")
   g, eps = (None, None) if norm is None else (norm[0], float(norm[1]))
-  return _logit_parts(x, w_router, g, cfg, eps, interpret=interpret)
+  return _logit_parts(x, w_router, g, pending, cfg, eps, interpret=interpret)
 
 
 @shared_lowering("cfg", "eps")
-def _logit_parts(x, w_router, g, cfg, eps, *, interpret):
+def _logit_parts(x, w_router, g, pending, cfg, eps, *, interpret):
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  return _split_logits(x, w_router, g, cfg, eps, params, interpret)
+  return _split_logits(x, w_router, g, cfg, eps, params, interpret, pending)
