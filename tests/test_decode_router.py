@@ -225,7 +225,8 @@ def test_logit_parts_gradients_and_errors():
 def test_logit_parts_add_a_pending_product_first(name, dtype):
   """pending: a product's split-K parts that the router's programs add to x (as x + product.astype(x.dtype)
   rounds it) before the norm; the sum h comes back for the layer's other kernels. Against float64, and against
-  XLA's add then the plain kernel; the cotangents are the reference's, to x, W_r, g and the parts."""
+  XLA's add then the plain kernel; the cotangents are the reference's, to x, W_r, g and the parts. (d 768 is not
+  a power of two: the kernel cannot load its row for the norm, so XLA adds and normalizes first.)"""
   t, d, e, _, _ = CASES[name]
   x, w = _case(name, dtype)
   rng = np.random.default_rng(seed_of("pending", name, str(dtype)))
@@ -236,7 +237,9 @@ def test_logit_parts_add_a_pending_product_first(name, dtype):
   want_h = rnd(np.asarray(x, np.float64) + rnd(np.asarray(pending, np.float64).sum(axis=0)[:t]))
   assert h.dtype == dtype and h.shape == x.shape
   np.testing.assert_allclose(np.asarray(h, np.float64), want_h, **(TOL if dtype == jnp.float32 else dict(rtol=1e-2)))
-  np.testing.assert_allclose(np.asarray(parts), np.asarray(router_logit_parts(h, w, norm=(g, 1e-6))), **TOL)
+  # bf16: the normalized row's rounding may flip an ulp between the two programs (a logit moves ~1e-2)
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(router_logit_parts(h, w, norm=(g, 1e-6))),
+                             **(TOL if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)))
   if dtype == jnp.float32:
     ct = jnp.asarray(rng.standard_normal(parts.shape), jnp.float32)
     ch = jnp.asarray(rng.standard_normal(h.shape), jnp.float32)
