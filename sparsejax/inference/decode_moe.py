@@ -81,6 +81,13 @@ def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
                        f"got {s.shape}.")
 
 
+def _stats(ids: Int[Array, "n"], num_experts: int) -> MoEStats:
+  """Dropless stats of the flat expert ids (NO_EXPERT, -1, counts nowhere)."""
+  counts = jnp.sum(jax.nn.one_hot(jnp.where(ids >= 0, ids, -1), num_experts, dtype=jnp.int32), axis=0)
+  zero = jnp.zeros((), jnp.int32)
+  return MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
+
+
 def decode_moe_mlp(
     x: Float[Array, "tokens d_model"],
     expert_ids: Int[Array, "tokens k"],
@@ -145,9 +152,7 @@ def decode_moe_mlp(
   # one-row dot writes the broadcast product out before reducing it) and never gathers a copy of them.
   ffn = dict(experts=uniq, w_gate=w_gate, activation=activation, w_in_scale=scales.get("w_in"),
              w_gate_scale=scales.get("w_gate"), w_out_scale=scales.get("w_out"), norm=norm)
-  counts = jnp.sum(jax.nn.one_hot(jnp.where(valid, ids, -1), num_experts, dtype=jnp.int32), axis=0)
-  zero = jnp.zeros((), jnp.int32)
-  stats = MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
+  stats = _stats(ids, num_experts)
   if residual is not None and num_tokens == 1:  # the decode step at batch 1: one kernel may sum, combine, add
     # Slot j is the token's j-th choice, so combine is the router's weights with NO_EXPERT's zeroed, which
     # skinny_ffn_residual does itself: passed as they come, no XLA kernel runs between the router's and the FFN's.
@@ -194,10 +199,7 @@ def routed_decode_layer(
   w = expert_weights(moe, x.dtype, quantized=True)
   y, ids = routed_ffn_residual(x, parts, w.pop("w_in"), w.pop("w_out"), residual, k=k, renormalize=renormalize,
                                activation=activation, norm=norm, **w)
-  counts = jnp.sum(jax.nn.one_hot(ids, c.num_experts, dtype=jnp.int32), axis=0)
-  zero = jnp.zeros((), jnp.int32)
-  stats = MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
-  return y, stats, ids[None]
+  return y, _stats(ids, c.num_experts), ids[None]
 
 
 def dequantize(q: Num[Array, "experts n_in n_out"], scale: Float[Array, "experts n_out"], dtype
