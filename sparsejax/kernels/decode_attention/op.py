@@ -57,17 +57,9 @@ def _merge(part, stats, dtype):
   return (o / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
 
 
-# Caches of at most this many slots take triton.looped_attention (one program per row and head, no merge);
-# longer ones the chunk programs and the merge. Read where the op is traced: an A-B patches it.
-LOOPED_MAX_SLOTS = 1024
-
-
 def _kernel(q, k_cache, v_cache, start, index):
-  interpret = jax.default_backend() != "gpu"
-  if k_cache.shape[1] <= LOOPED_MAX_SLOTS:
-    return triton.looped_attention(q, k_cache, v_cache, start, index, triton.LOOPED_WARPS, triton.LOOPED_STAGES,
-                                   interpret=interpret)
-  part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index, interpret=interpret)
+  part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index,
+                                       interpret=jax.default_backend() != "gpu")
   return _merge(part, stats, q.dtype)
 
 

@@ -7,8 +7,6 @@ and acc = sum_j e^(s_j - m) v_j over its visible slots, and op.py merges the chu
 o = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c with M = max_c m_c. Chunks wholly outside the
 visible range [min(start, index), index] load nothing and write m = -1e30, l = 0, acc = 0. Every
 load is in bounds and unmasked (a cache of fewer than 16 slots is left to XLA).
-looped_attention is the other form: one program per (row, head) runs over the visible chunks in turn with an
-online softmax and writes o itself, so no merge runs after it (for caches up to op.LOOPED_MAX_SLOTS).
 Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
 """
 from __future__ import annotations
@@ -94,67 +92,4 @@ def chunk_attention(
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_decode_attention",
-  )(jnp.reshape(index, (1,)).astype(jnp.int32), start.astype(jnp.int32), q, k_cache, v_cache)
-
-
-def _looped_kernel(index_ref, start_ref, q_ref, k_ref, v_ref, o_ref, *, chunk: int, slots: int, scale: float):
-  b, h = pl.program_id(0), pl.program_id(1)
-  index, start = index_ref[0], start_ref[b]
-  q = q_ref[b, pl.ds(h, 1), :].astype(jnp.float32) * scale  # [1, dh]
-
-  def step(c, carry):  # chunk c: _kernel's slots and mask; every visited chunk sees a slot, so m is finite after it
-    m, l, acc = carry
-    first = c * chunk
-    s0 = jnp.minimum(first, slots - chunk)
-    slot = s0 + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)
-    seen = (((slot >= start) & (slot <= index)) | (slot == index)) & (slot >= first)
-    rows = pl.ds(s0, chunk)
-    k = k_ref[b, rows, h, :].astype(jnp.float32)
-    s = jnp.where(seen, jnp.sum(k * q, axis=1, keepdims=True), _NEG)  # [chunk, 1]
-    m_new = jnp.maximum(m, jnp.max(s, axis=0, keepdims=True))
-    alpha = jnp.exp(m - m_new)
-    p = jnp.where(seen, jnp.exp(s - m_new), 0.0)
-    v = v_ref[b, rows, h, :].astype(jnp.float32)
-    return m_new, l * alpha + jnp.sum(p, axis=0, keepdims=True), acc * alpha + jnp.sum(p * v, axis=0, keepdims=True)
-
-  init = (jnp.full((1, 1), _NEG, jnp.float32), jnp.zeros((1, 1), jnp.float32),
-          jnp.zeros((1, q_ref.shape[-1]), jnp.float32))
-  # the visible chunks: those meeting [min(start, index), index]
-  _, l, acc = jax.lax.fori_loop(jnp.minimum(start, index) // chunk, index // chunk + 1, step, init)
-  o_ref[b, pl.ds(h, 1), :] = (acc / l).astype(o_ref.dtype)
-
-
-# The looped form's warps and pipeline stages (its loop's K and V loads are issued stages - 1 chunks ahead).
-LOOPED_WARPS = 4
-LOOPED_STAGES = 3
-
-
-@shared_lowering("num_warps", "num_stages")
-def looped_attention(
-    q: Float[Array, "b h dh"],
-    k_cache: Float[Array, "b s h dh"],
-    v_cache: Float[Array, "b s h dh"],
-    start: Int[Array, "b"],
-    index: Int[Array, ""],
-    num_warps: int = LOOPED_WARPS,
-    num_stages: int = LOOPED_STAGES,
-    *,
-    interpret: bool,
-) -> Float[Array, "b h dh"]:
-  """o [b, h, dh] in q's dtype: one program per (row, head) over the visible chunks, an online softmax."""
-  b, slots, h, dh = k_cache.shape
-  params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt
-    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  kernel = functools.partial(_looped_kernel, chunk=chunk_size(slots), slots=slots, scale=dh ** -0.5)
-  return pl.pallas_call(
-      kernel,
-      grid=(b, h),
-      in_specs=[pl.no_block_spec] * 5,
-      out_specs=pl.no_block_spec,
-      out_shape=jax.ShapeDtypeStruct((b, h, dh), q.dtype),
-      interpret=interpret,
-      compiler_params=params,
-      name="sparsejax_decode_attention_looped",
   )(jnp.reshape(index, (1,)).astype(jnp.int32), start.astype(jnp.int32), q, k_cache, v_cache)
