@@ -17,7 +17,7 @@ from sparsejax import losses, parallel, routing
 from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
-from sparsejax.kernels.decode_router import decode_router, router_logit_parts, runs_kernel
+from sparsejax.kernels.decode_router import decode_router, router_logit_parts, runs_kernel, select_logit_parts
 from sparsejax.kernels.decode_router.triton import norm_fits as router_norm_fits
 from sparsejax.moe import expert_choice_mlp, moe_mlp
 
@@ -92,16 +92,15 @@ class MoE(nnx.Module):
     self.w_out = _param(init(rngs.params(), shape_out, c.param_dtype), names_out)
 
   def takes_pending(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None) -> bool:
-    """Whether a decode call at these tokens (with a norm) takes `pending`: one token whose router kernel folds
-    the norm and whose experts' kernels select (decode_moe.selects_in_experts). decode_moe.PENDING_RESIDUAL
-    (read here, at trace time) turns it off."""
+    """Whether a decode call at these tokens (with a norm) takes `pending`: one token whose router runs its two
+    kernels (decode_router.splits_logits), the first folding the norm. decode_moe.PENDING_RESIDUAL (read here, at
+    trace time) turns it off."""
     from sparsejax.inference import decode_moe
     c = self.config
     x_in = x.reshape(-1, x.shape[-1])
     return (decode_moe.PENDING_RESIDUAL and rng is None and c.router == "top_k" and x_in.shape[0] == 1
             and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape, c.d_ff)
-            and runs_kernel(*x_in.shape, c.num_experts, c.top_k) and router_norm_fits(x_in.shape[1])
-            and decode_moe.selects_in_experts(self, x_in, c.activation_fn))
+            and router_norm_fits(x_in.shape[1]) and decode_moe.splits_logits(*x_in.shape, c.num_experts, c.top_k))
 
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
                dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None,
@@ -163,8 +162,11 @@ class MoE(nnx.Module):
             # A decode step's few tokens: ids and weights from two kernels instead of XLA's six. The
             # probabilities and logits above then feed only the layer's losses, which XLA drops unless used.
             # (Where the kernels do not run, r already is what decode_router's reference would compute.)
-            ids, weights = decode_router(x_in, self.router.w[...], c.top_k, renormalize=c.renormalize,
-                                         norm=folded)
+            if router_parts is not None:  # the router's first kernel ran above (it added the pending product)
+              ids, weights = select_logit_parts(router_parts, c.top_k, renormalize=c.renormalize)
+            else:
+              ids, weights = decode_router(x_in, self.router.w[...], c.top_k, renormalize=c.renormalize,
+                                           norm=folded)
             r = r.replace(expert_ids=ids, combine_weights=weights)
       else:
         r = routing.dense_to_sparse_routing(logits, dts_temperature, c.dts_threshold,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sparsejax.kernels.decode_router import (decode_router, decode_router_reference, kernel_fits, router_logit_parts,
-                                             runs_kernel, select_from_parts, splits_logits)
+                                             runs_kernel, select_from_parts, select_logit_parts, splits_logits)
 from sparsejax.kernels.decode_router.triton import Config, default_config
 from tests.moe_testing import seed_of
 
@@ -196,10 +196,10 @@ def test_logit_parts_are_the_first_kernel_and_select_as_the_router(name, norm):
     xn = xn / np.sqrt(np.mean(xn * xn, axis=1, keepdims=True) + 1e-6) * np.asarray(g, np.float64)
   want = np.einsum("tsr,sre->tse", xn.reshape(t, splits, -1), np.asarray(w, np.float64).reshape(splits, -1, e))
   np.testing.assert_allclose(np.asarray(parts), want, rtol=1e-5, atol=1e-5)
-  ids, wts = select_from_parts(parts, k, renorm)
   want_ids, want_wts = decode_router(x, w, k, renormalize=renorm, norm=nrm, impl="triton")
-  np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-  np.testing.assert_allclose(np.asarray(wts), np.asarray(want_wts), **TOL)
+  for ids, wts in (select_from_parts(parts, k, renorm), select_logit_parts(parts, k, renormalize=renorm)):
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(wts), np.asarray(want_wts), **TOL)
 
 
 def test_logit_parts_gradients_and_errors():
@@ -271,3 +271,19 @@ def test_logit_parts_pending_without_a_norm_and_bad_pending():
   assert "\n" not in str(info.value)
   with pytest.raises(ValueError, match="pending must be"):
     router_logit_parts(x, w, pending=jnp.ones((1, 1024)))
+
+
+def test_select_logit_parts_gradients_and_errors():
+  """The select kernel alone: the weights' cotangents to the parts are the reference's; bad parts fail in one line."""
+  parts = jnp.asarray(np.random.default_rng(6).standard_normal((3, 4, 16)), jnp.float32)
+  ct = jnp.asarray(np.random.default_rng(7).standard_normal((3, 2)), jnp.float32)
+  got = jax.grad(lambda p: jnp.sum(select_logit_parts(p, 2)[1] * ct))(parts)
+  want = jax.grad(lambda p: jnp.sum(select_from_parts(p, 2, True)[1] * ct))(parts)
+  assert float(jnp.max(jnp.abs(want))) > 0
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+  for bad, msg in ((parts[0], "parts must be"), (parts.astype(jnp.int32), "parts")):
+    with pytest.raises((TypeError, ValueError), match=msg) as info:
+      select_logit_parts(bad, 2)
+    assert "\n" not in str(info.value)
+  with pytest.raises(ValueError, match="exceeds the number of experts"):
+    select_logit_parts(parts, 17)

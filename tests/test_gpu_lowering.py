@@ -133,12 +133,14 @@ def test_decode_router_lowers(norm):
 
 
 def test_router_logit_parts_lower():
-  """The router's logits kernel alone, and adding a pending product's 8 split-K parts to x first."""
+  """The router's logits kernel alone, adding a pending product's 8 split-K parts to x first, and its select
+  kernel alone."""
   cfg = router.default_config(1024, 64)
   fn = lambda x, w, g: router.logit_parts(x, w, cfg, interpret=False, norm=(g, 1e-6))
   _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32))
   fn = lambda x, w, g, p: router.logit_parts(x, w, cfg, interpret=False, norm=(g, 1e-6), pending=p)
   _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32), ((8, 1, 1024), jnp.float32))
+  _lowers(lambda p: router.select(p, 2, True, interpret=False), ((1, 4, 64), jnp.float32))
 
 
 def test_row_gather_lowers():

@@ -1,5 +1,7 @@
 """Generation with the KV cache: the same tokens as recomputing the full forward, the device loop equal to
 single steps, sampling, errors, CLI."""
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -170,14 +172,16 @@ def test_greedy_decoding_with_every_decode_kernel(monkeypatch, variant):
   assert decode_logits_error(model, reference, PROMPTS, 5, full) < 1e-5
 
 
-@pytest.mark.parametrize("variant", ["dense", "moe", "moe_routed", "moe_routed_added_by_xla"])
+@pytest.mark.parametrize("variant", ["dense", "moe", "moe_routed", "moe_routed_added_by_xla", "moe_selected_by_router"])
 def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(monkeypatch, variant):
   """One prompt, every decode kernel forced and the feed-forward's one-kernel row form taken at these small
   sizes: each layer's step runs the row kernel, then one kernel that sums its parts, combines the slots and adds
   the residual (skinny_ffn_residual). moe_routed: W_r split over two programs, so the router runs its logits
   kernel alone, adding the attention's W_o parts to the residual stream itself (MoE's pending), and the row
   kernel selects from its parts (decode_moe.routed_decode_layer); moe_routed_added_by_xla: the same with XLA's
-  add (PENDING_RESIDUAL off). It decodes the full forward's greedy tokens and logits."""
+  add (PENDING_RESIDUAL off); moe_selected_by_router: the router's kernel adds, its select kernel selects
+  (SELECTS_IN_EXPERTS off). It decodes the full forward's greedy tokens and logits."""
+  generate_module = importlib.import_module("sparsejax.inference.generate")  # the package exports generate()
   from sparsejax import modules
   from sparsejax.inference import decode_moe
   from sparsejax.kernels.decode_router import splits_logits
@@ -187,10 +191,14 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
   monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
   routed = variant.startswith("moe_routed")
   pendings, real_parts = [], modules.router_logit_parts
-  if routed:  # [16, 4] tiles: d_model 32 is two of them, one a program
+  if variant.startswith("moe_"):  # [16, 4] tiles: d_model 32 is two of them, one a program
     monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)
     monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
-    monkeypatch.setattr(decode_moe, "PENDING_RESIDUAL", variant == "moe_routed")
+    monkeypatch.setattr(decode_moe, "PENDING_RESIDUAL", variant != "moe_routed_added_by_xla")
+    monkeypatch.setattr(decode_moe, "SELECTS_IN_EXPERTS", routed)
+    # the flags act where the step is traced: no step compiled under other flags may be reused
+    generate_module._compiled_step.cache_clear()
+    generate_module._compiled_loop.cache_clear()
 
     def recording_parts(*args, pending=None, **kwargs):
       pendings.append(None if pending is None else pending.shape)
@@ -221,7 +229,7 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
   # the routed step's row kernel selects the top-k itself (and takes the weights: renormalize, as top_k > 1)
   assert set(routes) == ({triton_row_ffn.Routed(BASE.top_k, True)} if routed else {None})
   # the pending W_o product: K 32 is one split-K part of one row (the router's tests sum several)
-  assert set(pendings) == ({(1, 1, BASE.d_model)} if variant == "moe_routed" else set())
+  assert set(pendings) == ({(1, 1, BASE.d_model)} if variant in ("moe_routed", "moe_selected_by_router") else set())
   assert len(epilogues) % BASE.num_layers == 0
   full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
   assert_greedy_matches_full_forward(got, model, prompt, 5, full)

@@ -31,9 +31,9 @@ SMALL_BATCH_MAX_ASSIGNMENTS = 64
 # router's partial logits (selects_in_experts), so the router's select kernel does not run. Read where the layer
 # is traced: an A-B (experiments/ab_decode.py --patch) sets it False to run the router's two kernels instead.
 SELECTS_IN_EXPERTS = True
-# Where it does, the block hands the MoE layer its attention's W_o product as split-K parts and the router's kernel
-# adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace time;
-# an A-B sets it False.
+# At one token the block hands the MoE layer its attention's W_o product as split-K parts and the router's logits
+# kernel adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace
+# time; an A-B sets it False.
 PENDING_RESIDUAL = True
 
 

@@ -6,8 +6,8 @@ then one program per token that selects; router_logit_parts is the first kernel 
 select themselves).
 """
 from sparsejax.kernels.decode_router.op import (IMPLS, decode_router, kernel_fits, router_logit_parts, runs_kernel,
-                                                splits_logits)
+                                                select_logit_parts, splits_logits)
 from sparsejax.kernels.decode_router.reference import decode_router_reference, select_from_parts
 
 __all__ = ["IMPLS", "decode_router", "decode_router_reference", "kernel_fits", "router_logit_parts", "runs_kernel",
-           "select_from_parts", "splits_logits"]
+           "select_from_parts", "select_logit_parts", "splits_logits"]

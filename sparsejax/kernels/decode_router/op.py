@@ -27,7 +27,8 @@ from jaxtyping import Array, Float, Int
 from sparsejax import _checks
 from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_router import triton
-from sparsejax.kernels.decode_router.reference import decode_router_reference, logit_parts_reference
+from sparsejax.kernels.decode_router.reference import (decode_router_reference, logit_parts_reference,
+                                                       select_from_parts)
 from sparsejax.norm import rms_norm
 from sparsejax.top_k import MAX_PASSES_K
 
@@ -165,6 +166,27 @@ def router_logit_parts(
     return parts if pend is None else (parts, h)
 
   return with_reference_vjp(kernel, reference, x, w_router, None if norm is None else norm[0], pending)
+
+
+def select_logit_parts(
+    parts: Float[Array, "tokens splits experts"],
+    k: int,
+    *,
+    renormalize: bool | None = None,
+) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+  """decode_router's second kernel alone: (ids, weights) of router_logit_parts' partial logits, decode_router's
+  rule (reference.select_from_parts). renormalize=None means "k > 1". A kernel on a GPU (interpret mode off it);
+  differentiable through the weights: the reference's cotangents."""
+  _checks.check_floating("parts", parts)
+  if parts.ndim != 3:
+    raise ValueError(f"parts must be [tokens, splits, experts] (router_logit_parts'); got shape {parts.shape}.")
+  _checks.check_top_k(k, parts.shape[2])
+  renormalize = k > 1 if renormalize is None else bool(renormalize)
+  t, splits, e = parts.shape
+  if t == 0 or splits & (splits - 1) or e & (e - 1) or k > MAX_PASSES_K:
+    return select_from_parts(parts, k, renormalize)
+  kernel = lambda p: triton.select(p, k, renormalize, interpret=jax.default_backend() != "gpu")
+  return with_reference_vjp(kernel, lambda p: select_from_parts(p, k, renormalize), parts)
 
 
 def _added(x, pending):

@@ -227,10 +227,39 @@ def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
         compiler_params=params, name="sparsejax_decode_router", **outs)(x, w_router, *extra)
   else:
     part = _split_logits(x, w_router, g, cfg, eps, params, interpret)
-    ids, wts = pl.pallas_call(
-        functools.partial(_select_kernel, k=k, renormalize=renormalize),
-        grid=(t,), in_specs=[pl.BlockSpec((1, cfg.splits, e), lambda i: (i, 0, 0))],
-        interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select", **outs)(part)
+    ids, wts = _select_call(part, k, renormalize, params, interpret)
+  return ids[:, :k], wts[:, :k]
+
+
+def _select_call(part, k: int, renormalize: bool, params, interpret: bool):
+  t, splits, e = part.shape
+  kp = pl.next_power_of_2(k)
+  return pl.pallas_call(
+      functools.partial(_select_kernel, k=k, renormalize=renormalize),
+      grid=(t,), in_specs=[pl.BlockSpec((1, splits, e), lambda i: (i, 0, 0))],
+      out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
+      out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)],
+      interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select")(part)
+
+
+def select(
+    parts: Float[Array, "tokens splits experts"],
+    k: int,
+    renormalize: bool,
+    *,
+    interpret: bool,
+) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+  """The second kernel alone: (ids, weights) from logit_parts' partial logits, one program per token."""
+  return _select_parts(parts, k, renormalize, interpret=interpret)
+
+
+@shared_lowering("k", "renormalize")
+def _select_parts(parts, k, renormalize, *, interpret):
+  params = None
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = plt.CompilerParams(num_warps=4, num_stages=3)
+  ids, wts = _select_call(parts, k, renormalize, params, interpret)
   return ids[:, :k], wts[:, :k]
 
 
