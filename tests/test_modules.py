@@ -198,3 +198,18 @@ def test_mlp_module(glu):
                                mlp.w_in[...][None], mlp.w_out[...][None],
                                w_gate=None if not glu else mlp.w_gate[...][None], activation=cfg.activation_fn)
   assert_close(y.reshape(-1, D), y_moe, 1e-5, "MLP as one expert")
+
+
+def test_moe_pending_is_refused_where_the_router_cannot_add_it():
+  """pending (a decode step's W_o parts for the router's kernel to add) outside a decode step, or where
+  takes_pending does not hold (here: the CPU's XLA router), is one clear error, not a silent wrong answer."""
+  from sparsejax.models.transformer import RMSNorm
+  model, _ = _moe("top1_dropless")
+  rng = np.random.default_rng(0)
+  x, pending = jnp.asarray(rand(rng, (1, D))), jnp.asarray(rand(rng, (2, 1, D)))
+  norm = RMSNorm(D, param_dtype=jnp.float32)
+  assert not model.takes_pending(x)
+  for kwargs in (dict(decode=False), dict(decode=True)):
+    with pytest.raises(ValueError, match="pending is for a decode step") as info:
+      model(x, pending=pending, norm=norm, **kwargs)
+    assert "\n" not in str(info.value)
