@@ -18,7 +18,6 @@ from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_router import decode_router, router_logit_parts, runs_kernel, select_logit_parts
-from sparsejax.kernels.decode_router.triton import norm_fits as router_norm_fits
 from sparsejax.moe import expert_choice_mlp, moe_mlp
 
 
@@ -93,14 +92,14 @@ class MoE(nnx.Module):
 
   def takes_pending(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None) -> bool:
     """Whether a decode call at these tokens (with a norm) takes `pending`: one token whose router runs its two
-    kernels (decode_router.splits_logits), the first folding the norm. decode_moe.PENDING_RESIDUAL (read here, at
-    trace time) turns it off."""
+    kernels (decode_router.splits_logits) with the norm folded. decode_moe.PENDING_RESIDUAL (read here, at trace
+    time) turns it off."""
     from sparsejax.inference import decode_moe
     c = self.config
     x_in = x.reshape(-1, x.shape[-1])
     return (decode_moe.PENDING_RESIDUAL and rng is None and c.router == "top_k" and x_in.shape[0] == 1
             and x_in.dtype == jnp.dtype(c.dtype) and skinny_matmul.folds_norm(*x_in.shape, c.d_ff)
-            and router_norm_fits(x_in.shape[1]) and decode_moe.splits_logits(*x_in.shape, c.num_experts, c.top_k))
+            and decode_moe.splits_logits(*x_in.shape, c.num_experts, c.top_k))
 
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
                dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None,

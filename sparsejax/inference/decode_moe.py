@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.kernels.decode_router import router_logit_parts, splits_logits
+from sparsejax.kernels.decode_router.triton import default_config as router_config
 from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual, skinny_ffn, skinny_ffn_residual
 from sparsejax.moe import MoEStats, moe_mlp
 from sparsejax.norm import rms_norm
@@ -175,7 +176,8 @@ def selects_in_experts(moe, x: Float[Array, "tokens d_model"], activation: Calla
   if not splits_logits(1, c.d_model, c.num_experts, c.top_k):
     return False
   w = expert_weights(moe, x.dtype, quantized=True)
-  return fuses_routing(c.d_model, c.d_ff, activation, "auto", c.top_k, 2, w["w_in"], w["w_gate"], w["w_out"])
+  splits = router_config(c.d_model, c.num_experts).splits
+  return fuses_routing(c.d_model, c.d_ff, activation, "auto", c.top_k, splits, w["w_in"], w["w_gate"], w["w_out"])
 
 
 def routed_decode_layer(

@@ -208,38 +208,42 @@ def decode_router(
   return _decode_router(x, w_router, norm[0], k, renormalize, cfg, float(norm[1]), interpret=interpret)
 
 
+def _compiler_params(cfg: Config, interpret: bool):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as plt
+  return plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _id_outputs(t: int, k: int) -> dict:
+  """The ids' and weights' outputs, [t, k padded to a power of two] (Triton's blocks), a token's row a program."""
+  kp = pl.next_power_of_2(k)
+  return dict(out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
+              out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)])
+
+
 @shared_lowering("k", "renormalize", "cfg", "eps")
 def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
   """decode_router with the norm's scale g (or None) and eps (static) apart."""
-  t, e = x.shape[0], w_router.shape[1]
-  kp = pl.next_power_of_2(k)
-  params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt
-    params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  outs = dict(out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
-              out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)])
+  params = _compiler_params(cfg, interpret)
+  if cfg.splits > 1:
+    return _select_call(_split_logits(x, w_router, g, cfg, eps, params, interpret), k, renormalize, params, interpret)
   extra = () if g is None else (g,)
-  if cfg.splits == 1:
-    ids, wts = pl.pallas_call(
-        functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize, eps=eps),
-        grid=(t,), in_specs=[pl.no_block_spec] * (2 + len(extra)), interpret=interpret,
-        compiler_params=params, name="sparsejax_decode_router", **outs)(x, w_router, *extra)
-  else:
-    part = _split_logits(x, w_router, g, cfg, eps, params, interpret)
-    ids, wts = _select_call(part, k, renormalize, params, interpret)
+  ids, wts = pl.pallas_call(
+      functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize, eps=eps),
+      grid=(x.shape[0],), in_specs=[pl.no_block_spec] * (2 + len(extra)), interpret=interpret,
+      compiler_params=params, name="sparsejax_decode_router", **_id_outputs(x.shape[0], k))(x, w_router, *extra)
   return ids[:, :k], wts[:, :k]
 
 
 def _select_call(part, k: int, renormalize: bool, params, interpret: bool):
   t, splits, e = part.shape
-  kp = pl.next_power_of_2(k)
-  return pl.pallas_call(
+  ids, wts = pl.pallas_call(
       functools.partial(_select_kernel, k=k, renormalize=renormalize),
       grid=(t,), in_specs=[pl.BlockSpec((1, splits, e), lambda i: (i, 0, 0))],
-      out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0))] * 2,
-      out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.int32), jax.ShapeDtypeStruct((t, kp), jnp.float32)],
-      interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select")(part)
+      interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select",
+      **_id_outputs(t, k))(part)
+  return ids[:, :k], wts[:, :k]
 
 
 def select(
@@ -249,18 +253,14 @@ def select(
     *,
     interpret: bool,
 ) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
-  """The second kernel alone: (ids, weights) from logit_parts' partial logits, one program per token."""
+  """The second kernel alone: (ids, weights) from logit_parts' partial logits, one program per token, with the
+  two-kernel form's warps and stages (Config's)."""
   return _select_parts(parts, k, renormalize, interpret=interpret)
 
 
 @shared_lowering("k", "renormalize")
 def _select_parts(parts, k, renormalize, *, interpret):
-  params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt
-    params = plt.CompilerParams(num_warps=4, num_stages=3)
-  ids, wts = _select_call(parts, k, renormalize, params, interpret)
-  return ids[:, :k], wts[:, :k]
+  return _select_call(parts, k, renormalize, _compiler_params(Config(block_k=16), interpret), interpret)
 
 
 def _split_logits(x, w_router, g, cfg: Config, eps, params, interpret: bool, pending=None):
@@ -301,8 +301,4 @@ def logit_parts(
 
 @shared_lowering("cfg", "eps")
 def _logit_parts(x, w_router, g, pending, cfg, eps, *, interpret):
-  params = None
-  if not interpret:
-    from jax.experimental.pallas import triton as plt
-    params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  return _split_logits(x, w_router, g, cfg, eps, params, interpret, pending)
+  return _split_logits(x, w_router, g, cfg, eps, _compiler_params(cfg, interpret), interpret, pending)
