@@ -33,9 +33,14 @@ def _moe(name, seed=0, **extra):
   return sj.MoE(cfg, rngs=nnx.Rngs(seed)), cfg
 
 
+def _dot(a, b):
+  """a @ b in float32: a GPU's default precision for a float32 matmul is TF32 (~1e-3), no reference."""
+  return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _module_reference(model: sj.MoE, cfg: sj.MoEConfig, x2, temperature=1.0):
   """What MoE must compute, from its own parameters, through the dense masked reference."""
-  logits = x2.astype(jnp.float32) @ model.router.w[...].astype(jnp.float32)
+  logits = _dot(x2.astype(jnp.float32), model.router.w[...].astype(jnp.float32))
   w_gate = None if model.w_gate is None else model.w_gate[...]
   T = x2.shape[0]
   if cfg.router == "expert_choice":
@@ -106,7 +111,7 @@ def test_moe_bfloat16_compute(monkeypatch):
   # Against the f32 reference on the bf16-rounded input and weights.
   xb = x.astype(jnp.bfloat16).astype(jnp.float32)
   rnd = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
-  logits = xb @ model.router.w[...]
+  logits = _dot(xb, model.router.w[...])
   r = sj.top_k_routing(logits, 2)
   y_ref = sj.moe_mlp_reference(xb, r.expert_ids, r.combine_weights, rnd(model.w_in[...]),
                                rnd(model.w_out[...]), w_gate=rnd(model.w_gate[...]), activation=jax.nn.silu)
@@ -176,7 +181,7 @@ def test_router_module():
   x = jnp.asarray(rand(np.random.default_rng(4), (10, D))).astype(jnp.bfloat16)
   logits = router(x)
   assert logits.shape == (10, E) and logits.dtype == jnp.float32
-  np.testing.assert_allclose(logits, x.astype(jnp.float32) @ router.w[...], rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(logits, _dot(x.astype(jnp.float32), router.w[...]), rtol=1e-5, atol=1e-6)
   noisy = router(x, rng=jax.random.key(0))
   assert not np.allclose(noisy, logits)
 
@@ -188,9 +193,9 @@ def test_mlp_module(glu):
   x = jnp.asarray(rand(np.random.default_rng(5), (3, 5, D)))
   y, stats = nnx.jit(lambda m, x: m(x))(mlp, x)
   assert y.shape == x.shape
-  h = x @ mlp.w_in[...]
-  h = jax.nn.silu(x @ mlp.w_gate[...]) * h if glu else jax.nn.gelu(h)
-  np.testing.assert_allclose(y, h @ mlp.w_out[...], rtol=1e-5, atol=1e-6)
+  h = _dot(x, mlp.w_in[...])
+  h = jax.nn.silu(_dot(x, mlp.w_gate[...])) * h if glu else jax.nn.gelu(h)
+  np.testing.assert_allclose(y, _dot(h, mlp.w_out[...]), rtol=1e-5, atol=1e-6)
   assert set(STAT_FIELDS) <= set(vars(stats))
   assert int(stats.tokens_per_expert[0]) == 15 and float(stats.aux_loss) == 0.0
   # A dense MLP is an MoE with one expert and top-1 routing with weight 1.
