@@ -26,10 +26,6 @@ from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_ker
 from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
-# Whether a decode step hands each block the next block's W_qkv to ask L2 for (Block's prefetch): read at trace
-# time, an A-B switch.
-PREFETCH_NEXT_QKV = True
-
 
 @flax.struct.dataclass
 class ModelStats:
@@ -161,8 +157,7 @@ class Block(nnx.Module):
     self.ffn = MoE(cfg.moe_config(), rngs=rngs, mesh=mesh) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
-               cache: "DecodeView | None" = None, prefetch: tuple = ()):
-    """prefetch (decoding): arrays the next block reads first, which an MoE layer's expert kernel asks L2 for."""
+               cache: "DecodeView | None" = None):
     if cache is None:
       x = x + self.attn(self.attn_norm(x))
       y, stats = self.ffn(self.ffn_norm(x), rng=rng)
@@ -170,11 +165,10 @@ class Block(nnx.Module):
       if self.is_moe and x.shape[0] * x.shape[1] == 1 and self.ffn.takes_pending(x, rng=rng):
         # one token: the router's kernel adds the attention's output to the residual stream
         pending = self.attn(x, cache=cache, norm=self.attn_norm, unsummed=True)
-        return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, pending=pending, prefetch=prefetch)
+        return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, pending=pending)
       x = x + self.attn(x, cache=cache, norm=self.attn_norm)
       # and the feed-forward adds the residual itself: at one token, in the kernel that sums its parts
-      more = {"prefetch": prefetch} if self.is_moe else {}
-      return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, residual=x, **more)
+      return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, residual=x)
     return x + y.astype(x.dtype), stats
 
 
@@ -242,14 +236,9 @@ class Transformer(nnx.Module):
     with jax.named_scope("embed"):
       h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     moe_stats = []
-    blocks = list(self.blocks)
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(self.blocks):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-      # A decode step's next weights to ask L2 for while this block's experts stream theirs: the next qkv product's
-      prefetch = ()
-      if cache is not None and PREFETCH_NEXT_QKV and i + 1 < len(blocks):
-        prefetch = (blocks[i + 1].attn.w_qkv[...].astype(dt),)
-      h, s = block(h, rng=layer_rng, cache=cache, prefetch=prefetch)
+      h, s = block(h, rng=layer_rng, cache=cache)
       if block.is_moe:
         moe_stats.append(s)
     h = self.final_norm(h)

@@ -34,9 +34,6 @@ from sparsejax.norm import rms_norm
 IMPLS = ("auto", "triton", "xla")
 # Rows the kernel takes: it pads them to a power of two >= 16, one tensor-core tile of rows at most 64.
 MAX_ROWS = 64
-# Whether routed_ffn_residual's row kernel asks L2 for its `prefetch` arrays before its own loads (the most lead,
-# sharing the DRAM with its own stream) or after its store (read at trace time: an A-B switch).
-PREFETCH_FIRST = True
 
 
 def _check(x, w, experts, scale, norm, impl):
@@ -428,7 +425,6 @@ def routed_ffn_residual(
     w_out_scale: Float[Array, "experts d"] | None = None,
     norm: tuple[Float[Array, "d"], float] | None = None,
     impl: str = "auto",
-    prefetch: tuple = (),
 ) -> tuple[Float[Array, "1 d"], Int[Array, "k"]]:
   """(skinny_ffn_residual(x, ..., experts=ids, combine=weights), ids) for one token routed by its router's
   partial logits: (ids, weights) = decode_router.reference.select_from_parts(router_parts, k, renormalize), the
@@ -437,9 +433,7 @@ def routed_ffn_residual(
   Where fuses_residual holds for k slots, the row kernel's programs each select their slot's expert from the
   parts as decode_router's select kernel would (the same exact rule, so they agree), and programs (s, 0) store
   the slots' weights for the epilogue: no kernel runs between the router's logits and the experts'. Else XLA selects and
-  skinny_ffn_residual runs. Differentiable (the reference's cotangents, through the weights to the parts).
-  prefetch: arrays a later kernel reads, which the row kernel's programs ask L2 for (triton_row_ffn.row_ffn_parts;
-  PREFETCH_FIRST says when); ignored where the row kernel does not run."""
+  skinny_ffn_residual runs. Differentiable (the reference's cotangents, through the weights to the parts)."""
   _checks.check_floating("router_parts", router_parts)
   num_experts = w_in.shape[0] if w_in.ndim == 3 else None
   if w_in.ndim != 3 or router_parts.ndim != 3 or router_parts.shape[0] != 1 or router_parts.shape[2] != num_experts:
@@ -462,22 +456,20 @@ def routed_ffn_residual(
     return y, ids[0]
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
 
-  def kernel(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual, prefetch):
+  def kernel(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
     parts, ids, wts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in, w_gate, w_out,
                                                    s_in, s_gate, rp, PLAIN[activation], dt,
-                                                   triton_row_ffn.Routed(k, renormalize), prefetch=prefetch,
-                                                   prefetch_first=PREFETCH_FIRST, interpret=_interpret())
+                                                   triton_row_ffn.Routed(k, renormalize), interpret=_interpret())
     return triton_row_ffn.residual_epilogue(parts, wts[None], residual, s_out, ids, dt, num_experts,
                                             interpret=_interpret()), ids
 
-  def reference(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual, prefetch):
-    del prefetch  # changes no value
+  def reference(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
     ids, wts = select_from_parts(rp, k, renormalize)
     y = _ffn_reference(x, w_in, w_gate, w_out, s_in, s_gate, ns, ids[0], eps, activation, dt)
     return _residual_epilogue_reference(y, wts, residual, s_out, ids[0], dt, num_experts), ids[0]
 
   return with_reference_vjp(kernel, reference, x, w_in, w_gate, w_out, w_in_scale, w_gate_scale, w_out_scale,
-                            None if norm is None else norm[0], router_parts, residual, tuple(prefetch))
+                            None if norm is None else norm[0], router_parts, residual)
 
 
 def split_k_parts(

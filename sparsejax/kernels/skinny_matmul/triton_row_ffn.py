@@ -29,7 +29,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
-from sparsejax.kernels import l2_prefetch
 from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.triton import Normed
@@ -90,9 +89,8 @@ def _pick(values: list, s):
 
 
 def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gated: bool, up_scaled: bool,
-            gate_scaled: bool, routed: Routed | None, prefetches: int = 0, prefetch_first: bool = True):
+            gate_scaled: bool, routed: Routed | None):
   refs = list(refs)
-  prefetch_refs = [refs.pop(0) for _ in range(prefetches)]
   x_refs = [refs.pop(0) for _ in range(1 if not isinstance(source, Normed) else 2)]
   w_in_ref = refs.pop(0)
   w_gate_ref = refs.pop(0) if gated else None
@@ -101,8 +99,6 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   s_gate_ref = refs.pop(0) if gate_scaled else None
   out_ref, *routed_refs = refs
   s, j = pl.program_id(0), pl.program_id(1)
-  if prefetch_first:
-    _prefetch(prefetch_refs, s, j, w_in_ref.shape[-1] // c, out_ref.shape[0])
   if routed:
     logits = summed_logits(experts_ref, 0, experts_ref.shape[1])
     ids = top_ids(logits, routed.k)
@@ -142,8 +138,6 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
   out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
-  if not prefetch_first:
-    _prefetch(prefetch_refs, s, j, w_in_ref.shape[-1] // c, out_ref.shape[0])
   if routed:  # after the slab's work: the weights' softmax stays off the weight stream's path
 
     @pl.when(j == 0)
@@ -152,13 +146,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
       routed_refs[1][s] = _pick(weights_of(logits, ids, routed.renormalize), s)
 
 
-def _prefetch(refs, s, j, slabs: int, slots: int):
-  """Program (s, j) of slots x slabs asks L2 for its share of each array a later kernel reads (l2_prefetch)."""
-  for ref in refs:
-    l2_prefetch.prefetch_share(ref, s * slabs + j, slots * slabs)
-
-
-@shared_lowering("source", "activation", "dtype", "routed", "prefetch_first")
+@shared_lowering("source", "activation", "dtype", "routed")
 def row_ffn_parts(
     x_operands: tuple,
     source,
@@ -172,8 +160,6 @@ def row_ffn_parts(
     dtype,
     routed: Routed | None = None,
     *,
-    prefetch: tuple = (),
-    prefetch_first: bool = True,
     interpret: bool,
 ) -> Float[Array, "slots programs d"] | tuple:
   """The module docstring's parts, float32 and unscaled by W_out's scale: FFN_s(x) = sum_j parts[s, j].
@@ -182,18 +168,14 @@ def row_ffn_parts(
   for Normed. activation is a kernel-body function (sparsejax.activations.PLAIN); dtype is x's (the
   rounding of u, g and h). routed (Routed): `experts` is the router's partial logits of the token
   (decode_router.router_logit_parts) and slot s's expert its s-th choice, which every program takes itself
-  (the router's select kernel then never runs); the result is (parts, the k ids, their float32 weights).
-  prefetch: arrays a later kernel reads, which the programs ask L2 for between them (l2_prefetch), before
-  their own loads (prefetch_first) or after their store; no value changes."""
+  (the router's select kernel then never runs); the result is (parts, the k ids, their float32 weights)."""
   d, f = w_in.shape[-2:]
   slots = routed.k if routed else experts.shape[0]
   c = slab_columns(w_in.dtype)
   gated, up_scaled, gate_scaled = w_gate is not None, s_in is not None, s_gate is not None
   kernel = functools.partial(_kernel, source=source, activation=activation, dtype=jnp.dtype(dtype), c=c,
-                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled, routed=routed,
-                             prefetches=len(prefetch), prefetch_first=prefetch_first)
-  operands = tuple(prefetch) + tuple(x_operands)
-  operands += tuple(w for w in (w_in, w_gate, w_out, s_in, s_gate) if w is not None)
+                             gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled, routed=routed)
+  operands = tuple(x_operands) + tuple(w for w in (w_in, w_gate, w_out, s_in, s_gate) if w is not None)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
