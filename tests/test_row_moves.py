@@ -103,3 +103,22 @@ def test_dispatch():
 def test_errors(args, impl, err, match):
   with pytest.raises(err, match=match):
     row_moves.gather_rows(*args, impl=impl)
+
+
+def test_kernel_masks_its_last_block_to_the_rows():
+  """Pallas Triton masks no block access: at rows not a multiple of the 64-row block the last program's src reads
+  and stores must carry masks, or its stores land past the output (on an H100 they zeroed a capacity layer's router
+  weights). Interpret mode drops such writes, so the Triton IR is checked: every load and store is masked."""
+  import sys
+  from pathlib import Path
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+  import triton_sass
+  (ttir,) = triton_sass.ttir_of(lambda x, s: triton.gather_rows(x, s, interpret=False),
+                                jax.ShapeDtypeStruct((7, 64), jnp.float32), jax.ShapeDtypeStruct((70,), jnp.int32))
+  lines = [ln.strip() for ln in ttir.splitlines()]
+  stores = [ln for ln in lines if ln.startswith("tt.store")]
+  loads = [ln for ln in lines if "= tt.load" in ln]
+  assert stores and loads
+  # masked: tt.store ptr, value, mask and tt.load ptr, mask(, other)
+  assert all(ln.split(":")[0].count(",") >= 2 for ln in stores), stores
+  assert all(ln.split(":")[0].count(",") >= 1 for ln in loads), loads

@@ -38,16 +38,23 @@ def block_d_for(d: int, cfg: Config = Config()) -> int | None:
   return bd if bd & (bd - 1) == 0 and d % bd == 0 else None
 
 
-def _kernel(src_ref, x_ref, out_ref, *, n: int, block_d: int):
+def _kernel(src_ref, x_ref, out_ref, *, n: int, r: int, block_d: int):
   from jax.experimental.pallas import triton as plt
-  idx = src_ref[...]
+  # The last program's block may run past the r rows. Pallas Triton masks no block access, so its src reads and
+  # stores are masked here: unmasked, its stores wrote past the output into whatever buffer lay beyond it (a
+  # capacity layer's E x C rows, C not a multiple of block_rows, zeroed its router weights on an H100). Interpret
+  # mode drops such writes, so only a GPU run shows them.
+  block_rows = out_ref.shape[0]
+  inside = pl.program_id(0) * block_rows + jax.lax.broadcasted_iota(jnp.int32, (block_rows,), 0) < r
+  idx = plt.load(src_ref, mask=inside, other=n)
   valid = (idx >= 0) & (idx < n)  # never an address outside x, whatever src holds
   rows = jnp.where(valid, idx, 0)[:, None]
   cols = pl.program_id(1) * block_d + jax.lax.broadcasted_iota(jnp.int32, (1, block_d), 1)
   # Both indices as arrays (interpret mode takes no mix of arrays and slices); Triton still sees
   # contiguous columns and moves them in vectors.
   mask = jnp.broadcast_to(valid[:, None], out_ref.shape)
-  out_ref[...] = plt.load(x_ref.at[rows, cols], mask=mask, other=0)
+  plt.store(out_ref, plt.load(x_ref.at[rows, cols], mask=mask, other=0),
+            mask=jnp.broadcast_to(inside[:, None], out_ref.shape))
 
 
 @shared_lowering("cfg")
@@ -62,7 +69,7 @@ def gather_rows(
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
   return pl.pallas_call(
-      functools.partial(_kernel, n=n, block_d=bd),
+      functools.partial(_kernel, n=n, r=r, block_d=bd),
       grid=(pl.cdiv(r, cfg.block_rows), d // bd),
       in_specs=[pl.BlockSpec((cfg.block_rows,), lambda i, j: (i,)), pl.no_block_spec],
       out_specs=pl.BlockSpec((cfg.block_rows, bd), lambda i, j: (i, j)),
