@@ -54,7 +54,9 @@ def _references(name, dtype):
   lhs, rhs, gs, ct = _inputs(name, dtype)
   gs_j, ct_j = jnp.asarray(gs), jnp.asarray(ct)
   ref = lambda a, b: sj.grouped_matmul_reference(a, b, gs_j)
-  lax_rd = lambda a, b: jax.lax.ragged_dot(a, b, gs_j, preferred_element_type=jnp.float32)
+  # HIGHEST: a GPU computes a float32 ragged_dot in TF32 (~1e-3) by default
+  lax_rd = lambda a, b: jax.lax.ragged_dot(a, b, gs_j, precision=jax.lax.Precision.HIGHEST,
+                                           preferred_element_type=jnp.float32)
   f32 = lambda a: jnp.asarray(a, jnp.float32)
   results = {what: jax.jit(lambda a, b, fn=fn: (fn(a, b), jax.grad(_loss(fn, ct_j), argnums=(0, 1))(a, b)))(
       f32(lhs), f32(rhs)) for what, fn in (("reference", ref), ("lax.ragged_dot", lax_rd))}
