@@ -106,7 +106,8 @@ def _model(dtype, **fields):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_transformer_forward_and_backward(name, dtype):
   """Attention projections, q k^T and p v (inside jax.nn.dot_product_attention), the FFN and the head."""
-  graph, state = nnx.split(_model(dtype, **MODELS[name]))
+  model = _model(dtype, **MODELS[name])
+  graph, state = nnx.split(model)
   tokens = jnp.asarray(np.arange(16).reshape(2, 8) % 256, jnp.int32)
 
   def loss(state):
@@ -117,8 +118,7 @@ def test_transformer_forward_and_backward(name, dtype):
   if dtype == "float32":
     assert_float32_dots_highest(found, 3 * 7)
   else:  # on a GPU bf16 attention is cuDNN's fused kernel (attention_impl), whose q k^T and p v are no dots
-    cudnn = attention_impl(nnx.merge(graph, state).cfg) == "cudnn"
-    assert_half_dots_unset(found, 3 * (5 if cudnn else 6))
+    assert_half_dots_unset(found, 3 * (5 if attention_impl(model.cfg) == "cudnn" else 6))
 
 
 @pytest.mark.parametrize("moe_every", [0, 1], ids=["dense", "moe"])
