@@ -76,6 +76,18 @@ def test_timer_amortizes_the_sync_over_a_long_repeat():
   assert len(syncs) < len(calls) / 4  # one sync per repeat, not per call
 
 
+def test_a_layer_only_run_gets_a_targets_row_and_a_plot_of_its_layers(tmp_path):
+  """--layer-only records no MLP: the targets table still lists its shapes, judging only the layer's ratio, and
+  the plot draws the layers (it was an empty MLP plot and an empty table)."""
+  rec = lambda shape, v, ms: {"shape": shape, "variant": v, "fwdbwd_ms": ms}
+  results = {"gpu": "test", "mlp": [], "layer": [rec("a", "dropless", 2.0), rec("a", "capacity_1.0", 1.9),
+                                                  rec("b", "dropless", 1.0), rec("b", "capacity_1.0", 1.1)]}
+  rows = [line for line in bench.targets(results) if line.startswith("| a |") or line.startswith("| b |")]
+  assert rows == ["| a | — | — | — | 0.95 ✗ | no |", "| b | — | — | — | 1.10 ✓ | yes, of those measured |"]
+  bench.plot(results, str(tmp_path / "layer.png"))
+  assert (tmp_path / "layer.png").stat().st_size > 0
+
+
 def test_merge_keeps_unmeasured_shape_variant_pairs(tmp_path):
   old = {"mlp": [{"shape": "a", "variant": "x", "v": 1}, {"shape": "a", "variant": "y", "v": 1},
                  {"shape": "b", "variant": "x", "v": 1}], "layer": [{"shape": "a", "layer": "dropless"}]}

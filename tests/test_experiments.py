@@ -579,3 +579,16 @@ def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
   assert res["differ"] == 0.0 and "tiny-moe (int8 experts)" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="--int8: the model has no MoE layer"):
     ab_decode.main(["--preset", "tiny-dense", "--int8", "--prompt-len", "8", "--steps", "2", "--rounds", "2"])
+
+
+def test_row_moves_probe_checks_every_gather_variant_and_keeps_the_unmasked_peer_off_the_cpu(tmp_path):
+  """probe_row_moves interpreted on its tiny shape: each gather variant, repeated, bit-equal to XLA's; the
+  pre-883519e kernel (a timing peer that only a GPU runs) refused in one line off the GPU."""
+  import probe_row_moves
+  out = probe_row_moves.main(["--shapes", "tiny", "--configs", "64x128", "--repeats", "2", "--out", str(tmp_path)])
+  gathers = [r["variant"] for r in out if r["move"].startswith("gather")]
+  assert gathers == ["xla #1", "triton_64x128 #1", "xla #2", "triton_64x128 #2"]
+  assert all(r["rel_err"] == 0 and r["ms"] > 0 for r in out) and len(out) == 7
+  assert json.loads((tmp_path / "row_moves_probe.json").read_text()) == out
+  with pytest.raises(SystemExit):
+    probe_row_moves.main(["--shapes", "tiny", "--unmasked", "--out", str(tmp_path)])
