@@ -44,3 +44,24 @@ if _worker.startswith("gw") and _workers > 1 and hasattr(os, "sched_setaffinity"
 # Only when unreachable cycles are freed changes; whatever is freed by reference counting (most
 # arrays) still goes at once.
 gc.set_threshold(20000, 20, 20)
+
+
+# The suite is written for the CPU (eight host devices, interpret mode), and CI runs it there, where neither marker
+# below ever skips. Run on a GPU (JAX_PLATFORMS=cuda, which also compiles the kernels' tests), the tests that cannot
+# hold there say why in one line instead of failing: a skip names what the test needs, so every failure left is news.
+def pytest_configure(config):
+  config.addinivalue_line("markers", "devices(n): needs n devices of the backend under test (the CPU suite has 8)")
+  config.addinivalue_line("markers", "cpu_suite(reason): holds only on the CPU backend, for the reason given")
+
+
+def pytest_runtest_setup(item):
+  import jax
+  import pytest
+
+  for mark in item.iter_markers("devices"):
+    if jax.device_count() < mark.args[0]:
+      pytest.skip(f"needs {mark.args[0]} devices; {jax.default_backend()} has {jax.device_count()} here "
+                  "(the CPU suite runs 8 host devices)")
+  for mark in item.iter_markers("cpu_suite"):
+    if jax.default_backend() != "cpu":
+      pytest.skip(f"written for the CPU backend: {mark.args[0]}")

@@ -177,6 +177,7 @@ def test_a_bf16_run_resumes_on_the_curve_of_a_run_without_the_copy(tmp_path, mon
   assert losses("no_copy") == full
 
 
+@pytest.mark.devices(8)
 @pytest.mark.parametrize("spec", [(2, 4), (1, 8)])
 def test_on_an_expert_mesh_the_copy_lies_as_its_params(spec):
   """Expert parallelism in bf16: the step with the copy equals the old one bit for bit, and every

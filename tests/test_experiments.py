@@ -90,6 +90,7 @@ def test_ep_train_bench_lists_the_two_level_meshes_it_measures():
   assert b.mesh_spec(8, 2) == "data=1,expert_group=2,expert=4"
 
 
+@pytest.mark.devices(4)
 def test_ep_train_bench_runs_the_hierarchical_exchange_to_the_flat_ones_losses(tmp_path):
   """--smoke on 4 of the 8 host devices, with an exchange buffer of half the mean rows (so steps
   overflow it and take the exact fallback): the two-level mesh's step (dense, hierarchical 2x2) trains
@@ -127,6 +128,7 @@ def test_ep_train_bench_counts_only_exchange_time_under_other_kernels_of_its_dev
   assert b.overlapped_us(kernels) == {"all-to-all": 4.0, "all-reduce": 3.0}
 
 
+@pytest.mark.cpu_suite("the script's check runs its kernels on the CPU backend")
 def test_ncu_script_checks_its_kernels_on_the_cpu():
   """experiments/ncu_gmm_kernels.py --smoke: the four Hopper kernels it profiles, interpreted, and
   its check of each output against the float32 reference (run on the CPU, after the kernels)."""
@@ -139,7 +141,8 @@ def test_ncu_script_checks_its_kernels_on_the_cpu():
   assert len(errs) == 4 and all(0 <= e < 1e-2 for e in errs)
 
 
-@pytest.mark.parametrize("epilogue_wg", [False, True])
+@pytest.mark.parametrize("epilogue_wg", [False, pytest.param(True, marks=pytest.mark.cpu_suite(
+    "it patches the interpret-mode configs, which compiled kernels do not read"))])
 def test_energy_probe_cases_run_the_mlps_forms_and_match_their_references(monkeypatch, epilogue_wg):
   """probe_energy --kernels, interpreted on a tiny problem: every case's output against its float32
   reference, with gmm_act and gmm_dact in the forms the fused MLP runs: act'(pre) saved, or pre where
@@ -216,6 +219,7 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
     tune_skinny_matmul.main(["--smoke", "--k-steps", "--rows", "5"])
 
 
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
   """probe_pdl's kernels, lowered for CUDA: the wait forms carry griddepcontrol.wait, the plain one none;
   on a CPU the probe stops with one line (its PTX cannot run here)."""
@@ -232,6 +236,7 @@ def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
     probe_pdl.main([])
 
 
+@pytest.mark.cpu_suite("interpreted, the probe returns errors only; on a GPU it times the variants too")
 def test_dataflow_ffn_probe_matches_its_reference_across_calls_and_the_counters_wrap():
   """probe_dataflow_ffn in interpret mode (programs in order, as the GPU starts them): every variant equals the
   reference within a bf16 ulp over three calls on one counter buffer and a fourth whose arrivals cross int32's
@@ -309,6 +314,7 @@ def test_expert_mlp_ab_traces_each_config_set_anew(monkeypatch):
       "tgmm h^T dY k32": True}
 
 
+@pytest.mark.cpu_suite("its 'default' variant is TF32 on a GPU by design, 2e-4 from float64")
 def test_router_precision_bench_checks_every_variant_against_float64(tmp_path):
   """Each algorithm the backend has is timed and checked (a float32-accurate one near 1e-7 on the CPU,
   which computes every one in float32); one it lacks is reported, not timed; the JSON is written."""
@@ -382,6 +388,7 @@ def test_results_go_to_out_once_and_never_onto_themselves(tmp_path, monkeypatch)
   copy_to_out(other / "s.json")  # no $OUT: nothing happens
 
 
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_energy_probe_reads_the_sustained_samples_and_refuses_a_cpu(capsys):
   """probe_energy: the clock and power medians leave out the first third of nvidia-smi's samples (the
   ramp to the power cap); outputs are checked on the real rows; too few samples, no shapes, or no GPU
@@ -412,6 +419,7 @@ def test_energy_probe_reads_the_sustained_samples_and_refuses_a_cpu(capsys):
     probe_energy.main(["--kernels", "E64_top1"])
 
 
+@pytest.mark.cpu_suite("it checks the A-B's refusal of a CPU (on a GPU the A-B runs its measurement)")
 def test_sustained_ab_compares_real_rows_and_refuses_bad_arguments(capsys):
   """ab_sustained: y and dx are compared on the real rows only (the rest may be unwritten), the
   weight gradients everywhere; fewer than two config sets, an unknown one or a CPU stop it in one line."""

@@ -122,6 +122,7 @@ def _records(out):
           if json.loads(line)["kind"] == "train"]
 
 
+@pytest.mark.devices(8)
 def test_the_training_loop_on_an_expert_mesh_follows_one_device(tmp_path):
   """--grad-accum 2 with --mesh data=2,expert=4: the losses of the one-device run with the same
   accumulation, and each logged step routed all batch_size x seq_len tokens."""
@@ -141,6 +142,7 @@ def test_bad_values_are_one_line(tmp_path, kw, error):
     _cfg(tmp_path, "run", **kw)
 
 
+@pytest.mark.devices(8)
 def test_a_microbatch_that_does_not_split_over_the_mesh_fails_before_compiling(tmp_path):
   cfg = _cfg(tmp_path, "run", batch_size=8, grad_accum=2, mesh="data=1,expert=8")
   with pytest.raises(ValueError, match="A microbatch of --batch-size 8 / --grad-accum 2 does not split over "

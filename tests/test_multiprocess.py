@@ -17,6 +17,8 @@ from sparsejax.distributed import initialize_from_env
 from sparsejax.train import TrainConfig, train
 from corpus_testing import write_corpus
 
+pytestmark = pytest.mark.cpu_suite("its processes hold CPU host devices and talk over gloo")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=16)
 ARGS = ["--preset", "tiny-moe", "--steps", "3", "--batch-size", "8", "--seq-len", "16", "--warmup", "2",

@@ -21,6 +21,8 @@ from sparsejax.parallel import ExpertParallelConfig, expert_parallel_moe_mlp
 
 from moe_testing import np_capacity_keep
 
+pytestmark = pytest.mark.devices(8)
+
 T, D, F, K = 64, 8, 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -99,6 +99,7 @@ def test_op_times_keeps_the_time_of_overlapping_neighbours():
   assert abs(gaps["busy_union_ms"] - 0.1499) < 1e-9
 
 
+@pytest.mark.cpu_suite("at the tiny preset a GPU fuses the router's ops into kernels that vote for other categories")
 def test_profile_step_smoke(tmp_path, monkeypatch):
   """A real trace of the tiny MoE's train step on the CPU: every category named, and they add up.
   The step accumulates two microbatches (--grad-accum), and --tag names the files.

@@ -141,6 +141,7 @@ def test_progress_lines_before_the_first_logged_step_show_no_train_loss(tmp_path
   assert "val loss" in line and "train loss" not in line and "nan" not in out
 
 
+@pytest.mark.devices(8)
 def test_mesh_hook_matches_single_device(tmp_path):
   """Same loss on a 2-device data mesh; MFU divides by the peak of the devices the run uses (1, then 2)."""
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))  # Auto axes: jit places the rest

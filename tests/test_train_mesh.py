@@ -12,6 +12,8 @@ from sparsejax.cli import parse_args
 from sparsejax.train import TrainConfig, prepare, run, train
 from corpus_testing import write_corpus
 
+pytestmark = pytest.mark.devices(8)
+
 # One block with E = 8 experts: expert=4 holds 2 per device, expert=8 one each (float32 on the CPU).
 TINY = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=16,
             dtype="float32")
