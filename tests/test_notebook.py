@@ -4,8 +4,11 @@ import re
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
+
+# The test extra installs nbformat and nbclient (CI always has them); a machine set up without the extra, such as
+# the GPU image, skips this file saying so instead of failing the whole run's collection.
+nbformat = pytest.importorskip("nbformat", reason="the notebook test needs the test extra (pip install -e '.[test]')")
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "experiments" / "quickstart.ipynb"
