@@ -278,7 +278,7 @@ def test_copy_bandwidth_warms_up_then_times_windows_of_calls():
   synced call at a time, the host's dispatch and sync read as 14% less bandwidth on an H100)."""
   import bench_decode
   ticks = iter(range(10 ** 6))
-  # Each reading of the clock advances it 1 s: the warm-up loop reads it twice per call until 3 s have
+  # Each reading of the clock advances it 1 s: the warm-up loop reads it once per call until 3 s have
   # passed, then each window reads it twice around its 5 calls, so a call takes 1/5 s and 40 bytes move in it.
   assert bench_decode.copy_bandwidth(20, 3.0, windows=4, calls=5, clock=lambda: float(next(ticks))) == pytest.approx(40 / 0.2)
 

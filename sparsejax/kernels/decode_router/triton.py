@@ -246,6 +246,7 @@ def _select_call(part, k: int, renormalize: bool, params, interpret: bool):
   return ids[:, :k], wts[:, :k]
 
 
+@shared_lowering("k", "renormalize")
 def select(
     parts: Float[Array, "tokens splits experts"],
     k: int,
@@ -255,11 +256,6 @@ def select(
 ) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
   """The second kernel alone: (ids, weights) from logit_parts' partial logits, one program per token, with the
   two-kernel form's warps and stages (Config's)."""
-  return _select_parts(parts, k, renormalize, interpret=interpret)
-
-
-@shared_lowering("k", "renormalize")
-def _select_parts(parts, k, renormalize, *, interpret):
   return _select_call(parts, k, renormalize, _compiler_params(Config(block_k=16), interpret), interpret)
 
 
