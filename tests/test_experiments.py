@@ -221,17 +221,19 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
 
 @pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
-  """probe_pdl's kernels, lowered for CUDA: the wait forms carry griddepcontrol.wait, the plain one none;
-  on a CPU the probe stops with one line (its PTX cannot run here)."""
+  """probe_pdl's kernels, lowered for CUDA: the wait forms carry griddepcontrol.wait, the plain one none, the
+  trigger forms griddepcontrol.launch_dependents; on a CPU the probe stops with one line (its PTX cannot run here)."""
   import jax
   import jax.numpy as jnp
   import probe_pdl
   x = jax.ShapeDtypeStruct((probe_pdl.K,), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((probe_pdl.K, probe_pdl.N), jnp.bfloat16)
-  for mode in ("plain", "wait_first", "prefetch"):
-    text = jax.jit(lambda x, w, mode=mode: probe_pdl.matvec(x, w, mode)).trace(x, w).lower(
+  for mode in probe_pdl.MODES[1:]:
+    xin = jax.ShapeDtypeStruct((probe_pdl.N,), jnp.float32) if mode.endswith("_direct") else x
+    text = jax.jit(lambda x, w, mode=mode: probe_pdl.matvec(x, w, mode)).trace(xin, w).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert ("griddepcontrol.wait" in text) == (mode != "plain"), mode
+    assert ("griddepcontrol.wait" in text) == (mode in ("wait_first", "prefetch")), mode
+    assert ("griddepcontrol.launch_dependents" in text) == mode.startswith("trigger"), mode
   with pytest.raises(SystemExit, match="needs a GPU"):
     probe_pdl.main([])
 

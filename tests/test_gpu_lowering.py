@@ -22,11 +22,15 @@ from sparsejax.rope import inverse_frequencies
 bf16 = jnp.bfloat16
 
 
-def _lowers(fn, *shapes):
-  """fn lowers for CUDA with one Triton custom call or more."""
+def _lowers(fn, *shapes, triggers="all"):
+  """fn lowers for CUDA with one Triton custom call or more. triggers: how many of its kernels let the next kernel
+  launch first (launch_dependents; the decode step's small kernels do, the weight-streaming products and the
+  training kernels do not), "all" or an int."""
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("xla.gpu.triton") >= 1
+  kernels = text.count("xla.gpu.triton")
+  assert kernels >= 1
+  assert text.count("griddepcontrol.launch_dependents") == (kernels if triggers == "all" else triggers)
 
 
 def _hidden_ffn(m, d, f, act, gated, scaled):
@@ -51,7 +55,7 @@ def _hidden_ffn(m, d, f, act, gated, scaled):
 def test_skinny_ffn_kernels_lower(act, m, d, f):
   for gated, scaled in [(False, False), (True, True)]:
     fn, *shapes = _hidden_ffn(m, d, f, act, gated, scaled)
-    _lowers(fn, *shapes)
+    _lowers(fn, *shapes, triggers=0)
 
 
 @pytest.mark.parametrize("act", [jax.nn.gelu, jax.nn.silu, jax.nn.relu], ids=["gelu", "silu", "relu"])
@@ -61,12 +65,13 @@ def test_row_ffn_kernel_lowers(act):
   f, g = PLAIN[act], jnp.float32
   fn = lambda x, ns, w_in, w_out, ids: row_ffn.row_ffn_parts((x, ns), skinny.Normed(1e-6), w_in, None, w_out, None,
                                                               None, ids, f, bf16, interpret=False)
-  _lowers(fn, ((1, 1024), bf16), ((1024,), g), ((4, 1024, 4096), bf16), ((4, 4096, 1024), bf16), ((1,), jnp.int32))
+  _lowers(fn, ((1, 1024), bf16), ((1024,), g), ((4, 1024, 4096), bf16), ((4, 4096, 1024), bf16), ((1,), jnp.int32),
+          triggers=0)
   fn = lambda x, w_in, w_gate, w_out, s, ids: row_ffn.row_ffn_parts((x,), skinny.Plain(True), w_in, w_gate, w_out, s,
                                                                      s, ids, f, bf16, interpret=False)
   i8 = jnp.int8
   _lowers(fn, ((2, 1, 512), bf16), ((4, 512, 2048), i8), ((4, 512, 2048), i8), ((4, 2048, 512), i8), ((4, 2048), g),
-          ((2,), jnp.int32))
+          ((2,), jnp.int32), triggers=0)
 
 
 def test_row_ffn_residual_epilogue_lowers():
@@ -97,10 +102,10 @@ def test_routed_row_ffn_and_epilogue_lower(k):
 
   if k == 1:
     _lowers(top1, ((1, 1024), bf16), ((1024,), g), ((64, 1024, 4096), bf16), ((64, 4096, 1024), bf16),
-            ((1, 8, 64), g), ((1, 1024), bf16))
+            ((1, 8, 64), g), ((1, 1024), bf16), triggers=1)
   else:
     _lowers(top2, ((1, 512), bf16), ((8, 512, 2048), i8), ((8, 512, 2048), i8), ((8, 2048, 512), i8),
-            ((8, 2048), g), ((8, 512), g), ((1, 4, 8), g), ((1, 512), g))
+            ((8, 2048), g), ((8, 512), g), ((1, 4, 8), g), ((1, 512), g), triggers=1)
 
 
 @pytest.mark.parametrize("m", [1, 5])
@@ -110,7 +115,7 @@ def test_skinny_matmul_plain_rows_lower(m):
     shape = (2, m, 1024) if per_slot else (m, 1024)
     fn = lambda x, w, ids: skinny.skinny_matmul_parts((x,), skinny.Plain(per_slot), w, ids, m, bf16, cfg,
                                                       interpret=False)
-    _lowers(fn, (shape, bf16), ((4, 1024, 1024), bf16), ((2,), jnp.int32))
+    _lowers(fn, (shape, bf16), ((4, 1024, 1024), bf16), ((2,), jnp.int32), triggers=0)
 
 
 def test_decode_qkv_lowers():
@@ -144,7 +149,8 @@ def test_router_logit_parts_lower():
 
 
 def test_row_gather_lowers():
-  _lowers(lambda x, src: row_moves.gather_rows(x, src, interpret=False), ((512, 256), bf16), ((640,), jnp.int32))
+  _lowers(lambda x, src: row_moves.gather_rows(x, src, interpret=False), ((512, 256), bf16), ((640,), jnp.int32),
+          triggers=0)
 
 
 def _mosaic_lowers(monkeypatch, fn, *args):

@@ -8,6 +8,9 @@ and 40 s compiling 48 kernels). A nested jax.jit is traced and lowered once per 
 distinct set of static arguments and argument shapes, and XLA inlines it: the layers share one module,
 each distinct kernel compiles once, and the kernels run as before.
 
+The jit also keys on the kernels' module switches (`module_switches`, today launch_dependents.EARLY): an A-B
+that patches one traces B's kernels anew instead of being handed A's.
+
 Interpret mode (the CPU tests) calls the kernel directly: jax 0.10's Mosaic GPU interpreter, whose
 callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it. The
 Triton kernels follow the same rule, so interpret mode runs every kernel as it did before.
@@ -19,6 +22,14 @@ import inspect
 
 import jax
 
+from sparsejax.kernels import launch_dependents
+
+
+def module_switches() -> tuple:
+  """Module switches a kernel's trace reads (A-B flags): part of the jit's key, so a patched switch traces anew
+  where the nested jit would otherwise hand back the kernel traced and lowered before the patch."""
+  return (launch_dependents.EARLY,)
+
 
 def shared_lowering(*static_argnames: str):
   """Decorator: fn under jax.jit with these arguments (and `interpret`, if fn takes it) static, or
@@ -27,11 +38,21 @@ def shared_lowering(*static_argnames: str):
 
   def decorate(fn):
     names = static_argnames + (("interpret",) if "interpret" in inspect.signature(fn).parameters else ())
-    jitted = jax.jit(fn, static_argnames=names)
+
+    def keyed(*args, _switches, **kwargs):
+      return fn(*args, **kwargs)
+
+    # fn's signature plus the switches, so that jit finds static arguments passed by position
+    sig = inspect.signature(fn)
+    keyed.__signature__ = sig.replace(parameters=[*sig.parameters.values(), inspect.Parameter(
+        "_switches", inspect.Parameter.KEYWORD_ONLY)])
+    jitted = jax.jit(keyed, static_argnames=names + ("_switches",))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-      return fn(*args, **kwargs) if kwargs.get("interpret", False) else jitted(*args, **kwargs)
+      if kwargs.get("interpret", False):
+        return fn(*args, **kwargs)
+      return jitted(*args, _switches=module_switches(), **kwargs)
 
     return call
 

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 CHUNK = 64
@@ -81,7 +82,7 @@ def chunk_attention(
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=2, num_stages=1)
   kernel = functools.partial(_kernel, chunk=chunk, slots=slots, scale=dh ** -0.5)
-  return pl.pallas_call(
+  return launch_dependents.pallas_call(
       kernel,
       grid=(b, h, chunks),
       in_specs=[pl.no_block_spec] * 5,

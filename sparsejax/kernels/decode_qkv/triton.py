@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 # Programs a (row, head): 3 gives q, k and v each its own, 1 takes them in one program. Each program is a short
@@ -95,7 +96,7 @@ def _decode_qkv(parts, k_cache, v_cache, index, start, inv_freq, dtype, split: b
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=num_warps, num_stages=1)
   kernel = functools.partial(_kernel, splits=parts.shape[0], heads=heads, dh=dh, dtype=jnp.dtype(dtype), split=split)
-  return pl.pallas_call(
+  return launch_dependents.pallas_call(
       kernel,
       grid=(b, heads, 3) if split else (b, heads),
       in_specs=[pl.no_block_spec] * 6,

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 
@@ -229,7 +230,7 @@ def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
   if cfg.splits > 1:
     return _select_call(_split_logits(x, w_router, g, cfg, eps, params, interpret), k, renormalize, params, interpret)
   extra = () if g is None else (g,)
-  ids, wts = pl.pallas_call(
+  ids, wts = launch_dependents.pallas_call(
       functools.partial(_route_kernel, cfg=cfg, k=k, renormalize=renormalize, eps=eps),
       grid=(x.shape[0],), in_specs=[pl.no_block_spec] * (2 + len(extra)), interpret=interpret,
       compiler_params=params, name="sparsejax_decode_router", **_id_outputs(x.shape[0], k))(x, w_router, *extra)
@@ -238,7 +239,7 @@ def _decode_router(x, w_router, g, k, renormalize, cfg, eps, *, interpret):
 
 def _select_call(part, k: int, renormalize: bool, params, interpret: bool):
   t, splits, e = part.shape
-  ids, wts = pl.pallas_call(
+  ids, wts = launch_dependents.pallas_call(
       functools.partial(_select_kernel, k=k, renormalize=renormalize),
       grid=(t,), in_specs=[pl.BlockSpec((1, splits, e), lambda i: (i, 0, 0))],
       interpret=interpret, compiler_params=params, name="sparsejax_decode_router_select",
@@ -266,7 +267,7 @@ def _split_logits(x, w_router, g, cfg: Config, eps, params, interpret: bool, pen
   out_shape = jax.ShapeDtypeStruct((t, cfg.splits, e), jnp.float32)
   if pending is not None:
     out_specs, out_shape = (out_specs, pl.no_block_spec), (out_shape, jax.ShapeDtypeStruct(x.shape, x.dtype))
-  return pl.pallas_call(
+  return launch_dependents.pallas_call(
       functools.partial(_split_kernel, cfg=cfg, eps=eps, pending=pending is not None),
       grid=(t, cfg.splits), in_specs=[pl.no_block_spec] * (2 + len(extra)),
       out_specs=out_specs, out_shape=out_shape,

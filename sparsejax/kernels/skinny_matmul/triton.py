@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax._precision import dot_precision
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 
@@ -227,7 +228,7 @@ def skinny_matmul_parts(
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-  return pl.pallas_call(
+  return launch_dependents.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
       in_specs=[pl.no_block_spec] * (2 + len(x_operands)),

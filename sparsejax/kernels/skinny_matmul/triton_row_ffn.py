@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.triton import Normed
@@ -183,7 +184,7 @@ def row_ffn_parts(
   out_shape = jax.ShapeDtypeStruct((slots, f // c, d), jnp.float32)
   if routed:
     out_shape = (out_shape, jax.ShapeDtypeStruct((slots,), jnp.int32), jax.ShapeDtypeStruct((slots,), jnp.float32))
-  return pl.pallas_call(
+  return launch_dependents.pallas_call(
       kernel,
       grid=(slots, f // c),
       in_specs=[pl.no_block_spec] * (1 + len(operands)),
@@ -256,7 +257,7 @@ def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_expe
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = plt.CompilerParams(num_warps=4, num_stages=1)
-  return pl.pallas_call(
+  return launch_dependents.pallas_call(
       kernel,
       grid=(d // bd,),
       in_specs=[pl.no_block_spec] * len(operands),
