@@ -38,9 +38,6 @@ EARLY: bool | tuple[str, ...] = ("sparsejax_decode_qkv", "sparsejax_decode_atten
                                   "sparsejax_decode_router_select", "sparsejax_decode_router_logits",
                                   "sparsejax_row_ffn_epilogue")
 
-# Kernels that trigger late instead: where their work is done and only their stores remain (late()).
-LATE: tuple[str, ...] = ()
-
 launch_dependents_p = jax_core.Primitive("sparsejax_launch_dependents")
 launch_dependents_p.multiple_results = True
 
@@ -88,13 +85,6 @@ def early(kernel, interpret: bool, name: str):
     return kernel(*refs, **kwargs)
 
   return triggered
-
-
-def late(ref, name: str) -> None:
-  """In a kernel body, after its work and before its stores: the trigger, where LATE names the kernel (bound on
-  ref, which it does not touch; interpret mode discharges it to nothing)."""
-  if name in LATE:
-    launch_dependents_p.bind(ref)
 
 
 def pallas_call(kernel, *, name: str, interpret: bool, **kwargs):

@@ -28,7 +28,7 @@ from sparsejax.kernels import launch_dependents
 def module_switches() -> tuple:
   """Module switches a kernel's trace reads (A-B flags): part of the jit's key, so a patched switch traces anew
   where the nested jit would otherwise hand back the kernel traced and lowered before the patch."""
-  return (launch_dependents.EARLY, launch_dependents.LATE)
+  return (launch_dependents.EARLY,)
 
 
 def shared_lowering(*static_argnames: str):

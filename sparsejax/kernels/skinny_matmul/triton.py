@@ -196,9 +196,7 @@ def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
 
   # A branch, not a trip count of zero: Pallas Triton lowers a loop with a traced bound to an scf.while
   # that Triton failed to compile (H100, jax 0.11.2).
-  value = jax.lax.cond(present, product, lambda _: zeros, None)
-  launch_dependents.late(out_ref, "sparsejax_skinny_matmul")
-  out_ref[...] = value
+  out_ref[...] = jax.lax.cond(present, product, lambda _: zeros, None)
 
 
 @shared_lowering("source", "m", "dtype", "cfg")

@@ -138,9 +138,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
     return jnp.sum(rnd(h)[:, None] * rnd(w2), axis=0)
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
-  value = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
-  launch_dependents.late(out_ref, "sparsejax_row_ffn")
-  out_ref[s, j, :] = value
+  out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
   if routed:  # after the slab's work: the weights' softmax stays off the weight stream's path
 
     @pl.when(j == 0)
