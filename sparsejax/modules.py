@@ -103,7 +103,7 @@ class MoE(nnx.Module):
 
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
                dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None,
-               pending: Float[Array, "p rows d_model"] | None = None, prefetch: tuple = ()):
+               pending: Float[Array, "p rows d_model"] | None = None):
     """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts.
     norm (an RMSNorm): the layer's input is norm(x); a top-k decode step folds it into the router's
     and the experts' first kernels (their `norm` argument) instead of running it on its own.
@@ -111,9 +111,7 @@ class MoE(nnx.Module):
     step at one token may run inside the experts' last kernel, decode_moe_mlp).
     pending (decode, with norm, where takes_pending holds): the split-K parts of a product the block adds to x
     first (its attention's W_o); the layer's input and residual are then h = x + that product, which the
-    router's kernel adds (decode_router.router_logit_parts), so no XLA kernel runs for the add.
-    prefetch (decode): arrays the next kernel reads (the next block's W_qkv), which the experts' epilogue asks L2
-    for where the routed layer runs (decode_moe.routed_decode_layer); no value changes."""
+    router's kernel adds (decode_router.router_logit_parts), so no XLA kernel runs for the add."""
     c = self.config
     lead = x.shape[:-1]
     jitter_rng = gate_rng = None
@@ -174,7 +172,7 @@ class MoE(nnx.Module):
                                             max_k=c.dts_max_k, rng=gate_rng)
       if routed:  # the block's residual is added in the experts' last kernel
         y, stats, ids = decode_moe.routed_decode_layer(self, x_in, activation=act, norm=folded, residual=res,
-                                                       router_parts=router_parts, prefetch=prefetch)
+                                                       router_parts=router_parts)
         r, res = r.replace(expert_ids=ids), None
       else:
         layer = moe_mlp

@@ -188,21 +188,19 @@ def routed_decode_layer(
     norm: tuple[Float[Array, "d_model"], float] | None,
     residual: Float[Array, "1 d_model"],
     router_parts: Float[Array, "1 splits experts"] | None = None,
-    prefetch: tuple = (),
 ) -> tuple[Float[Array, "1 d_model"], MoEStats, Int[Array, "1 k"]]:
   """(residual + y, stats, ids): the MoE layer at one token as decode_router then decode_moe_mlp compute it, in
   three kernels: the router's partial logits (decode_router.router_logit_parts), then the experts' row kernel
   and its epilogue, which select the token's experts and weights from them (skinny_matmul.routed_ffn_residual).
   norm = (g, eps): the layer's input is rms_norm(x, g, eps), taken inside the router's and the experts' kernels.
-  router_parts: the router's partial logits of x where the caller ran its kernel (MoE's pending residual).
-  prefetch: arrays the next kernel reads (the next block's W_qkv), which the experts' epilogue asks L2 for."""
+  router_parts: the router's partial logits of x where the caller ran its kernel (MoE's pending residual)."""
   c = moe.config
   k = c.top_k
   renormalize = k > 1 if c.renormalize is None else bool(c.renormalize)
   parts = router_logit_parts(x, moe.router.w[...], norm=norm) if router_parts is None else router_parts
   w = expert_weights(moe, x.dtype, quantized=True)
   y, ids = routed_ffn_residual(x, parts, w.pop("w_in"), w.pop("w_out"), residual, k=k, renormalize=renormalize,
-                               activation=activation, norm=norm, prefetch=prefetch, **w)
+                               activation=activation, norm=norm, **w)
   return y, _stats(ids, c.num_experts), ids[None]
 
 

@@ -27,12 +27,6 @@ from sparsejax.modules import MLP, MoE
 from sparsejax.inference import kv_cache
 
 
-# A decode step's L2 prefetches from its light kernels (read at trace time; A-B switches): the MoE layer's epilogue
-# asks for the next block's W_qkv, the attention's chunk kernel for its own W_o.
-PREFETCH_NEXT_QKV = True
-PREFETCH_W_OUT = True
-
-
 @flax.struct.dataclass
 class ModelStats:
   """Per-model router statistics: per-MoE-layer arrays are stacked along a leading 'moe_layers' axis."""
@@ -128,8 +122,7 @@ class Attention(nnx.Module):
         values = kv_cache.write(self.cached_value[...], v, cache.index)
       self.cached_key[...], self.cached_value[...] = keys, values
       if t == 1:  # one query per row: split-cache kernel on a GPU (XLA's lowering is ~8 small kernels)
-        prefetch = (self.w_out[...],) if PREFETCH_W_OUT and few_rows and self.w_out[...].dtype == dt else ()
-        o = decode_attention(q[:, 0], keys, values, cache.start, cache.index, prefetch=prefetch)[:, None]
+        o = decode_attention(q[:, 0], keys, values, cache.start, cache.index)[:, None]
       else:
         with dot_precision_scope(dt):
           o = jax.nn.dot_product_attention(q, keys, values, mask=cache.mask)
@@ -164,8 +157,7 @@ class Block(nnx.Module):
     self.ffn = MoE(cfg.moe_config(), rngs=rngs, mesh=mesh) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
-               cache: "DecodeView | None" = None, prefetch: tuple = ()):
-    """prefetch (decoding): arrays the next block reads first, which an MoE layer's last kernel asks L2 for."""
+               cache: "DecodeView | None" = None):
     if cache is None:
       x = x + self.attn(self.attn_norm(x))
       y, stats = self.ffn(self.ffn_norm(x), rng=rng)
@@ -173,7 +165,7 @@ class Block(nnx.Module):
       if self.is_moe and x.shape[0] * x.shape[1] == 1 and self.ffn.takes_pending(x, rng=rng):
         # one token: the router's kernel adds the attention's output to the residual stream
         pending = self.attn(x, cache=cache, norm=self.attn_norm, unsummed=True)
-        return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, pending=pending, prefetch=prefetch)
+        return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, pending=pending)
       x = x + self.attn(x, cache=cache, norm=self.attn_norm)
       # and the feed-forward adds the residual itself: at one token, in the kernel that sums its parts
       return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, residual=x)
@@ -244,14 +236,9 @@ class Transformer(nnx.Module):
     with jax.named_scope("embed"):
       h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
     moe_stats = []
-    blocks = list(self.blocks)
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(self.blocks):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-      prefetch = ()
-      if cache is not None and PREFETCH_NEXT_QKV and i + 1 < len(blocks):
-        w_qkv = blocks[i + 1].attn.w_qkv[...]
-        prefetch = (w_qkv,) if w_qkv.dtype == dt else ()  # a cast would be a kernel of its own
-      h, s = block(h, rng=layer_rng, cache=cache, prefetch=prefetch)
+      h, s = block(h, rng=layer_rng, cache=cache)
       if block.is_moe:
         moe_stats.append(s)
     h = self.final_norm(h)

@@ -57,15 +57,10 @@ def _merge(part, stats, dtype):
   return (o / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
 
 
-def _kernel(q, k_cache, v_cache, start, index, prefetch):
-  part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index, prefetch,
+def _kernel(q, k_cache, v_cache, start, index):
+  part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index,
                                        interpret=jax.default_backend() != "gpu")
   return _merge(part, stats, q.dtype)
-
-
-def _reference(q, k_cache, v_cache, start, index, prefetch):
-  del prefetch  # changes no value
-  return decode_attention_reference(q, k_cache, v_cache, start, index)
 
 
 def decode_attention(
@@ -76,14 +71,11 @@ def decode_attention(
     index: Int[Array, ""],
     *,
     impl: str = "auto",
-    prefetch: tuple = (),
 ) -> Float[Array, "b h dh"]:
-  """Softmax attention of the query in slot `index` over the slots it sees (module doc); q's dtype.
-  prefetch: arrays the next kernels read (the block's W_o), which the kernel's programs ask L2 for first; ignored
-  where the kernel does not run."""
+  """Softmax attention of the query in slot `index` over the slots it sees (module doc); q's dtype."""
   index = jnp.asarray(index)
   _check(q, k_cache, v_cache, start, index, impl)
   fits = _kernel_fits(q.shape[-1], k_cache.shape[1])
   if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
-    return with_reference_vjp(_kernel, _reference, q, k_cache, v_cache, start, index, tuple(prefetch))
+    return with_reference_vjp(_kernel, decode_attention_reference, q, k_cache, v_cache, start, index)
   return decode_attention_reference(q, k_cache, v_cache, start, index)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from sparsejax.kernels import l2_prefetch, launch_dependents
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 CHUNK = 64
@@ -31,12 +31,9 @@ def chunk_size(slots: int) -> int:
   return min(CHUNK, 1 << (slots.bit_length() - 1))
 
 
-def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, *refs, chunk: int, slots: int, scale: float):
-  *prefetch_refs, part_ref, stats_ref = refs
+def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, part_ref, stats_ref, *, chunk: int, slots: int,
+            scale: float):
   b, h, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows, heads, chunks = q_ref.shape[0], q_ref.shape[1], -(-slots // chunk)
-  for ref in prefetch_refs:  # what the next kernels read, asked of L2 before this kernel's own few loads
-    l2_prefetch.prefetch_share(ref, (b * heads + h) * chunks + c, rows * heads * chunks)
   index, start = index_ref[0], start_ref[b]
   first = c * chunk  # this program's slots: [first, first + chunk)
   live = (first <= index) & (first + chunk > jnp.minimum(start, index))
@@ -73,12 +70,10 @@ def chunk_attention(
     v_cache: Float[Array, "b s h dh"],
     start: Int[Array, "b"],
     index: Int[Array, ""],
-    prefetch: tuple = (),
     *,
     interpret: bool,
 ) -> tuple[Float[Array, "b h c dh"], Float[Array, "b h c 2"]]:
-  """Per chunk c of the cache: (acc_c [b, h, c, dh], (m_c, l_c) [b, h, c, 2]), float32 (see the module doc).
-  prefetch: arrays a later kernel reads, which the programs ask L2 for between them first (l2_prefetch)."""
+  """Per chunk c of the cache: (acc_c [b, h, c, dh], (m_c, l_c) [b, h, c, 2]), float32 (see the module doc)."""
   b, slots, h, dh = k_cache.shape
   chunk = chunk_size(slots)
   chunks = -(-slots // chunk)
@@ -90,7 +85,7 @@ def chunk_attention(
   return launch_dependents.pallas_call(
       kernel,
       grid=(b, h, chunks),
-      in_specs=[pl.no_block_spec] * (5 + len(prefetch)),
+      in_specs=[pl.no_block_spec] * 5,
       out_specs=[pl.BlockSpec((None, None, 1, dh), lambda i, j, c: (i, j, c, 0)),
                  pl.BlockSpec((None, None, 1, 2), lambda i, j, c: (i, j, c, 0))],
       out_shape=[jax.ShapeDtypeStruct((b, h, chunks, dh), jnp.float32),
@@ -98,4 +93,4 @@ def chunk_attention(
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_decode_attention",
-  )(jnp.reshape(index, (1,)).astype(jnp.int32), start.astype(jnp.int32), q, k_cache, v_cache, *prefetch)
+  )(jnp.reshape(index, (1,)).astype(jnp.int32), start.astype(jnp.int32), q, k_cache, v_cache)

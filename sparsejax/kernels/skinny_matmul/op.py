@@ -425,7 +425,6 @@ def routed_ffn_residual(
     w_out_scale: Float[Array, "experts d"] | None = None,
     norm: tuple[Float[Array, "d"], float] | None = None,
     impl: str = "auto",
-    prefetch: tuple = (),
 ) -> tuple[Float[Array, "1 d"], Int[Array, "k"]]:
   """(skinny_ffn_residual(x, ..., experts=ids, combine=weights), ids) for one token routed by its router's
   partial logits: (ids, weights) = decode_router.reference.select_from_parts(router_parts, k, renormalize), the
@@ -457,21 +456,20 @@ def routed_ffn_residual(
     return y, ids[0]
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
 
-  def kernel(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual, prefetch):
+  def kernel(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
     parts, ids, wts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in, w_gate, w_out,
                                                    s_in, s_gate, rp, PLAIN[activation], dt,
                                                    triton_row_ffn.Routed(k, renormalize), interpret=_interpret())
     return triton_row_ffn.residual_epilogue(parts, wts[None], residual, s_out, ids, dt, num_experts,
-                                            prefetch=prefetch, interpret=_interpret()), ids
+                                            interpret=_interpret()), ids
 
-  def reference(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual, prefetch):
-    del prefetch  # changes no value
+  def reference(x, w_in, w_gate, w_out, s_in, s_gate, s_out, ns, rp, residual):
     ids, wts = select_from_parts(rp, k, renormalize)
     y = _ffn_reference(x, w_in, w_gate, w_out, s_in, s_gate, ns, ids[0], eps, activation, dt)
     return _residual_epilogue_reference(y, wts, residual, s_out, ids[0], dt, num_experts), ids[0]
 
   return with_reference_vjp(kernel, reference, x, w_in, w_gate, w_out, w_in_scale, w_gate_scale, w_out_scale,
-                            None if norm is None else norm[0], router_parts, residual, tuple(prefetch))
+                            None if norm is None else norm[0], router_parts, residual)
 
 
 def split_k_parts(

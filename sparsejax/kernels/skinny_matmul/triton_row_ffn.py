@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
-from sparsejax.kernels import l2_prefetch, launch_dependents
+from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.triton import Normed
@@ -211,8 +211,6 @@ def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, d
                      num_experts: int):
   s_out_ref = refs[0] if scaled else None
   out_ref = refs[-1]
-  for ref in refs[int(scaled):-1]:  # arrays the next kernel reads: asked of L2 first, this kernel reads little
-    l2_prefetch.prefetch_share(ref, pl.program_id(0), out_ref.shape[-1] // bd)
   cols = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
   z = jnp.zeros((bd,), jnp.float32)
@@ -236,7 +234,6 @@ def residual_epilogue(
     dtype,
     num_experts: int,
     *,
-    prefetch: tuple = (),
     interpret: bool,
 ) -> Float[Array, "1 d"]:
   """residual + round(sum_s [0 <= experts[s] < num_experts] combine[0, s] round(sum_j parts[s, j] (* s_out[experts[s]]))),
@@ -245,18 +242,17 @@ def residual_epilogue(
   op._residual_epilogue_reference). EPILOGUE_COLUMNS is read here, outside the shared lowering, so a changed
   value lowers anew."""
   return _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts, EPILOGUE_COLUMNS,
-                            tuple(prefetch), interpret=interpret)
+                            interpret=interpret)
 
 
 @shared_lowering("dtype", "num_experts", "bd")
-def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int, prefetch=(), *,
+def _residual_epilogue(parts, combine, residual, s_out, experts, dtype, num_experts: int, bd: int, *,
                        interpret: bool):
   d = parts.shape[-1]
   scaled = s_out is not None
   kernel = functools.partial(_epilogue_kernel, dtype=jnp.dtype(dtype), bd=bd, scaled=scaled,
                              num_experts=num_experts)
   operands = (experts.astype(jnp.int32), parts, combine.astype(jnp.float32), residual) + ((s_out,) if scaled else ())
-  operands += tuple(prefetch)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
