@@ -14,7 +14,8 @@ read of this kernel's output until the whole grid has finished and flushed.
 the kernel. Measured in one-process A-Bs of the decode step on an H100 (notes_decode.md, thirty-third
 session): the small kernels triggering (decode_qkv, the attention's chunks, the router's, the row FFN's
 epilogue) took 2.9-3.0% off the medium- and xs-MoE steps; the weight-streaming products triggering too
-made medium-moe's step 1.5-3.6% slower (xs-moe's 2-3% faster), so they do not. Pallas Triton has no
+made medium-moe's step 1.5-3.6% slower (xs-moe's 2-3% faster), so they do not; triggering after their
+loop instead, before their stores, measured a tie (commit eb89293, reverted). Pallas Triton has no
 instruction for the trigger, so it is a primitive of its own with a Triton lowering (inline assembly)
 and a no-op discharge rule for interpret mode, where launch order means nothing. EARLY is read where a
 kernel is traced, and shared_lowering keys its jit on it, so an A-B patch traces anew.
