@@ -3,6 +3,7 @@ every program triggers once, and the EARLY switch, patched, reaches a kernel tha
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -50,3 +51,14 @@ def test_the_switch_reaches_a_kernel_already_lowered(monkeypatch):
   for early, want in [(False, 0), (("sparsejax_skinny_matmul",), 0), (True, 1), (False, 0)]:
     monkeypatch.setattr(launch_dependents, "EARLY", early)
     assert triggers() == want, early
+
+
+@pytest.mark.parametrize("cc,want", [(None, 1), ("9.0", 1), ("10.0", 1), ("8.0", 0), ("8.9", 0)])
+def test_gpus_before_hopper_never_trigger(monkeypatch, cc, want):
+  """griddepcontrol is sm_90 PTX: on an Ampere or Ada GPU the kernels lower without it (None: off the GPU, lowered
+  for CUDA as a Hopper would run it)."""
+  monkeypatch.setattr(launch_dependents, "EARLY", True)
+  monkeypatch.setattr(launch_dependents, "_compute_capability", lambda: cc)
+  text = jax.jit(_doubling(False)).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count(TRIGGER) == want
