@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 from jax.experimental import pallas as pl
 from jax._src import core as jax_core
 from jax._src import state
@@ -33,6 +32,8 @@ from jax._src.lib.mlir.dialects import arith
 from jax._src.lib.triton import dialect as tt_dialect
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.state import discharge as state_discharge
+
+from sparsejax.kernels import gpu_compute_capability as _compute_capability
 
 # Which kernels trigger: True (all), False (none) or a tuple of kernel names; read where a kernel body is traced
 # for a GPU (the A-B switch). The products (sparsejax_skinny_matmul, sparsejax_row_ffn) measured slower with it.
@@ -67,13 +68,6 @@ def _lowering(ctx, ref):
 def _discharge(in_avals, out_avals, ref):
   del in_avals, out_avals, ref
   return (None,), []
-
-
-def _compute_capability() -> str | None:
-  """The GPU's compute capability ("9.0"), or None off the GPU (a CPU lowering for CUDA, as the tests run)."""
-  if jax.default_backend() != "gpu":
-    return None
-  return getattr(jax.devices()[0], "compute_capability", None)
 
 
 def triggers(name: str) -> bool:

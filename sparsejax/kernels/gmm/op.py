@@ -19,15 +19,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from sparsejax.kernels import gpu_compute_capability as _gpu_compute_capability
 from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 
 BACKENDS = ("auto", "triton", "mosaic")
-
-
-def _gpu_compute_capability() -> str | None:
-  if jax.default_backend() != "gpu":
-    return None
-  return getattr(jax.devices()[0], "compute_capability", None)
 
 
 def resolve_backend(backend: str) -> str:
