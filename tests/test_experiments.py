@@ -1,4 +1,5 @@
 """The experiment scripts run end to end on the CPU (smoke sizes) and write what they promise."""
+import functools
 import json
 import sys
 from pathlib import Path
@@ -510,6 +511,28 @@ def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
                                                     ((1,), jnp.int32)]]
   text = jax.jit(probe.one_kernel_parts).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 1
+
+
+def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_the_kernel():
+  """probe_persistent_layer in interpret mode at one program (each barrier then waits for the program itself):
+  the kernel-per-phase chain and every persistent variant equal the float64 oracle over three calls on one counter
+  and one across its int32 wrap, each call leaving the count the next waits for. At 128 programs every variant
+  lowers for CUDA as one kernel, and each waiting variant keeps a poll loop per barrier (jax drops a loop whose
+  only effects are reads unless its result is used)."""
+  import jax
+  import jax.numpy as jnp
+  import probe_persistent_layer as probe
+  errs = probe.main([])
+  assert set(errs) == set(probe.VARIANTS) | {"kernels"} and all(e <= 1e-5 for e in errs.values()), errs
+  P = 128
+  ws = [jax.ShapeDtypeStruct((P, probe.PHASES[i][1], probe.D), jnp.bfloat16) for i in probe.HEAVY]
+  args = (jax.ShapeDtypeStruct((probe.D,), jnp.float32), ws, jax.ShapeDtypeStruct((), jnp.int32),
+          jax.ShapeDtypeStruct((1,), jnp.int32))
+  for name, (poll, early, wait) in probe.VARIANTS.items():
+    fn = functools.partial(probe.layer_persistent, poll=poll, early=early, wait=wait)
+    assert str(jax.make_jaxpr(fn)(*args)).count("while[") == (len(probe.PHASES) - 1 if wait else 0), name
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") == 1, name
 
 
 def test_chain_timing_harness_compares_times_and_traces_chains(tmp_path, capsys):
