@@ -23,9 +23,11 @@ known only after the router, so never loaded early), none (the epilogue): 29 MB 
   kernels        a pallas_call per phase (grid P), as the library's layer is today
   rmw_late       one kernel, barriers polled with atomic adds of 0, every slab loaded after its wait
   rmw            the same, the data-independent slabs loaded before the wait
+  rmw_l2         rmw_late, each program first asking L2 for its data-independent slabs (prefetch.global.L2)
   ld             barriers polled with volatile loads, one atomic to acquire once the count is in
   ld_sleep       the same with a nanosleep between polls
   nowait         the barrier's arrivals but no waits (timing only: its outputs are wrong by design)
+  nowait_l2      the same with rmw_l2's prefetches
 
 Barrier counts are never reset (probe_dataflow_ffn.py's epochs): call e of a layer waits in phase i for
 (e * phases + i + 1) * P arrivals, compared as an int32 difference so the wrap cancels. Interpret mode runs the
@@ -45,6 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from jax._src import core as jax_core
+from jax._src import state
+from jax._src.lib.mlir import ir
+from jax._src.lib.triton import dialect as tt_dialect
+from jax._src.pallas.triton import lowering as triton_lowering
+from jax._src.state import discharge as state_discharge
+
 import chain_timing
 
 D = 1024
@@ -53,7 +62,9 @@ PHASES = (("qkv", 32, True), ("attention", 8, True), ("merge", 0, False), ("w_o"
           ("expert", 64, False), ("epilogue", 0, False))
 HEAVY = tuple(i for i, (_, r, _) in enumerate(PHASES) if r)
 VARIANTS = {"rmw_late": ("rmw", False, True), "rmw": ("rmw", True, True), "ld": ("ld", True, True),
-            "ld_sleep": ("ld_sleep", True, True), "nowait": ("ld", True, False)}
+            "ld_sleep": ("ld_sleep", True, True), "rmw_l2": ("rmw", "l2", True), "nowait": ("ld", True, False),
+            "nowait_l2": ("ld", "l2", False)}
+LINE = 64  # bf16 elements in a 128-byte line
 NUM_WARPS = 8
 
 
@@ -109,6 +120,32 @@ def _sleep():
   return jnp.min(r)
 
 
+prefetch_p = jax_core.Primitive("probe_prefetch_l2")
+prefetch_p.multiple_results = True
+# A write effect on a ref it never writes, or jax drops an op whose results nobody uses.
+prefetch_p.def_effectful_abstract_eval(lambda ref, offsets: ([], {state.WriteEffect(0)}))
+state_discharge.register_discharge_rule(prefetch_p)(lambda in_avals, out_avals, ref, offsets: ((None, None), []))
+
+
+@triton_lowering.register_lowering(prefetch_p)
+def _prefetch_lowering(ctx, ptr, offsets):
+  """prefetch.global.L2 of the line holding each ref.flat[offset]: fire and forget, and not a memory access in
+  the memory model, so no fence waits for it (the sparsejax kernels' l2_prefetch of commit 931329d)."""
+  shape = ir.RankedTensorType(offsets.type).shape
+  ptrs = tt_dialect.addptr(ir.RankedTensorType.get(shape, ptr.type),
+                           tt_dialect.splat(ir.RankedTensorType.get(shape, ptr.type), ptr), offsets)
+  tt_dialect.elementwise_inline_asm([ir.RankedTensorType.get(shape, ir.IntegerType.get_signless(32))],
+                                    "prefetch.global.L2::evict_last [$1];\n\tmov.b32 $0, 0;", constraints="=r,l",
+                                    pure=False, packed_element=1, args=[ptrs])
+  return []
+
+
+def _prefetch_slab(w_ref, p):
+  """Ask L2 for program p's slab w[p] (interpret mode: a no-op)."""
+  _, rows, d = w_ref.shape
+  prefetch_p.bind(w_ref, p * (rows * d) + jnp.arange(rows * d // LINE, dtype=jnp.int32) * LINE)
+
+
 def _persistent_kernel(v_ref, *refs, poll, early, wait, interpret):
   """Every phase in one grid: refs = (w for each heavy phase..., epoch, cnt_in, out, cnt)."""
   from jax.experimental.pallas import triton as plt
@@ -123,8 +160,12 @@ def _persistent_kernel(v_ref, *refs, poll, early, wait, interpret):
   v = v_ref[...]
   w_of = dict(zip(HEAVY, w_refs))
   prev_mean = jnp.float32(0.0)
+  if early == "l2":  # every data-independent slab of the layer asked of L2 at once, loaded after its wait
+    for i in HEAVY:
+      if i and PHASES[i][2]:
+        _prefetch_slab(w_of[i], p)
   for i, (_, rows, loads_early) in enumerate(PHASES):
-    w = w_of[i][p] if rows and early and loads_early else None
+    w = w_of[i][p] if rows and early is True and loads_early else None
     if i and wait:
       target = base + i * num_programs
       if poll == "rmw":

@@ -530,7 +530,9 @@ def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_th
           jax.ShapeDtypeStruct((1,), jnp.int32))
   for name, (poll, early, wait) in probe.VARIANTS.items():
     fn = functools.partial(probe.layer_persistent, poll=poll, early=early, wait=wait)
-    assert str(jax.make_jaxpr(fn)(*args)).count("while[") == (len(probe.PHASES) - 1 if wait else 0), name
+    jaxpr = str(jax.make_jaxpr(fn)(*args))
+    assert jaxpr.count("while[") == (len(probe.PHASES) - 1 if wait else 0), name
+    assert jaxpr.count("probe_prefetch_l2") == (2 if early == "l2" else 0), name  # the attention's and W_o's slabs
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") == 1, name
 
