@@ -537,6 +537,26 @@ def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_th
     assert text.count("xla.gpu.triton") == 1, name
 
 
+def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
+  """probe_persistent_layer_mgpu's grid barriers cannot run in interpret mode (blocks run one after another, and it
+  has no global semaphores): on the CPU the probe refuses in one line, and each variant lowers for CUDA as one
+  Mosaic GPU kernel whose barriers (signals and waits) are present only where the variant has them."""
+  import jax
+  import jax.numpy as jnp
+  import probe_persistent_layer_mgpu as probe
+  with pytest.raises(SystemExit, match="needs a GPU"):
+    probe.main([])
+  slabs = [jax.ShapeDtypeStruct((128, probe.ROWS[i], probe.COLS), jnp.bfloat16) for i in probe.HEAVY]
+  dep = jax.ShapeDtypeStruct((8, probe.COLS), jnp.bfloat16)
+  for name, (early, barriers) in probe.VARIANTS.items():
+    fn = functools.partial(probe.layer_mgpu, early=early, barriers=barriers)
+    jaxpr = str(jax.make_jaxpr(fn)(dep, slabs))
+    waits = len(probe.PHASES) - 1 if barriers else 0
+    assert jaxpr.count("semaphore_wait") == 2 * waits and jaxpr.count("semaphore_signal") == 2 * waits, name
+    text = jax.jit(fn).trace(dep, slabs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("probe_persistent_layer_mgpu") >= 1, name
+
+
 def test_chain_timing_harness_compares_times_and_traces_chains(tmp_path, capsys):
   """chain_timing on two tiny jitted chains: every chain runs before the timing, a chain whose output differs is
   reported by how much (unless skipped), each round times both, and the trace prints each chain's kernels."""

@@ -1,0 +1,182 @@
+"""The persistent decode layer's ceiling with copies decoupled from program order: Mosaic GPU, TMA and semaphores.
+
+probe_persistent_layer.py found a persistent Pallas Triton kernel latency-bound phase by phase, before any
+synchronisation (20.4 us of device time for a layer-shaped 29.4 MB, 10.1 us of bytes): a Triton program's loads
+follow its fences. A megakernel streams its weights with copies that run beside the program: TMA copies into
+shared memory, issued ahead and waited on only where a phase needs them. This probe measures that design's
+ceiling in Mosaic GPU with no arithmetic at all, so what it reports is the streaming plus the grid barriers:
+
+  per CTA (P = 128, one warpgroup each): a dependency tile from the previous layer's output, then the phases of
+  probe_persistent_layer.PHASES; a phase waits for its slab's copies (if it has one), then a grid barrier.
+  The expert's slab is copied only after the router's barrier (it depends on the router). At the end each CTA
+  stores its expert slab's first 256 rows, so the output proves every copy landed.
+
+  early       the data-independent slabs (qkv, the KV cache, W_o) copied at the kernel's start
+  late        each slab copied only after the barrier before its phase (a kernel per phase, in effect)
+  nobarrier   early, with no grid barriers (the streaming alone; the CTAs still wait for their own copies)
+
+The grid barrier uses two global semaphores (pl.get_global, zero once and never reset): every CTA signals the
+first; CTA 0 waits for P signals, taking them back, and signals the second P times; every CTA then waits for one
+signal of the second, taking it back. Both semaphores end each barrier at zero, so no call needs an epoch.
+
+Interpret mode runs blocks one after another and has no global semaphores, so the CPU test only lowers the kernel
+for CUDA; the GPU run checks each variant's output against the slabs it copied.
+
+GPU:  python experiments/probe_persistent_layer_mgpu.py [--layers 24 --steps 50 --rounds 7]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import chain_timing
+from probe_persistent_layer import D, HEAVY, PHASES
+
+COLS = 64                  # a copy's rows are 128 bytes of bf16
+BOX = 256                  # rows a TMA copy (32 KB)
+ROWS = {i: PHASES[i][1] * D // COLS for i in HEAVY}   # a CTA's slab of phase i as [ROWS, COLS]
+VARIANTS = {"early": (True, True), "late": (False, True), "nobarrier": (True, False)}
+
+
+def _transforms():
+  return (plgpu.TilingTransform((8, COLS)), plgpu.SwizzleTransform(128))
+
+
+def _body(dep, *refs, early, barriers):
+  """refs: each heavy phase's slabs [P, ROWS, COLS], then out [P, BOX, COLS]."""
+  *slabs, out = refs
+  slab_of = dict(zip(HEAVY, slabs))
+  p = lax.axis_index("x")
+  num = slabs[0].shape[0]
+  expert = next(i for i in HEAVY if not PHASES[i][2])
+  # buffers: the qkv slab's two boxes, the KV cache's and W_o's halves of a box, one more box; the expert's four
+  # boxes reuse the qkv boxes, the KV cache's and the spare one (nothing reads a buffer once its phase is past)
+  buf_of = {}
+  next_buf = 0
+  for i in HEAVY:
+    if i == expert:
+      continue
+    buf_of[i] = list(range(next_buf, next_buf + -(-ROWS[i] // BOX)))
+    next_buf += len(buf_of[i])
+  spare = next_buf
+  buf_of[expert] = buf_of[HEAVY[0]] + [buf_of[HEAVY[1]][0], spare]
+  assert len(buf_of[expert]) * BOX == ROWS[expert], ROWS
+
+  def scoped(bufs, dep_smem, ready, dep_ready):
+    sem_in = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    sem_out = pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+    def barrier():
+      if not barriers:
+        return
+      pl.semaphore_signal(sem_in)
+
+      @pl.when(p == 0)
+      def _():
+        plgpu.semaphore_wait(sem_in, num, decrement=True, memory_scope="gpu")
+        pl.semaphore_signal(sem_out, num)
+
+      plgpu.semaphore_wait(sem_out, 1, decrement=True, memory_scope="gpu")
+
+    def issue(i):  # phase i's slab: one TMA copy a box, each onto the phase's barrier
+      for j, b in enumerate(buf_of[i]):
+        rows = min(BOX, ROWS[i] - j * BOX)
+        plgpu.copy_gmem_to_smem(slab_of[i].at[p, pl.ds(j * BOX, rows)], bufs.at[b, pl.ds(0, rows)],
+                                ready.at[HEAVY.index(i)])
+
+    plgpu.copy_gmem_to_smem(dep, dep_smem, dep_ready)  # the previous layer's output: the chain's dependence
+    plgpu.barrier_wait(dep_ready)
+    for i in HEAVY:
+      if i == HEAVY[0] or (early and PHASES[i][2]):
+        issue(i)
+    for i, (_, rows, loads_early) in enumerate(PHASES):
+      if rows:
+        if not (i == HEAVY[0] or (early and loads_early)):
+          issue(i)
+        plgpu.barrier_wait(ready.at[HEAVY.index(i)])
+      if i < len(PHASES) - 1:
+        barrier()
+    plgpu.copy_smem_to_gmem(bufs.at[buf_of[expert][0]], out.at[p])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(scoped,
+                plgpu.SMEM((spare + 1, BOX, COLS), jnp.bfloat16, transforms=_transforms()),
+                plgpu.SMEM(dep.shape, jnp.bfloat16, transforms=_transforms()),
+                plgpu.Barrier(num_arrivals=1, num_barriers=len(HEAVY)),
+                plgpu.Barrier(num_arrivals=1))
+
+
+@functools.partial(jax.jit, static_argnames=("early", "barriers"))
+def layer_mgpu(dep, slabs, *, early=True, barriers=True):
+  """[P, BOX, COLS] bf16: every CTA's expert slab's first BOX rows, after the layer's phases."""
+  num = slabs[0].shape[0]
+  body = functools.partial(_body, early=early, barriers=barriers)
+  body.__name__ = "probe_persistent_layer_mgpu"
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((num, BOX, COLS), jnp.bfloat16), grid=(num,),
+                      grid_names=("x",),
+                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                      )(dep, *slabs)
+
+
+def inputs(key, num: int, layers: int):
+  """The dependency tile [8, COLS] and, per layer, the heavy phases' slabs as [P, ROWS, COLS] bf16."""
+  keys = jax.random.split(key, layers + 1)
+  dep = jax.random.normal(keys[0], (8, COLS), jnp.float32).astype(jnp.bfloat16)
+  per_layer = [tuple(jax.random.normal(k, (num, ROWS[i], COLS), jnp.float32).astype(jnp.bfloat16)
+                     for k, i in zip(jax.random.split(keys[l + 1], len(HEAVY)), HEAVY)) for l in range(layers)]
+  return dep, per_layer
+
+
+def check() -> dict:
+  """Largest |out - the expert slab's first rows| of each variant, over three calls (the semaphores end each at
+  zero, or a later call would pass its barriers early or hang)."""
+  dep, (slabs,) = inputs(jax.random.key(0), 128, 1)
+  want = np.asarray(slabs[-1][:, :BOX].astype(jnp.float32))
+  errs = {}
+  for name, (early, barriers) in VARIANTS.items():
+    errs[name] = max(float(np.max(np.abs(np.asarray(layer_mgpu(dep, slabs, early=early, barriers=barriers)
+                                                     .astype(jnp.float32)) - want))) for _ in range(3))
+  return errs
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  chain_timing.add_chain_args(ap)
+  ap.set_defaults(steps=50)
+  args = ap.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("probe_persistent_layer_mgpu needs a GPU: its grid barriers cannot run in interpret mode")
+  for name, err in check().items():
+    print(f"{name:>10}: max |out - the slab it copied| over three calls {err:.3g}")
+  L = args.layers
+  dep0, per_layer = inputs(jax.random.key(1), 128, L)
+
+  def chain(dep, per_layer, *, early, barriers):
+    def body(_, dep):
+      for l in range(L):
+        out = layer_mgpu(dep, per_layer[l], early=early, barriers=barriers)
+        dep = (out[0, :8] * 0.5).astype(dep.dtype)
+      return dep
+    return jax.lax.fori_loop(0, args.steps, body, dep)
+
+  fns = {n: jax.jit(functools.partial(chain, early=e, barriers=b)) for n, (e, b) in VARIANTS.items()}
+  args_of = dict.fromkeys(fns, (dep0, per_layer))
+  chain_timing.compare_outputs(fns, args_of, "early", f"chain of {args.steps} x {L}", width=10)
+  times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
+  chain_timing.print_times(times, "early", "a layer", width=10)
+  mb = sum(ROWS.values()) * 128 * COLS * 2 / 1e6
+  print(f"bytes a layer {mb:.1f} MB: {mb / 2.9:.2f} us at 2.9 TB/s")
+  if args.trace:
+    chain_timing.print_trace(fns, args_of, args.trace, args.steps * L, "a layer")
+  return times
+
+
+if __name__ == "__main__":
+  main()
