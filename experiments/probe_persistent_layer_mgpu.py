@@ -19,8 +19,9 @@ The grid barrier uses two global semaphores (pl.get_global, zero once and never 
 first; CTA 0 waits for P signals, taking them back, and signals the second P times; every CTA then waits for one
 signal of the second, taking it back. Both semaphores end each barrier at zero, so no call needs an epoch.
 
-Interpret mode runs blocks one after another and has no global semaphores, so the CPU test only lowers the kernel
-for CUDA; the GPU run checks each variant's output against the slabs it copied.
+Interpret mode runs blocks one after another and has no global semaphores, so the CPU test interprets the variant
+without barriers (its copies and their barriers) and lowers every variant for CUDA; the GPU run checks each
+variant's output against the slabs it copied.
 
 GPU:  python experiments/probe_persistent_layer_mgpu.py [--layers 24 --steps 50 --rounds 7]
 """
@@ -69,9 +70,10 @@ def _body(dep, *refs, early, barriers):
   buf_of[expert] = buf_of[HEAVY[0]] + [buf_of[HEAVY[1]][0], spare]
   assert len(buf_of[expert]) * BOX == ROWS[expert], ROWS
 
-  def scoped(bufs, dep_smem, ready, dep_ready):
-    sem_in = pl.get_global(plgpu.SemaphoreType.REGULAR)
-    sem_out = pl.get_global(plgpu.SemaphoreType.REGULAR)
+  def scoped(bufs, dep_smem, dep_ready, *ready):  # ready[k]: heavy phase k's barrier, one arrival a copy
+    if barriers:
+      sem_in = pl.get_global(plgpu.SemaphoreType.REGULAR)
+      sem_out = pl.get_global(plgpu.SemaphoreType.REGULAR)
 
     def barrier():
       if not barriers:
@@ -89,7 +91,7 @@ def _body(dep, *refs, early, barriers):
       for j, b in enumerate(buf_of[i]):
         rows = min(BOX, ROWS[i] - j * BOX)
         plgpu.copy_gmem_to_smem(slab_of[i].at[p, pl.ds(j * BOX, rows)], bufs.at[b, pl.ds(0, rows)],
-                                ready.at[HEAVY.index(i)])
+                                ready[HEAVY.index(i)])
 
     plgpu.copy_gmem_to_smem(dep, dep_smem, dep_ready)  # the previous layer's output: the chain's dependence
     plgpu.barrier_wait(dep_ready)
@@ -100,7 +102,7 @@ def _body(dep, *refs, early, barriers):
       if rows:
         if not (i == HEAVY[0] or (early and loads_early)):
           issue(i)
-        plgpu.barrier_wait(ready.at[HEAVY.index(i)])
+        plgpu.barrier_wait(ready[HEAVY.index(i)])
       if i < len(PHASES) - 1:
         barrier()
     plgpu.copy_smem_to_gmem(bufs.at[buf_of[expert][0]], out.at[p])
@@ -109,20 +111,28 @@ def _body(dep, *refs, early, barriers):
   pl.run_scoped(scoped,
                 plgpu.SMEM((spare + 1, BOX, COLS), jnp.bfloat16, transforms=_transforms()),
                 plgpu.SMEM(dep.shape, jnp.bfloat16, transforms=_transforms()),
-                plgpu.Barrier(num_arrivals=1, num_barriers=len(HEAVY)),
-                plgpu.Barrier(num_arrivals=1))
+                plgpu.Barrier(num_arrivals=1),
+                *[plgpu.Barrier(num_arrivals=len(buf_of[i])) for i in HEAVY])
 
 
-@functools.partial(jax.jit, static_argnames=("early", "barriers"))
-def layer_mgpu(dep, slabs, *, early=True, barriers=True):
-  """[P, BOX, COLS] bf16: every CTA's expert slab's first BOX rows, after the layer's phases."""
+def _interpret():
+  if jax.default_backend() == "gpu":
+    return None
+  from sparsejax.kernels.gmm.mosaic import _interpret as interpret
+  return interpret()
+
+
+@functools.partial(jax.jit, static_argnames=("early", "barriers", "interpret"))
+def layer_mgpu(dep, slabs, *, early=True, barriers=True, interpret=None):
+  """[P, BOX, COLS] bf16: every CTA's expert slab's first BOX rows, after the layer's phases (interpret: None for
+  GPU interpret mode off the GPU, False to compile, e.g. to lower for CUDA on a CPU)."""
   num = slabs[0].shape[0]
   body = functools.partial(_body, early=early, barriers=barriers)
   body.__name__ = "probe_persistent_layer_mgpu"
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((num, BOX, COLS), jnp.bfloat16), grid=(num,),
                       grid_names=("x",),
                       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                      )(dep, *slabs)
+                      interpret=_interpret() if interpret is None else None)(dep, *slabs)
 
 
 def inputs(key, num: int, layers: int):
@@ -134,13 +144,14 @@ def inputs(key, num: int, layers: int):
   return dep, per_layer
 
 
-def check() -> dict:
+def check(variants=tuple(VARIANTS), num: int = 128) -> dict:
   """Largest |out - the expert slab's first rows| of each variant, over three calls (the semaphores end each at
   zero, or a later call would pass its barriers early or hang)."""
-  dep, (slabs,) = inputs(jax.random.key(0), 128, 1)
+  dep, (slabs,) = inputs(jax.random.key(0), num, 1)
   want = np.asarray(slabs[-1][:, :BOX].astype(jnp.float32))
   errs = {}
-  for name, (early, barriers) in VARIANTS.items():
+  for name in variants:
+    early, barriers = VARIANTS[name]
     errs[name] = max(float(np.max(np.abs(np.asarray(layer_mgpu(dep, slabs, early=early, barriers=barriers)
                                                      .astype(jnp.float32)) - want))) for _ in range(3))
   return errs
@@ -149,11 +160,13 @@ def check() -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   chain_timing.add_chain_args(ap)
+  ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
   ap.set_defaults(steps=50)
   args = ap.parse_args(argv)
+  variants = args.variants.split(",")
   if jax.default_backend() != "gpu":
     raise SystemExit("probe_persistent_layer_mgpu needs a GPU: its grid barriers cannot run in interpret mode")
-  for name, err in check().items():
+  for name, err in check(variants).items():
     print(f"{name:>10}: max |out - the slab it copied| over three calls {err:.3g}")
   L = args.layers
   dep0, per_layer = inputs(jax.random.key(1), 128, L)
@@ -166,11 +179,11 @@ def main(argv=None):
       return dep
     return jax.lax.fori_loop(0, args.steps, body, dep)
 
-  fns = {n: jax.jit(functools.partial(chain, early=e, barriers=b)) for n, (e, b) in VARIANTS.items()}
+  fns = {n: jax.jit(functools.partial(chain, early=VARIANTS[n][0], barriers=VARIANTS[n][1])) for n in variants}
   args_of = dict.fromkeys(fns, (dep0, per_layer))
-  chain_timing.compare_outputs(fns, args_of, "early", f"chain of {args.steps} x {L}", width=10)
+  chain_timing.compare_outputs(fns, args_of, variants[0], f"chain of {args.steps} x {L}", width=10)
   times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
-  chain_timing.print_times(times, "early", "a layer", width=10)
+  chain_timing.print_times(times, variants[0], "a layer", width=10)
   mb = sum(ROWS.values()) * 128 * COLS * 2 / 1e6
   print(f"bytes a layer {mb:.1f} MB: {mb / 2.9:.2f} us at 2.9 TB/s")
   if args.trace:

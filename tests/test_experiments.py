@@ -539,17 +539,19 @@ def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_th
 
 def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
   """probe_persistent_layer_mgpu's grid barriers cannot run in interpret mode (blocks run one after another, and it
-  has no global semaphores): on the CPU the probe refuses in one line, and each variant lowers for CUDA as one
-  Mosaic GPU kernel whose barriers (signals and waits) are present only where the variant has them."""
+  has no global semaphores): on the CPU the probe refuses in one line, the variant without grid barriers is
+  interpreted (its TMA copies land where the phases wait for them; one barrier per phase, an arrival a copy), and
+  each variant lowers for CUDA as one Mosaic GPU kernel whose grid barriers are present only where it has them."""
   import jax
   import jax.numpy as jnp
   import probe_persistent_layer_mgpu as probe
   with pytest.raises(SystemExit, match="needs a GPU"):
     probe.main([])
+  assert probe.check(("nobarrier",), num=2) == {"nobarrier": 0.0}  # every copy lands where the phases wait for it
   slabs = [jax.ShapeDtypeStruct((128, probe.ROWS[i], probe.COLS), jnp.bfloat16) for i in probe.HEAVY]
   dep = jax.ShapeDtypeStruct((8, probe.COLS), jnp.bfloat16)
   for name, (early, barriers) in probe.VARIANTS.items():
-    fn = functools.partial(probe.layer_mgpu, early=early, barriers=barriers)
+    fn = functools.partial(probe.layer_mgpu, early=early, barriers=barriers, interpret=False)
     jaxpr = str(jax.make_jaxpr(fn)(dep, slabs))
     waits = len(probe.PHASES) - 1 if barriers else 0
     assert jaxpr.count("semaphore_wait") == 2 * waits and jaxpr.count("semaphore_signal") == 2 * waits, name
