@@ -15,9 +15,9 @@ ceiling in Mosaic GPU with no arithmetic at all, so what it reports is the strea
   late        each slab copied only after the barrier before its phase (a kernel per phase, in effect)
   nobarrier   early, with no grid barriers (the streaming alone; the CTAs still wait for their own copies)
 
-The grid barrier uses two global semaphores (pl.get_global, zero once and never reset): every CTA signals the
-first; CTA 0 waits for P signals, taking them back, and signals the second P times; every CTA then waits for one
-signal of the second, taking it back. Both semaphores end each barrier at zero, so no call needs an epoch.
+Grid barrier k uses two global semaphores of its own (pl.get_global; Mosaic GPU zeroes them for every call):
+every CTA signals the first; CTA 0 waits for P signals, taking them back, and signals the second P times; every
+CTA then waits for one signal of the second, taking it back. Both end the barrier at zero.
 
 Interpret mode runs blocks one after another and has no global semaphores, so the CPU test interprets the variant
 without barriers (its copies and their barriers) and lowers every variant for CUDA; the GPU run checks each
@@ -71,13 +71,15 @@ def _body(dep, *refs, early, barriers):
   assert len(buf_of[expert]) * BOX == ROWS[expert], ROWS
 
   def scoped(bufs, dep_smem, dep_ready, *ready):  # ready[k]: heavy phase k's barrier, one arrival a copy
-    if barriers:
-      sem_in = pl.get_global(plgpu.SemaphoreType.REGULAR)
-      sem_out = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    # One pair a barrier: with one pair for all, a CTA that left barrier k early could take a second token at k + 1
+    # from the tokens still meant for slower CTAs at k, and they would wait forever (measured: a hang).
+    sems = [(pl.get_global(plgpu.SemaphoreType.REGULAR), pl.get_global(plgpu.SemaphoreType.REGULAR))
+            for _ in range(len(PHASES) - 1)] if barriers else []
 
-    def barrier():
+    def barrier(k):
       if not barriers:
         return
+      sem_in, sem_out = sems[k]
       pl.semaphore_signal(sem_in)
 
       @pl.when(p == 0)
@@ -104,7 +106,7 @@ def _body(dep, *refs, early, barriers):
           issue(i)
         plgpu.barrier_wait(ready[HEAVY.index(i)])
       if i < len(PHASES) - 1:
-        barrier()
+        barrier(i)
     plgpu.copy_smem_to_gmem(bufs.at[buf_of[expert][0]], out.at[p])
     plgpu.wait_smem_to_gmem(0)
 
