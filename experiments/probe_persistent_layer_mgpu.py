@@ -15,9 +15,8 @@ ceiling in Mosaic GPU with no arithmetic at all, so what it reports is the strea
   late        each slab copied only after the barrier before its phase (a kernel per phase, in effect)
   nobarrier   early, with no grid barriers (the streaming alone; the CTAs still wait for their own copies)
 
-Grid barrier k uses two global semaphores of its own (pl.get_global; Mosaic GPU zeroes them for every call):
-every CTA signals the first; CTA 0 waits for P signals, taking them back, and signals the second P times; every
-CTA then waits for one signal of the second, taking it back. Both end the barrier at zero.
+Grid barrier k is a global semaphore of its own (pl.get_global; Mosaic GPU zeroes its GMEM scratch for every
+call): every CTA signals it, then polls it until it reads P.
 
 Interpret mode runs blocks one after another and has no global semaphores, so the CPU test interprets the variant
 without barriers (its copies and their barriers) and lowers every variant for CUDA; the GPU run checks each
@@ -71,23 +70,15 @@ def _body(dep, *refs, early, barriers):
   assert len(buf_of[expert]) * BOX == ROWS[expert], ROWS
 
   def scoped(bufs, dep_smem, dep_ready, *ready):  # ready[k]: heavy phase k's barrier, one arrival a copy
-    # One pair a barrier: with one pair for all, a CTA that left barrier k early could take a second token at k + 1
-    # from the tokens still meant for slower CTAs at k, and they would wait forever (measured: a hang).
-    sems = [(pl.get_global(plgpu.SemaphoreType.REGULAR), pl.get_global(plgpu.SemaphoreType.REGULAR))
-            for _ in range(len(PHASES) - 1)] if barriers else []
+    # A semaphore a barrier, zeroed for every call by Mosaic GPU, so the count needs neither an epoch nor a reset.
+    # (A first form took the counts back with decrementing waits, a CAS loop that 128 CTAs contend for: 37 us a
+    # barrier, results/persistent_layer_mgpu_cas_H100.log.)
+    sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(len(PHASES) - 1)] if barriers else []
 
     def barrier(k):
-      if not barriers:
-        return
-      sem_in, sem_out = sems[k]
-      pl.semaphore_signal(sem_in)
-
-      @pl.when(p == 0)
-      def _():
-        plgpu.semaphore_wait(sem_in, num, decrement=True, memory_scope="gpu")
-        pl.semaphore_signal(sem_out, num)
-
-      plgpu.semaphore_wait(sem_out, 1, decrement=True, memory_scope="gpu")
+      if barriers:
+        pl.semaphore_signal(sems[k])
+        plgpu.semaphore_wait(sems[k], num, decrement=False, memory_scope="gpu")
 
     def issue(i):  # phase i's slab: one TMA copy a box, each onto the phase's barrier
       for j, b in enumerate(buf_of[i]):
