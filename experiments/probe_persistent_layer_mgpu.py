@@ -13,6 +13,7 @@ ceiling in Mosaic GPU with no arithmetic at all, so what it reports is the strea
 
   early       the data-independent slabs (qkv, the KV cache, W_o) copied at the kernel's start
   late        each slab copied only after the barrier before its phase (a kernel per phase, in effect)
+  *_gpu       the same, each barrier's signal released at GPU scope (pl.semaphore_signal releases at system scope)
   nobarrier   early, with no grid barriers (the streaming alone; the CTAs still wait for their own copies)
 
 Grid barrier k is a global semaphore of its own (pl.get_global; Mosaic GPU zeroes its GMEM scratch for every
@@ -36,20 +37,60 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jax import tree_util
+from jax._src import core as jax_core
+from jax._src.pallas import primitives as pallas_primitives
+from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+from jax.experimental import mosaic as _mosaic  # noqa: F401  (the package, for mosaic.gpu below)
+from jax.experimental.mosaic import gpu as mgpu
+
 import chain_timing
 from probe_persistent_layer import D, HEAVY, PHASES
 
 COLS = 64                  # a copy's rows are 128 bytes of bf16
 BOX = 256                  # rows a TMA copy (32 KB)
 ROWS = {i: PHASES[i][1] * D // COLS for i in HEAVY}   # a CTA's slab of phase i as [ROWS, COLS]
-VARIANTS = {"early": (True, True), "late": (False, True), "nobarrier": (True, False)}
+# name: (data-independent slabs copied at the start, the barriers' signal: "sys", "gpu" or None for no barriers)
+VARIANTS = {"early": (True, "sys"), "late": (False, "sys"), "early_gpu": (True, "gpu"), "late_gpu": (False, "gpu"),
+            "nobarrier": (True, None)}
+
+signal_gpu_p = jax_core.Primitive("probe_semaphore_signal_gpu")
+signal_gpu_p.multiple_results = True
+
+
+def signal_gpu(sem) -> None:
+  """+1 on a semaphore, released at GPU scope by one lane after a warpgroup barrier. pl.semaphore_signal releases
+  at system scope (a relaxed add, then fence.release.sys), which a barrier inside one GPU does not need."""
+  ref, transforms = pallas_primitives._get_ref_and_transforms(sem)
+  flat, tree = tree_util.tree_flatten([ref, transforms])
+  signal_gpu_p.bind(*flat, args_tree=tree)
+
+
+@signal_gpu_p.def_effectful_abstract_eval
+def _signal_gpu_abstract_eval(*avals, args_tree):
+  del avals, args_tree
+  return [], {pallas_primitives.sem_effect}
+
+
+@mgpu_lowering.register_lowering_rule(signal_gpu_p, mgpu.LoweringSemantics.Warpgroup)
+def _signal_gpu_lowering(ctx, *args, args_tree):
+  sem, transforms = tree_util.tree_unflatten(args_tree, args)
+  sem_aval, transform_avals = tree_util.tree_unflatten(args_tree, ctx.avals_in)
+  sem, _, transforms = mgpu_lowering._handle_transforms(ctx, sem_aval, sem, transform_avals, transforms)
+  assert not transforms, transforms
+  with mgpu_lowering._wrap_in_custom_primitive_if_wg(ctx, [sem]) as [sem]:
+    mgpu.utils.warpgroup_barrier()  # every thread's accesses before the one lane's release
+    mgpu.utils.SemaphoreRef(mgpu.utils.memref_ptr(sem)).signal(
+        1, predicate=ctx.module_ctx.single_wg_lane_predicate, memory_scope="gpu")
+  return ()
+
 
 
 def _transforms():
   return (plgpu.TilingTransform((8, COLS)), plgpu.SwizzleTransform(128))
 
 
-def _body(dep, *refs, early, barriers):
+def _body(dep, *refs, early, scope):
   """refs: each heavy phase's slabs [P, ROWS, COLS], then out [P, BOX, COLS]."""
   *slabs, out = refs
   slab_of = dict(zip(HEAVY, slabs))
@@ -73,11 +114,11 @@ def _body(dep, *refs, early, barriers):
     # A semaphore a barrier, zeroed for every call by Mosaic GPU, so the count needs neither an epoch nor a reset.
     # (A first form took the counts back with decrementing waits, a CAS loop that 128 CTAs contend for: 37 us a
     # barrier, results/persistent_layer_mgpu_cas_H100.log.)
-    sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(len(PHASES) - 1)] if barriers else []
+    sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(len(PHASES) - 1)] if scope else []
 
     def barrier(k):
-      if barriers:
-        pl.semaphore_signal(sems[k])
+      if scope:
+        (signal_gpu if scope == "gpu" else pl.semaphore_signal)(sems[k])
         plgpu.semaphore_wait(sems[k], num, decrement=False, memory_scope="gpu")
 
     def issue(i):  # phase i's slab: one TMA copy a box, each onto the phase's barrier
@@ -115,12 +156,12 @@ def _interpret():
   return interpret()
 
 
-@functools.partial(jax.jit, static_argnames=("early", "barriers", "interpret"))
-def layer_mgpu(dep, slabs, *, early=True, barriers=True, interpret=None):
+@functools.partial(jax.jit, static_argnames=("early", "scope", "interpret"))
+def layer_mgpu(dep, slabs, *, early=True, scope="sys", interpret=None):
   """[P, BOX, COLS] bf16: every CTA's expert slab's first BOX rows, after the layer's phases (interpret: None for
   GPU interpret mode off the GPU, False to compile, e.g. to lower for CUDA on a CPU)."""
   num = slabs[0].shape[0]
-  body = functools.partial(_body, early=early, barriers=barriers)
+  body = functools.partial(_body, early=early, scope=scope)
   body.__name__ = "probe_persistent_layer_mgpu"
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((num, BOX, COLS), jnp.bfloat16), grid=(num,),
                       grid_names=("x",),
@@ -138,14 +179,14 @@ def inputs(key, num: int, layers: int):
 
 
 def check(variants=tuple(VARIANTS), num: int = 128) -> dict:
-  """Largest |out - the expert slab's first rows| of each variant, over three calls (the semaphores end each at
-  zero, or a later call would pass its barriers early or hang)."""
+  """Largest |out - the expert slab's first rows| of each variant over three calls: every copy landed, and no call
+  hung on its barriers."""
   dep, (slabs,) = inputs(jax.random.key(0), num, 1)
   want = np.asarray(slabs[-1][:, :BOX].astype(jnp.float32))
   errs = {}
   for name in variants:
-    early, barriers = VARIANTS[name]
-    errs[name] = max(float(np.max(np.abs(np.asarray(layer_mgpu(dep, slabs, early=early, barriers=barriers)
+    early, scope = VARIANTS[name]
+    errs[name] = max(float(np.max(np.abs(np.asarray(layer_mgpu(dep, slabs, early=early, scope=scope)
                                                      .astype(jnp.float32)) - want))) for _ in range(3))
   return errs
 
@@ -164,15 +205,15 @@ def main(argv=None):
   L = args.layers
   dep0, per_layer = inputs(jax.random.key(1), 128, L)
 
-  def chain(dep, per_layer, *, early, barriers):
+  def chain(dep, per_layer, *, early, scope):
     def body(_, dep):
       for l in range(L):
-        out = layer_mgpu(dep, per_layer[l], early=early, barriers=barriers)
+        out = layer_mgpu(dep, per_layer[l], early=early, scope=scope)
         dep = (out[0, :8] * 0.5).astype(dep.dtype)
       return dep
     return jax.lax.fori_loop(0, args.steps, body, dep)
 
-  fns = {n: jax.jit(functools.partial(chain, early=VARIANTS[n][0], barriers=VARIANTS[n][1])) for n in variants}
+  fns = {n: jax.jit(functools.partial(chain, early=VARIANTS[n][0], scope=VARIANTS[n][1])) for n in variants}
   args_of = dict.fromkeys(fns, (dep0, per_layer))
   chain_timing.compare_outputs(fns, args_of, variants[0], f"chain of {args.steps} x {L}", width=10)
   times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)

@@ -550,11 +550,12 @@ def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
   assert probe.check(("nobarrier",), num=2) == {"nobarrier": 0.0}  # every copy lands where the phases wait for it
   slabs = [jax.ShapeDtypeStruct((128, probe.ROWS[i], probe.COLS), jnp.bfloat16) for i in probe.HEAVY]
   dep = jax.ShapeDtypeStruct((8, probe.COLS), jnp.bfloat16)
-  for name, (early, barriers) in probe.VARIANTS.items():
-    fn = functools.partial(probe.layer_mgpu, early=early, barriers=barriers, interpret=False)
+  for name, (early, scope) in probe.VARIANTS.items():
+    fn = functools.partial(probe.layer_mgpu, early=early, scope=scope, interpret=False)
     jaxpr = str(jax.make_jaxpr(fn)(dep, slabs))
-    waits = len(probe.PHASES) - 1 if barriers else 0
-    assert jaxpr.count("semaphore_wait") == waits and jaxpr.count("semaphore_signal") == waits, name
+    waits = len(probe.PHASES) - 1 if scope else 0
+    signal = "probe_semaphore_signal_gpu" if scope == "gpu" else "semaphore_signal"
+    assert jaxpr.count("semaphore_wait") == waits and jaxpr.count(signal) == waits, name
     text = jax.jit(fn).trace(dep, slabs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("probe_persistent_layer_mgpu") >= 1, name
 
