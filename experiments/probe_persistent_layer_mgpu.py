@@ -16,6 +16,13 @@ ceiling in Mosaic GPU with no arithmetic at all, so what it reports is the strea
   *_gpu       the same, each barrier's signal released at GPU scope (pl.semaphore_signal releases at system scope)
   nobarrier   early, with no grid barriers (the streaming alone; the CTAs still wait for their own copies)
 
+and a step's every layer in one kernel (GPU-scope barriers, one more a layer for the boundary the kernels had):
+
+  step_next       the next layer's qkv, KV and W_o slabs copied right after this layer's W_o phase, so they
+                  stream beside the router's barrier and the expert's slab (the expert has boxes of its own)
+  step_late       the next layer's slabs copied only after this layer's last barrier
+  step_nobarrier  step_next with no grid barriers
+
 Grid barrier k is a global semaphore of its own (pl.get_global; Mosaic GPU zeroes its GMEM scratch for every
 call): every CTA signals it, then polls it until it reads P.
 
@@ -162,6 +169,82 @@ def _body(dep, *refs, early, scope):
                 *[plgpu.Barrier(num_arrivals=len(buf_of[i])) for i in HEAVY])
 
 
+STEP_VARIANTS = {"step_next": (True, "gpu"), "step_late": (False, "gpu"), "step_nobarrier": (True, None)}
+
+
+def _step_body(dep, *refs, prefetch_next, scope):
+  """Every layer of a step in one kernel. refs: each heavy phase's slabs [L, P, ROWS, COLS], then out [P, BOX, COLS]
+  (the last layer's expert slab's first rows). A grid barrier follows every phase but the last layer's last."""
+  *slabs, out = refs
+  qkv, att, w_o, exp = slabs
+  layers, num = qkv.shape[0], qkv.shape[1]
+  p = lax.axis_index("x")
+  assert (ROWS[HEAVY[0]], ROWS[HEAVY[1]], ROWS[HEAVY[2]], ROWS[HEAVY[3]]) == (2 * BOX, BOX // 2, BOX // 2, 4 * BOX)
+
+  def scoped(bufs, dep_smem, dep_ready, qkv_ready, att_ready, w_o_ready, exp_ready):
+    # boxes 0-1 the qkv slab, box 2 the KV cache's (rows 0-127) and W_o's (128-255) slabs, boxes 3-6 the expert's:
+    # the next layer's qkv, KV and W_o can land while this layer's expert streams
+    count = layers * len(PHASES) - 1
+    sems = [pl.get_global(plgpu.SemaphoreType.REGULAR) for _ in range(count)] if scope else []
+
+    def barrier(k):
+      if scope:
+        (signal_gpu if scope == "gpu" else pl.semaphore_signal)(sems[k])
+        plgpu.semaphore_wait(sems[k], num, decrement=False, memory_scope="gpu")
+
+    def issue_light(l):  # layer l's data-independent slabs
+      for j in range(2):
+        plgpu.copy_gmem_to_smem(qkv.at[l, p, pl.ds(j * BOX, BOX)], bufs.at[j], qkv_ready)
+      half = BOX // 2
+      plgpu.copy_gmem_to_smem(att.at[l, p], bufs.at[2, pl.ds(0, half)], att_ready)
+      plgpu.copy_gmem_to_smem(w_o.at[l, p], bufs.at[2, pl.ds(half, half)], w_o_ready)
+
+    plgpu.copy_gmem_to_smem(dep, dep_smem, dep_ready)
+    plgpu.barrier_wait(dep_ready)
+    issue_light(0)
+    k = 0
+    for l in range(layers):
+      for i, (name, _, _) in enumerate(PHASES):
+        if name == "qkv":
+          plgpu.barrier_wait(qkv_ready)
+        elif name == "attention":
+          plgpu.barrier_wait(att_ready)
+        elif name == "w_o":
+          plgpu.barrier_wait(w_o_ready)
+          if prefetch_next and l + 1 < layers:
+            issue_light(l + 1)
+        elif name == "expert":
+          for j in range(4):
+            plgpu.copy_gmem_to_smem(exp.at[l, p, pl.ds(j * BOX, BOX)], bufs.at[3 + j], exp_ready)
+          plgpu.barrier_wait(exp_ready)
+        if k < count:
+          barrier(k)
+          k += 1
+      if not prefetch_next and l + 1 < layers:
+        issue_light(l + 1)
+    plgpu.copy_smem_to_gmem(bufs.at[3], out.at[p])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(scoped,
+                plgpu.SMEM((7, BOX, COLS), jnp.bfloat16, transforms=_transforms()),
+                plgpu.SMEM(dep.shape, jnp.bfloat16, transforms=_transforms()),
+                plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1),
+                plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=4))
+
+
+@functools.partial(jax.jit, static_argnames=("prefetch_next", "scope", "interpret"))
+def step_mgpu(dep, stacked, *, prefetch_next=True, scope="gpu", interpret=None):
+  """[P, BOX, COLS] bf16: the last layer's expert slab's first BOX rows, after every layer's phases in one kernel
+  (stacked: each heavy phase's slabs of every layer, [L, P, ROWS, COLS])."""
+  num = stacked[0].shape[1]
+  body = functools.partial(_step_body, prefetch_next=prefetch_next, scope=scope)
+  body.__name__ = "probe_persistent_step_mgpu"
+  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((num, BOX, COLS), jnp.bfloat16), grid=(num,),
+                      grid_names=("x",),
+                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                      interpret=_interpret() if interpret is None else None)(dep, *stacked)
+
+
 def _interpret():
   if jax.default_backend() == "gpu":
     return None
@@ -197,7 +280,12 @@ def check(variants=tuple(VARIANTS), num: int = 128) -> dict:
   dep, (slabs,) = inputs(jax.random.key(0), num, 1)
   want = np.asarray(slabs[-1][:, :BOX].astype(jnp.float32))
   errs = {}
-  for name in variants:
+  stacked = tuple(jnp.stack([w] * 2) for w in slabs)  # two layers; the second's expert slab is the one stored
+  for name in [n for n in variants if n in STEP_VARIANTS]:
+    prefetch_next, scope = STEP_VARIANTS[name]
+    errs[name] = max(float(np.max(np.abs(np.asarray(step_mgpu(dep, stacked, prefetch_next=prefetch_next, scope=scope)
+                                                     .astype(jnp.float32)) - want))) for _ in range(3))
+  for name in [n for n in variants if n in VARIANTS]:
     early, scope = VARIANTS[name]
     errs[name] = max(float(np.max(np.abs(np.asarray(layer_mgpu(dep, slabs, early=early, scope=scope)
                                                      .astype(jnp.float32)) - want))) for _ in range(3))
@@ -207,7 +295,8 @@ def check(variants=tuple(VARIANTS), num: int = 128) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   chain_timing.add_chain_args(ap)
-  ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+  every = (*VARIANTS, *STEP_VARIANTS)
+  ap.add_argument("--variants", default=",".join(every), help="comma-separated, of " + ", ".join(every))
   ap.set_defaults(steps=50)
   args = ap.parse_args(argv)
   variants = args.variants.split(",")
@@ -226,8 +315,24 @@ def main(argv=None):
       return dep
     return jax.lax.fori_loop(0, args.steps, body, dep)
 
-  fns = {n: jax.jit(functools.partial(chain, early=VARIANTS[n][0], scope=VARIANTS[n][1])) for n in variants}
-  args_of = dict.fromkeys(fns, (dep0, per_layer))
+  def chain_step(dep, stacked, *, prefetch_next, scope):
+    def body(_, dep):
+      out = step_mgpu(dep, stacked, prefetch_next=prefetch_next, scope=scope)
+      return (out[0, :8] * 0.5).astype(dep.dtype)
+    return jax.lax.fori_loop(0, args.steps, body, dep)
+
+  fns, args_of = {}, {}
+  stacked = None
+  for n in variants:
+    if n in STEP_VARIANTS:
+      if stacked is None:
+        stacked = tuple(jnp.stack([w[k] for w in per_layer]) for k in range(len(HEAVY)))
+      prefetch_next, scope = STEP_VARIANTS[n]
+      fns[n] = jax.jit(functools.partial(chain_step, prefetch_next=prefetch_next, scope=scope))
+      args_of[n] = (dep0, stacked)
+    else:
+      fns[n] = jax.jit(functools.partial(chain, early=VARIANTS[n][0], scope=VARIANTS[n][1]))
+      args_of[n] = (dep0, per_layer)
   chain_timing.compare_outputs(fns, args_of, variants[0], f"chain of {args.steps} x {L}", width=10)
   times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
   chain_timing.print_times(times, variants[0], "a layer", width=10)

@@ -547,7 +547,8 @@ def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
   import probe_persistent_layer_mgpu as probe
   with pytest.raises(SystemExit, match="needs a GPU"):
     probe.main([])
-  assert probe.check(("nobarrier",), num=2) == {"nobarrier": 0.0}  # every copy lands where the phases wait for it
+  # every copy lands where the phases wait for it, in the layer kernel and across the layers of the step kernel
+  assert probe.check(("nobarrier", "step_nobarrier"), num=2) == {"nobarrier": 0.0, "step_nobarrier": 0.0}
   slabs = [jax.ShapeDtypeStruct((128, probe.ROWS[i], probe.COLS), jnp.bfloat16) for i in probe.HEAVY]
   dep = jax.ShapeDtypeStruct((8, probe.COLS), jnp.bfloat16)
   for name, (early, scope) in probe.VARIANTS.items():
@@ -558,6 +559,12 @@ def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
     assert jaxpr.count("semaphore_wait") == waits and jaxpr.count(signal) == waits, name
     text = jax.jit(fn).trace(dep, slabs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("probe_persistent_layer_mgpu") >= 1, name
+  stacked = [jax.ShapeDtypeStruct((3, *s.shape), s.dtype) for s in slabs]
+  for name, (prefetch_next, scope) in probe.STEP_VARIANTS.items():
+    fn = functools.partial(probe.step_mgpu, prefetch_next=prefetch_next, scope=scope, interpret=False)
+    jaxpr = str(jax.make_jaxpr(fn)(dep, stacked))
+    assert jaxpr.count("semaphore_wait") == (3 * len(probe.PHASES) - 1 if scope else 0), name
+    jax.jit(fn).trace(dep, stacked).lower(lowering_platforms=("cuda",))
 
 
 def test_chain_timing_harness_compares_times_and_traces_chains(tmp_path, capsys):
