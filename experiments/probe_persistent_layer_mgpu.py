@@ -43,6 +43,11 @@ system-scope release and 0.94 us with a GPU-scope one, and copying the data-inde
 whose bytes take 10.1 (1.8x); the Pallas Triton kernel per phase, with its arithmetic, runs 27.2-27.4
 (probe_persistent_layer.py).
 
+The step kernel (results/persistent_step_mgpu_H100.log, same units): step_next 17.28 / 16.30, step_late 17.48 /
+16.47, step_nobarrier 10.46 / 9.61, against early_gpu 21.03 / 18.06 in the same run. One kernel a step streams at
+the copy bandwidth and pays ~0.96 us a barrier (7 a layer); the next layer's early copies save 0.2 us, since the
+expert's stream waits on the router's barrier. With no arithmetic, 1.6x the bytes' time.
+
 GPU:  python experiments/probe_persistent_layer_mgpu.py [--layers 24 --steps 50 --rounds 7]
 """
 from __future__ import annotations
