@@ -75,3 +75,17 @@ def print_trace(fns: dict, args_of: dict, log_dir: str, calls: int, unit: str) -
     print(f"{n}: device busy {1e3 * table['busy_union_ms']:.2f} us {unit}; by kernel (us {unit}, launches):")
     for kind, ms, launches in table["kernels"]:
       print(f"  {kind:<48} {1e3 * ms:7.2f}  {launches:.0f}")
+
+
+def compare_and_time(fns: dict, args_of: dict, base: str, args, layers: int, *, width: int = 24,
+                     skip=lambda n: False, megabytes: float | None = None) -> dict[str, list[float]]:
+  """A probe's usual run over chains of args.steps x layers calls: outputs compared with base's, times interleaved
+  and printed a layer, the bytes' time at 2.9 TB/s where megabytes (a layer) is given, and the trace on --trace."""
+  compare_outputs(fns, args_of, base, f"chain of {args.steps} x {layers}", width=width, skip=skip)
+  times = time_interleaved(fns, args_of, args.rounds, args.steps * layers)
+  print_times(times, base, "a layer", width=width)
+  if megabytes is not None:
+    print(f"bytes a layer {megabytes:.1f} MB: {megabytes / 2.9:.2f} us at 2.9 TB/s")
+  if args.trace:
+    print_trace(fns, args_of, args.trace, args.steps * layers, "a layer")
+  return times

@@ -307,16 +307,9 @@ def main(argv=None):
   for name, (poll, early, wait) in VARIANTS.items():
     fns[name] = jax.jit(functools.partial(chain_persistent, poll=poll, early=early, wait=wait))
   args_of = dict.fromkeys(fns, (v0, per_layer))
-  chain_timing.compare_outputs(fns, args_of, "kernels", f"chain of {args.steps} x {L}", width=10,
-                               skip=lambda n: n == "nowait")
-  times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
-  chain_timing.print_times(times, "kernels", "a layer", width=10)
   mb = sum(r for _, r, _ in PHASES) * 128 * D * 2 / 1e6
-  print(f"bytes a layer {mb:.1f} MB: {mb / 2.9:.2f} us at 2.9 TB/s")
-  if args.trace:
-    chain_timing.print_trace(fns, args_of, args.trace, args.steps * L, "a layer")
-  return times
-
+  return chain_timing.compare_and_time(fns, args_of, "kernels", args, L, width=10, skip=lambda n: n == "nowait",
+                                       megabytes=mb)
 
 if __name__ == "__main__":
   main()

@@ -241,33 +241,30 @@ def _step_body(dep, *refs, prefetch_next, scope):
 def step_mgpu(dep, stacked, *, prefetch_next=True, scope="gpu", interpret=None):
   """[P, BOX, COLS] bf16: the last layer's expert slab's first BOX rows, after every layer's phases in one kernel
   (stacked: each heavy phase's slabs of every layer, [L, P, ROWS, COLS])."""
-  num = stacked[0].shape[1]
   body = functools.partial(_step_body, prefetch_next=prefetch_next, scope=scope)
-  body.__name__ = "probe_persistent_step_mgpu"
+  return _launch(body, "probe_persistent_step_mgpu", stacked[0].shape[1], interpret, dep, *stacked)
+
+
+def _launch(body, name: str, num: int, interpret, *args):
+  """body as a Mosaic GPU kernel of num CTAs, one warpgroup each, writing [num, BOX, COLS] bf16 (interpret: None for
+  GPU interpret mode off the GPU, False to compile, e.g. to lower for CUDA on a CPU)."""
+  body.__name__ = name
+  if interpret is None and jax.default_backend() != "gpu":
+    from sparsejax.kernels.gmm.mosaic import _interpret
+    interpret = _interpret()
+  else:
+    interpret = None
   return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((num, BOX, COLS), jnp.bfloat16), grid=(num,),
                       grid_names=("x",),
                       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                      interpret=_interpret() if interpret is None else None)(dep, *stacked)
-
-
-def _interpret():
-  if jax.default_backend() == "gpu":
-    return None
-  from sparsejax.kernels.gmm.mosaic import _interpret as interpret
-  return interpret()
+                      interpret=interpret)(*args)
 
 
 @functools.partial(jax.jit, static_argnames=("early", "scope", "interpret"))
 def layer_mgpu(dep, slabs, *, early=True, scope="sys", interpret=None):
-  """[P, BOX, COLS] bf16: every CTA's expert slab's first BOX rows, after the layer's phases (interpret: None for
-  GPU interpret mode off the GPU, False to compile, e.g. to lower for CUDA on a CPU)."""
-  num = slabs[0].shape[0]
+  """[P, BOX, COLS] bf16: every CTA's expert slab's first BOX rows, after the layer's phases (interpret as _launch)."""
   body = functools.partial(_body, early=early, scope=scope)
-  body.__name__ = "probe_persistent_layer_mgpu"
-  return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((num, BOX, COLS), jnp.bfloat16), grid=(num,),
-                      grid_names=("x",),
-                      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-                      interpret=_interpret() if interpret is None else None)(dep, *slabs)
+  return _launch(body, "probe_persistent_layer_mgpu", slabs[0].shape[0], interpret, dep, *slabs)
 
 
 def inputs(key, num: int, layers: int):
@@ -338,15 +335,8 @@ def main(argv=None):
     else:
       fns[n] = jax.jit(functools.partial(chain, early=VARIANTS[n][0], scope=VARIANTS[n][1]))
       args_of[n] = (dep0, per_layer)
-  chain_timing.compare_outputs(fns, args_of, variants[0], f"chain of {args.steps} x {L}", width=10)
-  times = chain_timing.time_interleaved(fns, args_of, args.rounds, args.steps * L)
-  chain_timing.print_times(times, variants[0], "a layer", width=10)
   mb = sum(ROWS.values()) * 128 * COLS * 2 / 1e6
-  print(f"bytes a layer {mb:.1f} MB: {mb / 2.9:.2f} us at 2.9 TB/s")
-  if args.trace:
-    chain_timing.print_trace(fns, args_of, args.trace, args.steps * L, "a layer")
-  return times
-
+  return chain_timing.compare_and_time(fns, args_of, variants[0], args, L, width=10, megabytes=mb)
 
 if __name__ == "__main__":
   main()
