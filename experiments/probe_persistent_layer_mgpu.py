@@ -26,9 +26,9 @@ and a step's every layer in one kernel (GPU-scope barriers, one more a layer for
 Grid barrier k is a global semaphore of its own (pl.get_global; Mosaic GPU zeroes its GMEM scratch for every
 call): every CTA signals it, then polls it until it reads P.
 
-Interpret mode runs blocks one after another and has no global semaphores, so the CPU test interprets the variant
-without barriers (its copies and their barriers) and lowers every variant for CUDA; the GPU run checks each
-variant's output against the slabs it copied.
+Interpret mode runs blocks one after another and has no global semaphores, so the CPU test interprets the two
+variants without grid barriers (their copies and the copies' barriers, the step's over two layers) and lowers
+every variant for CUDA; the GPU run checks each variant's output against the slabs it copied.
 
 Measured on an H100 (us a layer; a chain of 50 x 24 with XLA's command buffers on / the kernel's device time traced
 with them off; results/persistent_layer_mgpu{,_gpu_scope}_H100.log):
