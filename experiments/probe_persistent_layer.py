@@ -94,7 +94,7 @@ def _store(out_ref, i, p, value):
   out_ref[i, pl.ds(p, 1)] = jnp.zeros((1,), jnp.float32) + value
 
 
-def _phase_kernel(*refs, i, num_programs):
+def _phase_kernel(*refs, num_programs):
   """One phase as a kernel of its own: refs = (v, prev, [w,] out)."""
   p = pl.program_id(0)
   v_ref, prev_ref, *w_ref, out_ref = refs
@@ -115,9 +115,9 @@ def layer_kernels(v, ws, *, interpret=False):
   """[phases, P] float32: s_i of every phase, a kernel each."""
   num_programs = ws[0].shape[0]
   prev, outs, heavy = jnp.zeros((num_programs,), jnp.float32), [], iter(ws)
-  for i, (name, rows, _) in enumerate(PHASES):
+  for name, rows, _ in PHASES:
     args = (v, prev) + ((next(heavy),) if rows else ())
-    prev = pl.pallas_call(functools.partial(_phase_kernel, i=i, num_programs=num_programs), grid=(num_programs,),
+    prev = pl.pallas_call(functools.partial(_phase_kernel, num_programs=num_programs), grid=(num_programs,),
                           in_specs=[pl.no_block_spec] * len(args), out_specs=pl.no_block_spec,
                           out_shape=jax.ShapeDtypeStruct((num_programs,), jnp.float32), interpret=interpret,
                           compiler_params=_params(interpret), name=f"probe_phase_{name}")(*args)

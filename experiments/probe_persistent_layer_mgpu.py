@@ -66,7 +66,6 @@ from jax import tree_util
 from jax._src import core as jax_core
 from jax._src.pallas import primitives as pallas_primitives
 from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-from jax.experimental import mosaic as _mosaic  # noqa: F401  (the package, for mosaic.gpu below)
 from jax.experimental.mosaic import gpu as mgpu
 
 import chain_timing
