@@ -420,6 +420,22 @@ def test_heaviest_first_orders_experts_by_row_blocks():
     np.testing.assert_array_equal(order, np.argsort(-blocks, kind="stable"))
 
 
+@pytest.mark.parametrize("tile_k", [32, 64, 128])
+def test_tgmm_plan_counts_each_experts_real_rows_in_steps(tile_k):
+  """tgmm_plan's row p for expert order[p]: ceil(real rows / tile_k) steps (none for an empty expert), the real
+  rows of the last step, and the first step's index, counted here from the tokens an expert holds."""
+  tokens = [130, 0, 70, 256, 1, 384, 127]  # partial blocks, an empty expert, whole blocks, one row
+  topo = topology_for(tokens)
+  order = jnp.asarray([3, 1, 6, 0, 5, 2, 4], jnp.int32)
+  plan = np.asarray(jax.jit(functools.partial(mosaic.tgmm_plan, block_m=128, tile_k=tile_k))(
+      order, topo.expert_block_offsets, topo.row_block_rows))
+  first_block = np.concatenate([[0], np.cumsum([-(-t // 128) for t in tokens])])[:-1]
+  for p, e in enumerate(np.asarray(order)):
+    steps = -(-tokens[e] // tile_k)
+    tail = tokens[e] - (steps - 1) * tile_k
+    assert plan[p].tolist() == [e, steps, tail, first_block[e] * (128 // tile_k)], (p, e)
+
+
 @pytest.mark.parametrize("total,width", [(1, 2), (4, 2), (5, 2), (2048, 132), (2100, 132), (7, 8)])
 def test_tgmm_item_is_a_permutation_with_every_second_full_wave_reversed(total, width):
   steps = np.arange(total)

@@ -889,28 +889,38 @@ def _tgmm_item(step, total, width):
   return jnp.where(backwards, wave * width + (width - 1 - pos), step)
 
 
-def _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, *, grid, num_experts, num_sms, block_m,
-               cfg: Config):
+def tgmm_plan(order: Int[Array, "experts"], offsets: Int[Array, "experts_plus_one"],
+              row_block_rows: Int[Array, "row_blocks"], *, block_m: int, tile_k: int) -> Int[Array, "experts 4"]:
+  """plan[p] = (e, steps, tail, row0) of e = order[p]: its real rows' reduction steps of tile_k rows (zero for no
+  rows), the real rows in the last step, and its first step's index (first row block x steps a block).
+
+  One row a tile's metadata, so a tgmm tile reads it in one round trip (four independent loads) where reading
+  order, then offsets, then the last block's rows in the kernel was three dependent ones."""
+  first, end = offsets[order], offsets[order + 1]
+  # Real rows of the expert: full blocks, then its last block's real rows.
+  last_rows = jnp.where(end > first, row_block_rows[jnp.maximum(end - 1, 0)], 0)
+  num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
+  steps = (num_rows + tile_k - 1) // tile_k
+  tail = num_rows - (steps - 1) * tile_k
+  return jnp.stack([order, steps, tail, first * (block_m // tile_k)], axis=1).astype(jnp.int32)
+
+
+def _tgmm_tile(step, plan_gmem, *, grid, num_sms, cfg: Config):
   """(expert, row tile, column tile, reduction steps, real rows in the last step, first step's row
   block x steps a block) of the step-th step of tgmm's persistent loop over experts x grid tiles:
-  experts in `order` (heaviest first), every second full wave backwards (_tgmm_item)."""
+  experts in the plan's order (heaviest first), every second full wave backwards (_tgmm_item)."""
   tiles = grid[0] * grid[1]
+  num_experts = plan_gmem.shape[0]
   item = _tgmm_item(step, num_experts * tiles, num_sms) if cfg.balance_experts else step
-  e = order_gmem[item // tiles]
+  p = item // tiles
   m_idx, n_idx = _tile_coords(item % tiles, grid, cfg)
-  first, end = offsets_gmem[e], offsets_gmem[e + 1]
-  # Real rows of the expert: full blocks, then its last block's real rows.
-  last_rows = jnp.where(end > first, rbr_gmem[jnp.maximum(end - 1, 0)], 0)
-  num_rows = jnp.maximum(end - first - 1, 0) * block_m + last_rows
-  steps = (num_rows + cfg.tile_k - 1) // cfg.tile_k  # zero for an expert with no rows
-  tail = num_rows - (steps - 1) * cfg.tile_k  # real rows in the last step
-  return e, m_idx, n_idx, steps, tail, first * (block_m // cfg.tile_k)
+  return plan_gmem[p, 0], m_idx, n_idx, plan_gmem[p, 1], plan_gmem[p, 2], plan_gmem[p, 3]
 
 
-def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
+def _tgmm_padded(lhs, dout, plan, *, block_m, out_dtype, cfg: Config):
   rows, k = lhs.shape
   n = dout.shape[1]
-  num_experts = offsets.shape[0] - 1
+  num_experts = plan.shape[0]
   # Output tiles are [block_m of K] x [2 * tile_n of N]; the reduction runs over an expert's real
   # rows, tile_r at a time (tile_r divides the 128-row block, so a step never leaves the expert).
   tile_m, tile_n, tile_r, epi_tile_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
@@ -926,7 +936,7 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
   tiles = m_iters * n_iters
   num_sms = _num_sms()
 
-  def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
+  def body(plan_gmem, lhs_gmem, dout_gmem, out_gmem):
     ignore = lambda *_, **__: None
     allocs = _warp_specialized(ignore, (cfg.max_concurrent_steps,), [a_spec, b_spec], cfg,
                                ignore).get_allocations(
@@ -942,9 +952,8 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
       # Experts major (in `order`): the CTAs in flight work on a few experts' rows, which stay in L2.
       @plgpu.nd_loop((num_experts * tiles,), collective_axes="sm")
       def _tile(info):
-        e, m_idx, n_idx, steps, tail, row0 = _tgmm_tile(
-            info.index[0], order_gmem, offsets_gmem, rbr_gmem, grid=(m_iters, n_iters),
-            num_experts=num_experts, num_sms=num_sms, block_m=block_m, cfg=cfg)
+        e, m_idx, n_idx, steps, tail, row0 = _tgmm_tile(info.index[0], plan_gmem, grid=(m_iters, n_iters),
+                                                        num_sms=num_sms, cfg=cfg)
         m_slice = pl.ds(m_idx * tile_m, tile_m)
         n_slice = pl.ds(n_idx * cta_n, cta_n)
         wg_n = pl.ds(wg_idx * tile_n, tile_n)
@@ -983,7 +992,7 @@ def _tgmm_padded(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtyp
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                 order, offsets, row_block_rows, lhs, dout, name="tgmm_per_tile")
+                 plan, lhs, dout, name="tgmm_per_tile")
 
 
 def observe_last_releases(consumed_at, total, slots):
@@ -1049,7 +1058,7 @@ PRODUCER_REGISTERS = 40
 CONSUMER_REGISTERS = 232
 
 
-def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dtype, cfg: Config):
+def _tgmm_streamed(lhs, dout, plan, *, block_m, out_dtype, cfg: Config):
   """_tgmm_padded's tiles, items and numerics, on one ring for all of a CTA's items.
 
   The per-tile pipeline of _tgmm_padded starts each tile's loads only once both consumers have
@@ -1062,7 +1071,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
   """
   rows, k = lhs.shape
   n = dout.shape[1]
-  num_experts = offsets.shape[0] - 1
+  num_experts = plan.shape[0]
   tile_m, tile_n, tile_r, epi_tile_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
   cta_n = 2 * tile_n
   grid = (k // tile_m, n // cta_n)
@@ -1071,7 +1080,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
   items = (num_experts * grid[0] * grid[1],)
   num_sms = _num_sms()
 
-  def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
+  def body(plan_gmem, lhs_gmem, dout_gmem, out_gmem):
     scratch = dict(
         a_smem=plgpu.SMEM((slots, tile_r, tile_m), dtype, transforms=_transforms(tile_m, dtype)),
         b_smem=plgpu.SMEM((slots, tile_r, cta_n), dtype, transforms=_transforms(cta_n, dtype)),
@@ -1083,8 +1092,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
     @functools.partial(pl.run_scoped, collective_axes="wg", **scratch)
     def _scope(a_smem, b_smem, full, consumed, out_smem):
       wg_idx = lax.axis_index("wg")
-      tile = lambda step: _tgmm_tile(step, order_gmem, offsets_gmem, rbr_gmem, grid=grid, num_experts=num_experts,
-                                     num_sms=num_sms, block_m=block_m, cfg=cfg)
+      tile = lambda step: _tgmm_tile(step, plan_gmem, grid=grid, num_sms=num_sms, cfg=cfg)
 
       @pl.when(wg_idx == 2)
       def _producer():
@@ -1146,7 +1154,7 @@ def _tgmm_streamed(lhs, dout, order, offsets, row_block_rows, *, block_m, out_dt
         plgpu.wait_smem_to_gmem(0)
 
   return _launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                 order, offsets, row_block_rows, lhs, dout, name="tgmm_streamed")
+                 plan, lhs, dout, name="tgmm_streamed")
 
 
 def tgmm(
@@ -1179,6 +1187,6 @@ def tgmm(
   offsets = topo.expert_block_offsets
   order = (heaviest_first(offsets) if cfg.balance_experts
            else jnp.arange(topo.num_experts, dtype=jnp.int32))
-  out = _call_shared(padded, lhs_p, dout_p, order, offsets, topo.row_block_rows,
-                     block_m=topo.block_size, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
+  plan = tgmm_plan(order, offsets, topo.row_block_rows, block_m=block_m, tile_k=cfg.tile_k)
+  out = _call_shared(padded, lhs_p, dout_p, plan, block_m=topo.block_size, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]

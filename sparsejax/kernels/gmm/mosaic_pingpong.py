@@ -117,9 +117,7 @@ def _produce(total, slots, full, consumed, issue):
 def tgmm_padded(
     lhs: Float[Array, "rows k"],
     dout: Float[Array, "rows n"],
-    order: Int[Array, "experts"],
-    offsets: Int[Array, "experts_plus_one"],
-    row_block_rows: Int[Array, "row_blocks"],
+    plan: Int[Array, "experts 4"],
     *,
     block_m: int,
     out_dtype,
@@ -129,7 +127,7 @@ def tgmm_padded(
   block_m, n to cfg.tile_n), with mosaic._tgmm_padded's arguments; see the module docstring. One
   ring for both consumers, full barriers per owner and turn barriers, as gmm_padded."""
   k, n = lhs.shape[1], dout.shape[1]
-  num_experts = offsets.shape[0] - 1
+  num_experts = plan.shape[0]
   tile_m, tile_n, tile_r, epi_n = block_m, cfg.tile_n, cfg.tile_k, cfg.epi_tile_n
   slots = cfg.max_concurrent_steps
   m_iters, n_iters = k // tile_m, n // tile_n
@@ -137,7 +135,7 @@ def tgmm_padded(
   num_sms = mosaic._num_sms()
   dtype = lhs.dtype
 
-  def body(order_gmem, offsets_gmem, rbr_gmem, lhs_gmem, dout_gmem, out_gmem):
+  def body(plan_gmem, lhs_gmem, dout_gmem, out_gmem):
     scratch = dict(
         a_smem=plgpu.SMEM((slots, tile_r, tile_m), dtype, transforms=mosaic._transforms(tile_m, dtype)),
         b_smem=plgpu.SMEM((slots, tile_r, tile_n), dtype, transforms=mosaic._transforms(tile_n, dtype)),
@@ -159,9 +157,8 @@ def tgmm_padded(
         """(expert, row tile, column tile, steps, real rows of the last step, first step's row
         block x steps a block) of the CTA's local-th tile (zero steps past its last one)."""
         lin = jnp.clip(jnp.minimum(local, local_tiles - 1) * num_sms + sm, 0, total - 1)
-        e, m_idx, n_idx, steps, tail, row0 = mosaic._tgmm_tile(
-            lin, order_gmem, offsets_gmem, rbr_gmem, grid=(m_iters, n_iters),
-            num_experts=num_experts, num_sms=num_sms, block_m=block_m, cfg=cfg)
+        e, m_idx, n_idx, steps, tail, row0 = mosaic._tgmm_tile(lin, plan_gmem, grid=(m_iters, n_iters),
+                                                               num_sms=num_sms, cfg=cfg)
         return e, m_idx, n_idx, jnp.where(local < local_tiles, steps, 0), tail, row0
 
       @pl.when(wg_idx == 2)
@@ -231,7 +228,7 @@ def tgmm_padded(
         plgpu.wait_smem_to_gmem(0)
 
   return mosaic._launch(body, jax.ShapeDtypeStruct((num_experts, k, n), out_dtype),
-                        order, offsets, row_block_rows, lhs, dout, name="tgmm_pingpong")
+                        plan, lhs, dout, name="tgmm_pingpong")
 
 
 def fit_gmm(cfg: mosaic.Config, k: int, n: int, block_m: int, num_pre: int, operand_dtype,
