@@ -1183,10 +1183,10 @@ def tgmm(
                stage_bytes=lambda c: (block_m + 2 * c.tile_n) * c.tile_k * size,
                out_bytes=lambda c: 2 * (c.epi_slots if c.streamed else 2) * block_m * c.epi_tile_n * out_size)
     padded, cta_n = (_tgmm_streamed if cfg.streamed else _tgmm_padded), 2 * cfg.tile_n
-  lhs_p, dout_p = pad_to(lhs, 1, topo.block_size), pad_to(dout, 1, cta_n)
+  lhs_p, dout_p = pad_to(lhs, 1, block_m), pad_to(dout, 1, cta_n)
   offsets = topo.expert_block_offsets
   order = (heaviest_first(offsets) if cfg.balance_experts
            else jnp.arange(topo.num_experts, dtype=jnp.int32))
   plan = tgmm_plan(order, offsets, topo.row_block_rows, block_m=block_m, tile_k=cfg.tile_k)
-  out = _call_shared(padded, lhs_p, dout_p, plan, block_m=topo.block_size, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
+  out = _call_shared(padded, lhs_p, dout_p, plan, block_m=block_m, out_dtype=jnp.dtype(out_dtype), cfg=cfg)
   return out if out.shape[1:] == (k, n) else out[:, :k, :n]
