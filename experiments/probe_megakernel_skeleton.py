@@ -28,6 +28,8 @@ phase, as probe_persistent_layer_mgpu's step_next), expert 128 KB: 26.6 MB a lay
   no_barrier  full without grid barriers (wrong by design: a CTA may read outputs not yet written); the latency chain
               alone
   row         each phase reads one other CTA's 64 outputs (256 B, the least a dependent phase can read)
+  rows8/32    each phase reads 8 or 32 other CTAs' outputs (2 or 8 KB), as independent 256 B loads, and
+              RMS-normalizes their sum
   *_acc4      each product's K chunks spread over 4 accumulators (independent wgmma chains), summed at the end
 
 Grid barriers cannot run in interpret mode (blocks run one after another), and jax 0.10.2's interpreter has no
@@ -39,7 +41,9 @@ _peer,_row_acc4}_H100.log): full 34.3 / 34.2, no_mma 29.9, no_reads 20.8, no_bar
 row_no_mma 18.3, no_reads_acc4 21.3; probe_persistent_layer_mgpu's step_next 17.0 on the same machine. So after the
 stream and the barriers (17.0), the least read a phase can make costs 1.2-1.3 us a layer, a 16 KB read 1.7 us a
 phase, and the cheapest products 3.7-4.5 us a layer: 22.0 us (2.3x the bytes) before any other arithmetic, against
-18.6 for the 2x target (notes_decode.md, thirty-eighth session).
+18.6 for the 2x target (notes_decode.md, thirty-eighth session). rows8 and rows32 matched the reference at two layers
+but their 24-layer chains did not compile in 7 minutes (Mosaic GPU's layout inference; results/
+megakernel_skeleton_rows_H100.log): time them with --layers 4.
 
 GPU:  python experiments/probe_megakernel_skeleton.py [--layers 24 --steps 50 --rounds 7]
 """
@@ -70,8 +74,8 @@ CHUNKS = dict(PHASES)
 _V = lambda mma=True, reads="window", barriers=True, accs=1: dict(mma=mma, reads=reads, barriers=barriers, accs=accs)
 VARIANTS = {"full": _V(), "no_mma": _V(mma=False), "no_reads": _V(reads=None), "no_barrier": _V(barriers=False),
             "row": _V(reads="row"), "row_acc4": _V(reads="row", accs=4), "no_reads_acc4": _V(reads=None, accs=4),
-            "row_no_mma": _V(reads="row", mma=False)}
-LIGHT_SCALE = {"window": 0.125, "row": 1.0, None: 0.125}  # keeps v's magnitude: a window sums 64 rows, / 8
+            "row_no_mma": _V(reads="row", mma=False), "rows8": _V(reads=8), "rows32": _V(reads=32)}
+LIGHT_SCALE = {"window": 0.125, "row": 1.0, 8: 1.0, 32: 1.0, None: 0.125}  # keeps v's magnitude (a window: 64 rows / 8)
 
 
 def _transforms():
@@ -81,6 +85,11 @@ def _transforms():
 def _scale(chunks: int) -> float:
   """A product's outputs summed over wgmma's 8 equal columns, back to v's magnitude."""
   return 1.0 / (8.0 * float(np.sqrt(W * chunks)))
+
+
+def _rms_normalized(s):
+  """s / rms(s): keeps a sum of rows at unit scale, phase after phase (an RMSNorm's arithmetic)."""
+  return s * lax.rsqrt(jnp.sum(s * s, axis=-1, keepdims=s.ndim > 1) * (1 / W) + 1e-6)
 
 
 def _constant_v(iota):
@@ -119,6 +128,10 @@ def _body(dep, qkv, att, w_o, exp, outs, *, mma, reads, barriers, accs):
       src = dep if k == 0 else outs.at[k - 1]
       if reads == "row":  # the least a phase can read: one other CTA's 64 outputs (256 B)
         return plgpu.load(src.at[(p + 1) % num], (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+      if isinstance(reads, int):  # reads other CTAs' rows (256 B each), summed and RMS-normalized
+        rows = [plgpu.load(src.at[(p + j) % num], (), layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+                for j in range(1, reads + 1)]
+        return _rms_normalized(functools.reduce(lambda a, b: a + b, rows))
       w = plgpu.load(src.at[pl.ds(base, W)], (), layout=plgpu.Layout.WGMMA, optimized=False)
       return jnp.sum(w, axis=0) * 0.125
 
@@ -204,6 +217,9 @@ def reference(dep, qkv, att, w_o, exp, *, reads="window"):
         v = prev.reshape(num // W, W, W).sum(1).repeat(W, axis=0) * 0.125
       elif reads == "row":
         v = jnp.roll(prev, -1, axis=0)
+      elif isinstance(reads, int):
+        v = functools.reduce(lambda a, b: a + b, [jnp.roll(prev, -j, axis=0) for j in range(1, reads + 1)])
+        v = _rms_normalized(v)
       else:
         v = jnp.broadcast_to(_constant_v(jnp.arange(W, dtype=jnp.int32)), (num, W))
       if name == "expert":
@@ -234,6 +250,8 @@ def main(argv=None):
   ap.set_defaults(steps=50)
   args = ap.parse_args(argv)
   variants = args.variants.split(",")
+  if unknown := [n for n in variants if n not in VARIANTS]:
+    ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
   if jax.default_backend() != "gpu":
     raise SystemExit("probe_megakernel_skeleton needs a GPU: its grid barriers cannot run in interpret mode")
   small = inputs(jax.random.key(0), 128, 2)
