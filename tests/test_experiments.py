@@ -668,3 +668,58 @@ def test_row_moves_probe_checks_every_gather_variant_and_keeps_the_unmasked_peer
   assert json.loads((tmp_path / "row_moves_probe.json").read_text()) == out
   with pytest.raises(SystemExit):
     probe_row_moves.main(["--shapes", "tiny", "--unmasked", "--out", str(tmp_path)])
+
+
+def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
+  """probe_megakernel_skeleton: its reference equals a loop written out for one CTA (the window's sum, the product's
+  rounding and scale, the expert's data-dependent slab); every variant lowers for CUDA as one Mosaic GPU kernel with
+  a grid barrier after each phase but the last exactly where it has barriers; on the CPU the probe refuses in one line
+  (its barriers cannot be interpreted)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import probe_megakernel_skeleton as probe
+  with pytest.raises(SystemExit, match="needs a GPU"):
+    probe.main([])
+  with pytest.raises(SystemExit):  # argparse's one-line error for a variant it does not have
+    probe.main(["--variants", "fulll"])
+  num, W = 128, probe.W
+  dep, qkv, att, w_o, exp = probe.inputs(jax.random.key(3), num, 1)
+  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  bf = lambda x: f32(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16))
+  for reads in ("window", "row", 8, None):
+    got = np.asarray(probe.reference(dep, qkv, att, w_o, exp, reads=reads), np.float64)
+    p = 70  # in the second window
+    def v_of(prev):
+      if reads == "window":
+        return prev[64:128].sum(0) * 0.125
+      if reads == "row":
+        return prev[(p + 1) % num]
+      if reads == 8:
+        total = sum(prev[(p + j) % num] for j in range(1, 9))
+        return total / np.sqrt(np.mean(total ** 2) + 1e-6)
+      return ((np.arange(W) % 7) - 3) * 0.25
+    prev = f32(dep)
+    for k, (name, chunks) in enumerate(probe.PHASES):
+      v = v_of(prev)
+      def product(slab, first, n, v):
+        a = f32(slab)[first * W:(first + n) * W].reshape(n, W, W)
+        return np.einsum("cmk,k->m", a, bf(v)) / np.sqrt(W * n)
+      if name == "expert":
+        slab = exp[0, int(v.sum() > 0), p]
+        want = product(slab, chunks // 2, chunks // 2, product(slab, 0, chunks // 2, v))
+      elif chunks:
+        want = product({"qkv": qkv, "attention": att, "w_o": w_o}[name][0, p], 0, chunks, v)
+      else:
+        want = v * probe.LIGHT_SCALE[reads]
+      np.testing.assert_allclose(got[k, p], want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"{reads} {name}")
+      prev = got[k]  # the other CTAs' outputs, from the reference itself
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (dep, qkv, att, w_o, exp)]
+  for name, flags in probe.VARIANTS.items():
+    fn = lambda *a, flags=flags: probe.step(*a, **flags)
+    jaxpr = str(jax.make_jaxpr(fn)(*shapes))
+    waits = len(probe.PHASES) - 1 if flags["barriers"] else 0
+    assert jaxpr.count("semaphore_wait") == waits and jaxpr.count("probe_semaphore_signal_gpu") == waits, name
+    assert ("wgmma" in jaxpr) == flags["mma"], name
+    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    assert "probe_megakernel_skeleton" in text, name
