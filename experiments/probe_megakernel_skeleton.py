@@ -121,7 +121,7 @@ def _body(dep, qkv, att, w_o, exp, outs, *, mma, reads, barriers, accs):
       for name, ref in heavy_refs.items():
         copy(ref.at[l, p], smem[name], ready[name])
 
-    def window(k):  # v [W]: the window's outputs of phase k - 1 summed, / 8
+    def window(k):  # v [W] from phase k - 1's outputs (or dep), as `reads` says
       if not reads:
         iota = plgpu.broadcasted_iota(jnp.int32, (W,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
         return _constant_v(iota)
@@ -200,8 +200,8 @@ def step(dep, qkv, att, w_o, exp, *, mma=True, reads="window", barriers=True, ac
 
 
 def reference(dep, qkv, att, w_o, exp, *, reads="window"):
-  """full's (or no_reads') every phase output, in float32 with the kernel's roundings (v to bf16 before each
-  product)."""
+  """Every phase output of a variant with products and the given reads, in float32 with the kernel's roundings (v to
+  bf16 before each product)."""
   slabs = {"qkv": qkv, "attention": att, "w_o": w_o}
   num = dep.shape[0]
   prev, outs = dep.astype(jnp.float32), []
