@@ -41,9 +41,10 @@ _peer,_row_acc4}_H100.log): full 34.3 / 34.2, no_mma 29.9, no_reads 20.8, no_bar
 row_no_mma 18.3, no_reads_acc4 21.3; probe_persistent_layer_mgpu's step_next 17.0 on the same machine. So after the
 stream and the barriers (17.0), the least read a phase can make costs 1.2-1.3 us a layer, a 16 KB read 1.7 us a
 phase, and the cheapest products 3.7-4.5 us a layer: 22.0 us (2.3x the bytes) before any other arithmetic, against
-18.6 for the 2x target (notes_decode.md, thirty-eighth session). rows8 and rows32 matched the reference at two layers
-but their 24-layer chains did not compile in 7 minutes (Mosaic GPU's layout inference; results/
-megakernel_skeleton_rows_H100.log): time them with --layers 4.
+18.6 for the 2x target (notes_decode.md, thirty-eighth session). At 4 layers (results/megakernel_skeleton_rows_L4_H100
+.log) row 21.7, rows8 32.1, rows32 61.0, full 34.6: independent row loads cost 0.18 us each, one after another, so the
+real phases' 2-34 KB reads would take a megakernel past today's 28.5 us a layer (thirty-ninth session). The 24-layer
+rows8 / rows32 chains take many minutes to compile; use --layers 4.
 
 GPU:  python experiments/probe_megakernel_skeleton.py [--layers 24 --steps 50 --rounds 7]
 """
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -254,6 +256,9 @@ def main(argv=None):
     ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
   if jax.default_backend() != "gpu":
     raise SystemExit("probe_megakernel_skeleton needs a GPU: its grid barriers cannot run in interpret mode")
+  # Mosaic GPU's layout inference recurses once per unresolved value: rows8 / rows32 pass Python's default 1,000
+  # levels at 4 unrolled layers.
+  sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))
   small = inputs(jax.random.key(0), 128, 2)
   for name in [n for n in variants if VARIANTS[n]["barriers"] and VARIANTS[n]["mma"]]:
     flags = VARIANTS[name]
