@@ -19,7 +19,8 @@ with this phase structure (seven dependent phases a layer over 128 CTAs):
   every phase      stores its 64 outputs to global memory, then signals its grid barrier
 
 Slabs a layer, a CTA: qkv 48 KB, attention 16 KB, W_o 16 KB (the next layer's copied right after this layer's W_o
-phase, as probe_persistent_layer_mgpu's step_next), expert 128 KB: 26.6 MB a layer at P = 128, medium-moe's ~26 MB.
+phase, as probe_persistent_layer_mgpu's step_next), expert 128 KB: 27.3 MB a layer at P = 128 CTAs, a medium-moe
+layer's bytes.
 
   full        barriers, reads and products
   no_mma      barriers and reads; a heavy phase's output is v itself (no wgmma), so full - no_mma is the products
@@ -70,6 +71,7 @@ mgpu_lowering.register_lowering_rule(signal_gpu_p, mgpu.LoweringSemantics.Lane)(
 
 W = 64          # rows of a window, outputs a CTA, K columns of a chunk
 BOX = 256       # rows a TMA copy
+P = 128         # CTAs
 # (name, K chunks of the CTA's slab; 0 a light phase). The expert's 16 chunks are two products of 8.
 PHASES = (("qkv", 6), ("attention", 2), ("merge", 0), ("w_o", 2), ("router", 0), ("expert", 16), ("epilogue", 0))
 CHUNKS = dict(PHASES)
@@ -259,7 +261,7 @@ def main(argv=None):
   # Mosaic GPU's layout inference recurses once per unresolved value: rows8 / rows32 pass Python's default 1,000
   # levels at 4 unrolled layers.
   sys.setrecursionlimit(max(sys.getrecursionlimit(), 100_000))
-  small = inputs(jax.random.key(0), 128, 2)
+  small = inputs(jax.random.key(0), P, 2)
   for name in [n for n in variants if VARIANTS[n]["barriers"] and VARIANTS[n]["mma"]]:
     flags = VARIANTS[name]
     want = np.asarray(reference(*small, reads=flags["reads"]))
@@ -269,7 +271,7 @@ def main(argv=None):
       print(f"{name:>10} against the reference, 2 layers: max |diff| / max |want| {err:.3g} "
             f"(max |want| {np.max(np.abs(want)):.3g}; the last phase's {np.max(np.abs(want[-1])):.3g})")
   L = args.layers
-  args_in = inputs(jax.random.key(1), 128, L)
+  args_in = inputs(jax.random.key(1), P, L)
 
   def chain(dep, *slabs, flags):
     def body(_, dep):
@@ -278,7 +280,7 @@ def main(argv=None):
 
   fns = {n: jax.jit(functools.partial(chain, flags=VARIANTS[n])) for n in variants}
   args_of = {n: args_in for n in variants}
-  mb = (sum(c for _, c in PHASES)) * W * W * 2 * 128 / 1e6
+  mb = sum(CHUNKS.values()) * W * W * 2 * P / 1e6
   return chain_timing.compare_and_time(fns, args_of, variants[0], args, L, width=10, megabytes=mb,
                                        skip=lambda n: n != variants[0])
 
