@@ -234,12 +234,6 @@ def received_expert_ids(
   return jnp.where(local < experts_per_peer, local, -1).reshape(-1).astype(jnp.int32)
 
 
-def ungather_rows(buffer: Float[Array, "rows d"], placement: permute.Placement) -> Float[Array, "n d"]:
-  """out[i] = buffer[placement.rows[i, 0]], zero for unplaced i: undoes gather_rows for k = 1."""
-  padded = jnp.concatenate([buffer, jnp.zeros((1, buffer.shape[1]), buffer.dtype)], axis=0)
-  return padded[placement.rows[:, 0]]
-
-
 # ----------------------------------------------------------------------------------------------
 # The collective steps (inside shard_map).
 
@@ -316,7 +310,7 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   topology = (make_topology(local.group_sizes, local.num_rows, block, local.tokens_per_expert)
               if st.impl in BLOCK_IMPLS else None)
   out = _ffn(rows, local.group_sizes, weights, st, topology)
-  y_recv = ungather_rows(out, local).reshape(x_recv.shape)
+  y_recv = permute.ungather_rows(out, local).reshape(x_recv.shape)
 
   # Back the way the rows came: block s (peer s's rows, recv_rows[s] of them) returns to s.
   y_send = from_peers(_reduce_slices(y_recv, layout))

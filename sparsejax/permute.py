@@ -158,6 +158,21 @@ def gather_rows(
   return _gather_rows(x, source_tokens(placement, x.shape[0]), placement.rows)
 
 
+@jax.named_scope("ungather_rows")
+def ungather_rows(
+    buffer: Float[Array, "rows d"], placement: Placement
+) -> Float[Array, "tokens d"]:
+  """out[t] = buffer[rows[t, 0]], zero for unplaced t: the inverse move of gather_rows for k = 1.
+
+  Its gradient is gather_rows' move (dbuffer[r] = dout[token filling r], zero for empty rows), a
+  gather; autodiff of the indexing writes a scatter-add into a zeroed buffer instead.
+  """
+  if placement.rows.shape[1] != 1:
+    raise ValueError(f"ungather_rows: placement of k = 1 assignments, got k = {placement.rows.shape[1]}")
+  src = source_tokens(placement, placement.rows.shape[0])
+  return _gather_rows(buffer, placement.rows[:, 0], src[:, None])
+
+
 def _combine(buffer, rows, weights):
   picked = _take(buffer, rows).astype(jnp.float32)  # [T, k, d]
   return jnp.sum(weights.astype(jnp.float32)[:, :, None] * picked, axis=1)

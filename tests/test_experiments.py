@@ -82,6 +82,16 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
   assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1
 
 
+def test_ep_train_bench_names_an_ops_defining_hlo_line():
+  import bench_ep_train as b
+  hlo = ("ENTRY %main {\n  %fusion.1 = bf16[8,4]{1,0} fusion(%p), kind=kLoop\n"
+         "  %fusion.12 = f32[2]{0} fusion(%fusion.1), kind=kInput\n  ROOT %t = (f32[2]) tuple(%fusion.12)\n}")
+  assert b.hlo_line(hlo, "fusion.1") == "%fusion.1 = bf16[8,4]{1,0} fusion(%p), kind=kLoop"  # not fusion.12, not a use
+  assert b.hlo_line(hlo, "t") == "ROOT %t = (f32[2]) tuple(%fusion.12)"
+  assert b.hlo_line(hlo, "fusion.12", width=10) == "%fusion.12"
+  assert b.hlo_line(hlo, "fusion.7") == ""
+
+
 def test_ep_train_bench_lists_the_two_level_meshes_it_measures():
   import bench_ep_train as b
   assert b.configs([1, 2, 4], ["dense"], [2]) == [(1, None, None), (2, "dense", None), (4, "dense", None), (4, "dense", 2)]

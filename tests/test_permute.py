@@ -270,3 +270,42 @@ def test_scatter_rows_backward_gathers_a_bf16_cotangent_in_bf16():
   gathered = [e.invars[0].aval for e in _equations(backward.jaxpr)
               if e.primitive.name == "gather" and e.invars[0].aval.shape == (T, d)]
   assert gathered and all(a.dtype == jnp.bfloat16 for a in gathered), gathered
+
+
+@pytest.mark.parametrize("mode,dtype", [("dropless", jnp.float32), ("dropless", jnp.bfloat16),
+                                        ("all_on_one", jnp.float32), ("capacity", jnp.float32)])
+def test_ungather_rows_is_the_indexing_with_a_gather_for_backward(mode, dtype):
+  """out[t] = buffer[rows[t, 0]] (zero for unplaced t) as plain indexing gives it, forward and backward:
+  every empty or padding row's gradient is zero, and the backward is a gather, not autodiff's
+  scatter-add into a zeroed buffer (a [P*S, d] fill and atomics an MoE layer under expert parallelism)."""
+  T, E, d = 53, 5, 24
+  ids = (jnp.zeros((T, 1), jnp.int32) if mode == "all_on_one"
+         else jnp.asarray(_skewed_ids(T, E, 1, seed_of("ungather", mode))))
+  p = _capacity(ids, E, 6) if mode == "capacity" else _dropless(ids, E, block_size=8)
+  rows = np.asarray(p.rows)
+  filled = np.zeros(p.num_rows, bool)
+  filled[rows[rows < p.num_rows]] = True
+  assert not filled.all()
+  rng = np.random.default_rng(seed_of("ungather-data", mode, str(dtype)))
+  buf = jnp.asarray(rand(rng, (p.num_rows, d))).astype(dtype)
+  dy = jnp.asarray(rand(rng, (T, d))).astype(dtype)
+  plain = lambda b: jnp.concatenate([b, jnp.zeros((1, d), b.dtype)])[p.rows[:, 0]]
+  y, (dbuf,) = _value_and_vjp(lambda b: permute.ungather_rows(b, p), buf, ct=dy)
+  y_ref, (dbuf_ref,) = _value_and_vjp(plain, buf, ct=dy)
+  assert y.dtype == dbuf.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))  # moves, no arithmetic
+  np.testing.assert_array_equal(np.asarray(dbuf, np.float32), np.asarray(dbuf_ref, np.float32))
+  np.testing.assert_array_equal(np.asarray(dbuf, np.float32)[~filled], 0)
+  if mode != "all_on_one":
+    assert (rows == p.num_rows).any(), "no unplaced token"
+    np.testing.assert_array_equal(np.asarray(y, np.float32)[rows[:, 0] == p.num_rows], 0)
+  backward = jax.make_jaxpr(lambda b, g: jax.vjp(lambda b: permute.ungather_rows(b, p), b)[1](g))(buf, dy)
+  assert not {"scatter-add", "scatter_add"} & _primitives(backward.jaxpr)
+  assert {"scatter-add", "scatter_add"} & _primitives(
+      jax.make_jaxpr(lambda b, g: jax.vjp(plain, b)[1](g))(buf, dy).jaxpr), "the check cannot see a scatter-add"
+
+
+def test_ungather_rows_takes_one_assignment_a_token():
+  p = _dropless(jnp.zeros((8, 2), jnp.int32), 2, block_size=4)
+  with pytest.raises(ValueError, match="k = 1 assignments, got k = 2"):
+    permute.ungather_rows(jnp.zeros((p.num_rows, 4)), p)
