@@ -17,7 +17,8 @@ Timing: after --warmup steps, --steps steps back to back (as the training loop r
 sync at the end; the median of --repeats such windows. Then --steps more are traced with
 jax.profiler, and the device time of the collectives is read from the trace: the all-to-alls of
 the MoE layers (and their count exchange) apart from the all-reduces of the data-parallel
-gradients, and every op's device time by profile_step.py's categories (collectives apart). Shares
+gradients, and every op's device time by profile_step.py's categories (collectives apart), with the
+ten costliest ops of "other" and "gather/scatter" and their HLO lines (top_ops: what grows with the buffers). Shares
 are of the step time, per GPU (the mean over the n GPUs). CUDA graphs are off (as in
 profile_step.py) unless --no-trace. Whether the exchange hides or waits: the all-to-all time during
 which another kernel ran on the same GPU (overlapped_us), the GPUs' arrival skew at each all-to-all
@@ -42,6 +43,7 @@ import collections
 import json
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import sys
@@ -303,6 +305,13 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
       by_cat["collectives" if collective_kind({"name": op, "args": {"hlo_op": op}}) else cats.get(op, "other")] += us
     by_cat["other"] += unattributed
     rec["categories_ms"] = {c: by_cat[c] / 1e3 / args.steps / n for c in (*CATEGORIES, "collectives") if by_cat[c]}
+    rec["unattributed_ms"] = unattributed / 1e3 / args.steps / n
+    # The ops behind the categories that grow with the exchange's buffers, with their HLO lines (shapes).
+    rec["top_ops"] = {c: [(op, us / 1e3 / args.steps / n, hlo_line(hlo, op))
+                          for op, us in sorted(((o, u) for o, u in times.items() if cats.get(o, "other") == c
+                                                and not collective_kind({"name": o, "args": {"hlo_op": o}})),
+                                               key=lambda ou: -ou[1])[:10]]
+                      for c in ("other", "gather/scatter")}
     by_kind, names = collections.Counter(), collections.Counter()
     for e in kernels:
       kind = collective_kind(e)
@@ -316,6 +325,12 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     rec["all_to_all_arrival_skew_ms"] = arrival_skew_us(kernels) / 1e3 / args.steps
     rec["top_collectives"] = [(k, name, per_gpu_step_ms(us)) for (k, name), us in names.most_common(8)]
   return rec
+
+
+def hlo_line(hlo: str, op: str, width: int = 240) -> str:
+  """The instruction that defines `op` in the module's text (its shape and operands), cut to width."""
+  m = re.search(rf"^\s*(?:ROOT )?%?{re.escape(op)} = .*$", hlo, re.M)
+  return m.group(0).strip()[:width] if m else ""
 
 
 def markdown(report: dict) -> str:
