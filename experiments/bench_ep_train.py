@@ -300,17 +300,19 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     module = hlo.split("HloModule", 1)[1].split()[0].rstrip(",")
     cats = op_categories(hlo)
     times, unattributed = op_times(trace, module)
+    per_gpu_step_ms = lambda us: us / 1e3 / args.steps / n
+    # The collectives apart, whatever scope they were issued in.
+    cat_of = {op: "collectives" if collective_kind({"name": op, "args": {"hlo_op": op}}) else cats.get(op, "other")
+              for op in times}
     by_cat = collections.Counter()
-    for op, us in times.items():  # the collectives apart, whatever scope they were issued in
-      by_cat["collectives" if collective_kind({"name": op, "args": {"hlo_op": op}}) else cats.get(op, "other")] += us
+    for op, us in times.items():
+      by_cat[cat_of[op]] += us
     by_cat["other"] += unattributed
-    rec["categories_ms"] = {c: by_cat[c] / 1e3 / args.steps / n for c in (*CATEGORIES, "collectives") if by_cat[c]}
-    rec["unattributed_ms"] = unattributed / 1e3 / args.steps / n
+    rec["categories_ms"] = {c: per_gpu_step_ms(by_cat[c]) for c in (*CATEGORIES, "collectives") if by_cat[c]}
+    rec["unattributed_ms"] = per_gpu_step_ms(unattributed)
     # The ops behind the categories that grow with the exchange's buffers, with their HLO lines (shapes).
-    rec["top_ops"] = {c: [(op, us / 1e3 / args.steps / n, hlo_line(hlo, op))
-                          for op, us in sorted(((o, u) for o, u in times.items() if cats.get(o, "other") == c
-                                                and not collective_kind({"name": o, "args": {"hlo_op": o}})),
-                                               key=lambda ou: -ou[1])[:10]]
+    ranked = sorted(times.items(), key=lambda kv: -kv[1])
+    rec["top_ops"] = {c: [(op, per_gpu_step_ms(us), hlo_line(hlo, op)) for op, us in ranked if cat_of[op] == c][:10]
                       for c in ("other", "gather/scatter")}
     by_kind, names = collections.Counter(), collections.Counter()
     for e in kernels:
@@ -318,7 +320,6 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
       if kind:
         by_kind[kind] += e["dur"]
         names[(kind, (e.get("args", {}).get("hlo_op") or e["name"])[:60])] += e["dur"]
-    per_gpu_step_ms = lambda us: us / 1e3 / args.steps / n
     rec["collectives_ms"] = {k: per_gpu_step_ms(v) for k, v in by_kind.items()}
     rec["collective_share"] = {k: per_gpu_step_ms(v) / rec["step_ms"] for k, v in by_kind.items()}
     rec["collectives_overlapped_ms"] = {k: per_gpu_step_ms(v) for k, v in overlapped_us(kernels).items()}
