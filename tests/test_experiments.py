@@ -384,6 +384,93 @@ def test_gmm_wave_model_counts_the_busiest_sm_and_light_tiles():
   assert list(w.reversed_waves(jnp.arange(8), 3)) == [0, 1, 2, 5, 4, 3, 6, 7]  # full waves only
 
 
+def test_paired_tile_probe_matches_its_reference_in_every_mode_and_lowers(monkeypatch):
+  """probe_paired_tile interpreted: full, light and paired tiles against reference(), where a light tile's
+  second half is zero and a pair's multiplies the next expert's weights (so the wrong form reads far off);
+  every timed variant lowers for CUDA at the probe's shapes; on a CPU the timing refuses to run."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  import mosaic_interpret_compat
+  import probe_paired_tile as probe
+
+  from sparsejax.kernels.gmm import mosaic
+
+  mosaic_interpret_compat.install()
+  mosaic_interpret_compat.compile_thread_bodies_once()
+  lhs, w, he = probe.problem(3, 128, 256, 3, seed=1)  # 3 blocks x 2 column tiles over 2 "SMs"
+  cfg = mosaic.Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=64)
+  for mode in probe.MODES:
+    got = probe.tile_gmm(lhs, w, he, mode=mode, cfg=cfg)
+    assert probe.rel_err(got, probe.reference(lhs, w, he, mode)) < 1e-2, mode
+    if mode != "full":
+      assert probe.rel_err(got, probe.reference(lhs, w, he, "full")) > 0.5, mode
+  with pytest.raises(ValueError, match="mode"):
+    probe.tile_gmm(lhs, w, he, mode="triple", cfg=cfg)
+  with pytest.raises(SystemExit, match="sm_90"):
+    probe.main([])
+
+  monkeypatch.setattr(mosaic, "_interpret", lambda: None)
+  monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
+  for _, k, n in probe.SHAPES:
+    args = [jax.ShapeDtypeStruct(s, t) for s, t in [((probe.ROW_BLOCKS * probe.BLOCK, k), jnp.bfloat16),
+                                                    ((probe.EXPERTS, k, n), jnp.bfloat16),
+                                                    ((probe.ROW_BLOCKS, 2), jnp.int32)]]
+    for name, mode, changes in probe.VARIANTS:
+      c = probe.fitted(dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm, **changes), mode, k, n)
+      text = jax.jit(lambda *a, mode=mode, c=c: probe.tile_gmm(*a, mode=mode, cfg=c)).trace(*args).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text, name
+
+
+def test_paired_tile_probe_mixed_loop_pairs_light_blocks_and_matches_the_layout(monkeypatch):
+  """probe_paired_tile's mixed loop, interpreted on a hand-made layout: light blocks (1-64 real rows) pair
+  up in order, the odd one and full blocks run as today's tiles, inactive blocks drop out; every form equals
+  the layout's reference on the active blocks, padding rows included (the interpreter leaves unwritten rows
+  NaN, so a pair's zero stores are checked); the mixed kernel lowers for CUDA at the probe's shapes."""
+  import jax
+  import jax.numpy as jnp
+  import mosaic_interpret_compat
+  import probe_paired_tile as probe
+
+  from sparsejax.kernels.gmm import mosaic
+
+  mosaic_interpret_compat.install()
+  mosaic_interpret_compat.compile_thread_bodies_once()
+  rbr = jnp.array([100, 128, 40, 30, 64, 0], jnp.int32)  # blocks 2, 3, 4 light; block 5 inactive
+  rbe = jnp.array([0, 1, 1, 2, 3, 3], jnp.int32)
+  ebo = jnp.array([0, 1, 3, 4, 5], jnp.int32)
+  k, n = 128, 256
+  keys = jax.random.split(jax.random.key(0), 2)
+  lhs = jax.random.normal(keys[0], (6 * probe.BLOCK, k), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (4, k, n)) / k ** 0.5).astype(jnp.bfloat16)
+  want = probe.layout_reference(lhs, w, rbe, rbr)
+  cfg = mosaic.Config(tile_n=128, tile_k=64, max_concurrent_steps=2, epi_tile_n=64)
+  items = {p: probe.mixed_items(rbe, rbr, ebo, n, tile_n=128, width=8, pair_n=64, paired=p) for p in (False, True)}
+  assert sorted(map(tuple, items[False][:, :3].tolist())) == sorted([(0, b, b) for b in range(5)] * 2)
+  pairs = items[True][items[True][:, 0] == 1]
+  assert pairs[:, 1:3].tolist() == [[2, 3]] * 4 and sorted(pairs[:, 3].tolist()) == [0, 1, 2, 3]
+  assert sorted(items[True][items[True][:, 0] == 0, 1].tolist()) == [0, 0, 1, 1, 4, 4]
+  for paired, hoist in ((False, True), (False, False), (True, False)):
+    got = probe.mixed_gmm(jnp.asarray(items[paired]), rbe, rbr, lhs, w, cfg=cfg, pair_n=64, hoist=hoist)
+    assert probe.layout_error(got, want, rbr) < 1e-2, (paired, hoist)
+  wrong = probe.layout_reference(lhs, w, jnp.array([0, 1, 2, 2, 3, 3], jnp.int32), rbr)  # block 2 on expert 2
+  assert probe.layout_error(got, wrong, rbr) > 0.1
+
+  monkeypatch.setattr(mosaic, "_interpret", lambda: None)
+  monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
+  k, n = probe.SHAPES[0][1:]
+  c = probe.fitted(mosaic.DEFAULT_CONFIGS.gmm, "full", k, n)
+  args = [jax.ShapeDtypeStruct(s, t) for s, t in [((640, 4), jnp.int32), ((192,), jnp.int32), ((192,), jnp.int32),
+                                                  ((192 * probe.BLOCK, k), jnp.bfloat16),
+                                                  ((probe.EXPERTS, k, n), jnp.bfloat16)]]
+  for hoist in (False, True):
+    text = jax.jit(lambda *a, hoist=hoist: probe.mixed_gmm(*a, cfg=c, pair_n=c.tile_n // 2, hoist=hoist)).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text, hoist
+
+
 def test_gmm_wave_probe_checks_each_config_set_and_refuses_unknown_ones(capsys):
   import probe_gmm_waves as w
   from peers import common
