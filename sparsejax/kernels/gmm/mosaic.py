@@ -633,13 +633,9 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
       def tail_coords(p, s=s):
         # Piece p % s of the tail's tile p // s (expert_band_order lists the active tiles first).
         m_idx, n_idx = ordered(jnp.minimum(main_end + p // s, m_iters * n_iters - 1))
-        return m_idx, n_idx * tile_n + lax.rem(p, s) * (tile_n // s), p < s * tail
+        return m_idx, n_idx * tile_n + lax.rem(p, s) * (tile_n // s), (split == s) & (p < s * tail)
 
-      # Only the chosen split's loop runs: entering a loop's scope (its barriers, a sync of the
-      # warpgroups) costs a few us even when none of its pieces runs.
-      @pl.when(split == s)
-      def _(s=s, tail_coords=tail_coords):
-        run_tiles(tile_n // s, num_sms, tail_coords)
+      run_tiles(tile_n // s, num_sms, tail_coords)
 
   out_shape = jax.ShapeDtypeStruct((rows, n), out_dtype)
   args = (row_block_expert, row_block_rows, lhs, *weights, *pre)
