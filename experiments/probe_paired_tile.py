@@ -29,12 +29,13 @@ expert_band_order (mixed_items, mixed_gmm): today's tiles, or with consecutive l
 (each pair as two 128-wide items in the place of its first block's tile, so its weight tiles stay
 near their experts' full tiles in L2). Each item enters its kind's pipeline as a shared-memory scope
 of its own; `unpaired` (per-item scopes, no pairs) separates that cost from the pairing's, and
-`unpaired_hoisted` (one scope for the loop, as the library) and the library's gmm stand beside them.
+`unpaired_hoisted` (one scope for the loop, as the library; `_inactive` with the inactive blocks'
+zero-step items kept, as the library runs them) and the library's gmm stand beside them.
 
 Measured on an H200 (notes_hopper_kernels.md, forty-second session;
-results/paired_tile_probe{,_layouts}_H200.*): alone, h = 0.79-0.82 and h_pair = 1.26-1.28 (128-wide
+results/paired_tile_probe{,_layouts}_H200*): alone, h = 0.79-0.82 and h_pair = 1.26-1.28 (128-wide
 pairs on a 4-deep ring), so a pair would save 0.31-0.35 tiles; in the real loops pairing moved the
-product by -1.4% to +2.8% against the same per-item scopes, which themselves cost 0.7-6.3%. Not built.
+product by -2.9% to +3.7% against the same per-item scopes, which themselves cost 0.7-6.8%. Not built.
 
 GPU:  python experiments/probe_paired_tile.py [--parts tiles,layouts] [--out-dir DIR]
 CPU:  tests/test_experiments.py interprets every mode and the mixed loop against their references.
@@ -176,14 +177,15 @@ def problem(row_blocks: int, k: int, n: int, experts: int, seed=0):
 # The pairs in a real layout: one loop of full items and paired items, in expert_band_order.
 # ------------------------------------------------------------------------------------------------
 def mixed_items(row_block_expert, row_block_rows, expert_block_offsets, n: int, *, tile_n: int, width: int,
-                pair_n: int, paired: bool) -> np.ndarray:
+                pair_n: int, paired: bool, inactive: bool = False) -> np.ndarray:
   """[items, 4] int32 rows (kind, block_a, block_b, first column / COL_UNIT) walking expert_band_order's tiles.
 
   Kind 0 runs one row block's [128, tile_n] tile (a light block's consumer 1 idles, as today); kind 1
   a pair of light blocks (real rows 1-64) a and b over pair_n columns, consumer 0 on a's rows and
   weights, consumer 1 on b's. With `paired`, consecutive light blocks pair up (neighbouring experts
   in the layout) and a pair's items take block a's place in the order, b's tiles dropping out; an
-  odd light block left over runs as today. Inactive blocks are left out in both forms."""
+  odd light block left over runs as today. Inactive blocks are left out, or with `inactive` kept where
+  the order puts them (last), as the library's loop runs them: zero K steps, nothing stored."""
   rows = np.asarray(row_block_rows)
   n_iters = n // tile_n
   order = np.asarray(mosaic.expert_band_order(jnp.asarray(row_block_expert), jnp.asarray(expert_block_offsets),
@@ -196,7 +198,7 @@ def mixed_items(row_block_expert, row_block_rows, expert_block_offsets, n: int, 
   items = []
   for code in order:
     m, col = divmod(int(code), n_iters)
-    if rows[m] == 0 or partner.get(m) == -1:
+    if (rows[m] == 0 and not inactive) or partner.get(m) == -1:
       continue
     if m in partner:
       items += [(1, m, partner[m], (col * tile_n + j) // COL_UNIT) for j in range(0, tile_n, pair_n)]
@@ -404,14 +406,19 @@ def layouts_part(names: list[str], rounds: int, timer, shapes=SHAPES) -> dict:
       w = (jax.random.normal(keys[1], (routings[layout].E, k, n)) / k ** 0.5).astype(jnp.bfloat16)
       want = layout_reference(lhs, w, rbe, rbr)
       cfg = fitted(mosaic.DEFAULT_CONFIGS.gmm, "full", k, n)
-      items = {p: jnp.asarray(mixed_items(rbe, rbr, ebo, n, tile_n=cfg.tile_n, width=cfg.grid_tile_width,
-                                          pair_n=cfg.tile_n // 2, paired=p)) for p in (False, True)}
+      mixed = functools.partial(mixed_items, rbe, rbr, ebo, n, tile_n=cfg.tile_n, width=cfg.grid_tile_width,
+                                pair_n=cfg.tile_n // 2)
+      items = {p: jnp.asarray(mixed(paired=p)) for p in (False, True)}
       library = jax.jit(lambda lhs, w, topo: mosaic.gmm(lhs, w, topo, False, jnp.bfloat16))
+      loop = functools.partial(mixed_gmm, row_block_expert=rbe, row_block_rows=rbr, lhs=lhs, w=w, cfg=cfg,
+                               pair_n=cfg.tile_n // 2)
       calls = {"library_gmm": functools.partial(library, lhs, w, topo),
-               "unpaired_hoisted": functools.partial(mixed_gmm, items[False], rbe, rbr, lhs, w, cfg=cfg,
-                                                     pair_n=cfg.tile_n // 2, hoist=True),
-               "unpaired": functools.partial(mixed_gmm, items[False], rbe, rbr, lhs, w, cfg=cfg, pair_n=cfg.tile_n // 2),
-               "paired": functools.partial(mixed_gmm, items[True], rbe, rbr, lhs, w, cfg=cfg, pair_n=cfg.tile_n // 2)}
+               # today's loop as the library runs it, less the split tail: inactive blocks' zero-step items kept
+               "unpaired_hoisted_inactive": functools.partial(loop, jnp.asarray(mixed(paired=False, inactive=True)),
+                                                              hoist=True),
+               "unpaired_hoisted": functools.partial(loop, items[False], hoist=True),
+               "unpaired": functools.partial(loop, items[False]),
+               "paired": functools.partial(loop, items[True])}
       key = f"{layout} {shape}"
       res = {"active_blocks": int((rows_np > 0).sum()), "light_blocks": light,
              "items": {p: int(v.shape[0]) for p, v in (("unpaired", items[False]), ("paired", items[True]))},
@@ -423,7 +430,7 @@ def layouts_part(names: list[str], rounds: int, timer, shapes=SHAPES) -> dict:
       out[key] = res
       print(f"{key}: {res['active_blocks']} active blocks, {light} light; items {res['items']}", flush=True)
       for name, m in med.items():
-        print(f"{key} {name:17s} {m:.4f} ms ({m / med['unpaired_hoisted']:.3f} of unpaired_hoisted; rounds "
+        print(f"{key} {name:25s} {m:.4f} ms ({m / med['unpaired_hoisted']:.3f} of unpaired_hoisted; rounds "
               + " ".join(f"{x:.4f}" for x in res["ms"][name]) + ")", flush=True)
   return out
 
