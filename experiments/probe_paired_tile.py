@@ -262,7 +262,7 @@ def mixed_gmm(items, row_block_expert, row_block_rows, lhs, w, *, cfg: mosaic.Co
         return context
 
       def single(i, allocs):
-        m, col = items_gmem[4 * i + 1], items_gmem[4 * i + 3] * COL_UNIT
+        m, col = items_gmem[i, 1], items_gmem[i, 3] * COL_UNIT
         num_real = rbr_gmem[m]
         steps = jnp.where(num_real > 0, k_iters, 0)
         has_rows = (num_real > wg_idx * HALF) & (steps > 0)
@@ -281,7 +281,7 @@ def mixed_gmm(items, row_block_expert, row_block_rows, lhs, w, *, cfg: mosaic.Co
         mosaic._producer_waits_for_tile(wg_idx, steps, tile_done)
 
       def pair(i, allocs):
-        a, b, col = items_gmem[4 * i + 1], items_gmem[4 * i + 2], items_gmem[4 * i + 3] * COL_UNIT
+        a, b, col = items_gmem[i, 1], items_gmem[i, 2], items_gmem[i, 3] * COL_UNIT
         mine = jnp.where(wg_idx == 1, b, a)
         steps = jnp.int32(k_iters)
         n_slice = pl.ds(col, pair_n)
@@ -312,14 +312,13 @@ def mixed_gmm(items, row_block_expert, row_block_rows, lhs, w, *, cfg: mosaic.Co
         def _(info):
           i = info.index[0]
           for kind, run, allocs in ((0, single, single_allocs), (1, pair, pair_allocs)):
-            @pl.when(items_gmem[4 * i + 0] == kind)
+            @pl.when(items_gmem[i, 0] == kind)
             def _(run=run, allocs=allocs):
               pl.run_scoped(lambda scoped: run(i, scoped), allocs, collective_axes="wg")
 
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stores read out_smem
 
-  # Flat: a scalar load from a 2-D array in global memory fails Mosaic GPU's layout inference.
-  return mosaic._launch(body, jax.ShapeDtypeStruct((rows, n), dt), items.reshape(-1), row_block_expert, row_block_rows,
+  return mosaic._launch(body, jax.ShapeDtypeStruct((rows, n), dt), items, row_block_expert, row_block_rows,
                         lhs, w, name="paired_probe_mixed" + ("_hoisted" if hoist else ""))
 
 
