@@ -296,6 +296,24 @@ def test_copy_bandwidth_warms_up_then_times_windows_of_calls():
   assert bench_decode.copy_bandwidth(20, 3.0, windows=4, calls=5, clock=lambda: float(next(ticks))) == pytest.approx(40 / 0.2)
 
 
+def test_decode_report_states_each_target_only_where_the_issue_sets_it():
+  """The MoE / dense line carries the issue's 0.67x target for xs at batch 1 only (the H200 report printed it beside
+  small's and batch 32's ratios too); medium-moe at batch 1 gets its bound line, int8 its speed-up."""
+  import bench_decode
+  row = lambda p, v, b, tps, ms: {"preset": p, "variant": v, "batch": b, "tokens_per_s": tps, "step_ms": ms,
+                                  "x_bound": 3.0, "bytes_all_experts": 100 if v == "bf16" else 50}
+  rows = [row(p, v, b, tps, 1.0) for b in (1, 32) for p, v, tps in
+          (("xs-dense", "bf16", 10.0), ("xs-moe", "bf16", 8.0), ("small-dense", "bf16", 10.0), ("small-moe", "bf16", 6.0))]
+  rows += [row("medium-moe", "bf16", 1, 1.0, 1.0), row("xs-moe", "int8", 1, 9.0, 0.8)]
+  lines = bench_decode.targets(rows)
+  assert "- xs MoE / dense tokens/s at batch 1: 0.80 (target >= 0.67)." in lines
+  assert "- xs MoE / dense tokens/s at batch 32: 0.80." in lines
+  assert "- small MoE / dense tokens/s at batch 1: 0.60." in lines
+  assert sum("target" in line for line in lines) == 2  # xs at batch 1 and medium-moe's bound
+  assert "- medium MoE (bf16) at batch 1: 3.00x the memory bound (target <= 2x)." in lines
+  assert any(line.startswith("- xs MoE int8 / float at batch 1: expert bytes 0.50x") for line in lines)
+
+
 def test_source_fingerprint_tells_two_trees_apart(tmp_path):
   """The fingerprint in the benchmarks' headers: the same for a copy of the package, different once
   one byte of one file differs, and of the sparsejax that Python imported by default."""
