@@ -128,6 +128,10 @@ def test_quantize_experts_on_a_params_dict():
     quantize_experts(q)
   with pytest.raises(TypeError, match="pure params dict"):
     quantize_experts([1, 2])
+  # No MoE layer (a dense model, or the wrong subtree): an error, not the params back unquantized.
+  for no_moe in ({"embed": jnp.ones((8, 4))}, {"w_in": jnp.ones((3,))}, params["blocks"][0]["attn"]):
+    with pytest.raises(ValueError, match="no MoE layer"):
+      quantize_experts(no_moe)
 
 
 def test_bad_inputs_fail_with_clear_errors():

@@ -43,12 +43,15 @@ def quantize_experts(params: dict) -> dict:
     raise TypeError(f"quantize_experts takes a pure params dict (nnx.to_pure_dict(nnx.state(model))); "
                     f"got {type(params).__name__}. For a model, use quantize_model.")
 
+  found = []
+
   def walk(d):
     if not isinstance(d, dict):
       return d
     if _is_moe_params(d):
       if "w_in_scale" in d:
         raise ValueError("these params are already quantized (w_in_scale is present).")
+      found.append(d)
       out = dict(d)
       for name in EXPERT_WEIGHTS:
         if d.get(name) is not None:
@@ -56,7 +59,12 @@ def quantize_experts(params: dict) -> dict:
       return out
     return {k: walk(v) for k, v in d.items()}
 
-  return walk(params)
+  out = walk(params)
+  # A dense model's params, or the wrong subtree, would otherwise come back unquantized without a word.
+  if not found:
+    raise ValueError("the params hold no MoE layer (a dict with a router and an [E, d, f] w_in): there are no "
+                     "expert weights to quantize.")
+  return out
 
 
 def _moe_modules(model: nnx.Module):
