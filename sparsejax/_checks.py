@@ -13,6 +13,13 @@ def check_rank(name: str, x, rank: int, layout: str) -> None:
     raise ValueError(f"{name} must have rank {rank} ({layout}); got shape {jnp.shape(x)}.")
 
 
+def check_tokens(name: str, x) -> None:
+  """x [tokens, ...] holds at least one token: with none, a layer's placement fails deep inside and a mean over
+  tokens is NaN."""
+  if jnp.shape(x)[0] == 0:
+    raise ValueError(f"{name} has no tokens (shape {jnp.shape(x)}); pass at least one.")
+
+
 def check_floating(name: str, x) -> None:
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
     raise TypeError(f"{name} must be a floating-point array; got dtype {jnp.result_type(x)}.")

@@ -20,6 +20,7 @@ def load_balancing_loss(
   its gradient flows through P only (f is a count).
   """
   _checks.check_rank("router_probs", router_probs, 2, "[tokens, experts]")
+  _checks.check_tokens("router_probs", router_probs)
   if jnp.ndim(expert_ids) == 1:
     expert_ids = expert_ids[:, None]
   _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
@@ -39,6 +40,7 @@ def load_balancing_loss(
 def router_z_loss(logits: Float[Array, "tokens experts"]) -> Float[Array, ""]:
   """ST-MoE's z-loss: mean over tokens of logsumexp(logits)^2, computed in float32."""
   _checks.check_rank("logits", logits, 2, "[tokens, experts]")
+  _checks.check_tokens("logits", logits)
   _checks.check_floating("logits", logits)
   z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
   return jnp.mean(z * z)

@@ -42,6 +42,7 @@ def capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: flo
 
 def _check_expert_weights(x, w_in, w_out, w_gate):
   _checks.check_rank("x", x, 2, "[tokens, d_model]")
+  _checks.check_tokens("x", x)
   _checks.check_floating("x", x)
   _checks.check_rank("w_in", w_in, 3, "[experts, d_model, d_ff]")
   _checks.check_rank("w_out", w_out, 3, "[experts, d_ff, d_model]")

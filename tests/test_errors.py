@@ -57,6 +57,11 @@ MOE_BAD = [
     ("cf_zero", dict(capacity_factor=0.0), ValueError, r"capacity_factor must be > 0"),
     ("cf_negative", dict(capacity_factor=-1.0), ValueError, r"capacity_factor must be > 0"),
     ("cf_not_number", dict(capacity_factor="1.0"), TypeError, r"capacity_factor must be a Python number"),
+    ("no_tokens", dict(x=jnp.ones((0, D), f32), expert_ids=jnp.zeros((0, K), jnp.int32),
+                       combine_weights=jnp.ones((0, K), f32)), ValueError, r"x has no tokens \(shape \(0, 8\)\)"),
+    ("no_tokens_capacity", dict(x=jnp.ones((0, D), f32), expert_ids=jnp.zeros((0, K), jnp.int32),
+                                combine_weights=jnp.ones((0, K), f32), capacity_factor=1.0), ValueError,
+     r"x has no tokens"),
     ("bad_impl", dict(impl="cuda"), ValueError, r"impl must be one of"),
     ("bad_impl_capacity", dict(impl="cuda", capacity_factor=1.0), ValueError, r"impl must be one of"),
 ]
@@ -135,6 +140,13 @@ ROUTING_BAD = [
     ("lb_float_ids", lambda: sj.load_balancing_loss(jnp.ones((T, E)) / E, jnp.zeros((T, 1))), TypeError,
      r"expert_ids must be an integer array"),
     ("z_rank", lambda: sj.router_z_loss(jnp.ones((E,))), ValueError, r"logits must have rank 2"),
+    # A mean over no tokens is NaN: an empty batch is refused, not turned into a NaN loss.
+    ("lb_no_tokens", lambda: sj.load_balancing_loss(jnp.ones((0, E)), jnp.zeros((0, 1), jnp.int32)), ValueError,
+     r"router_probs has no tokens"),
+    ("z_no_tokens", lambda: sj.router_z_loss(jnp.ones((0, E))), ValueError, r"logits has no tokens"),
+    ("ec_mlp_no_tokens", lambda: sj.expert_choice_mlp(
+        jnp.ones((0, D)), sj.expert_choice_routing(LOGITS, 1.0), jnp.ones((E, D, F)), jnp.ones((E, F, D))),
+     ValueError, r"x has no tokens"),
     ("ec_mlp_experts", lambda: sj.expert_choice_mlp(
         jnp.ones((T, D)), sj.expert_choice_routing(LOGITS, 1.0), jnp.ones((E + 1, D, F)), jnp.ones((E + 1, F, D))),
      ValueError, r"routing has 4 experts but w_in has 5"),
