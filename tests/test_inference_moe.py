@@ -146,6 +146,8 @@ def test_bad_inputs_fail_with_clear_errors():
     call(x=x[:, :8])
   with pytest.raises(ValueError, match=r"must both be \[tokens=4, k\]"):
     call(expert_ids=ids[:3], combine_weights=cw[:3])
+  with pytest.raises(ValueError, match=r"x has no tokens"):  # was "attempt to get argmax of an empty sequence"
+    call(x=x[:0], expert_ids=ids[:0], combine_weights=cw[:0])
   with pytest.raises(TypeError, match="expert_ids must be an integer"):
     call(expert_ids=ids.astype(jnp.float32))
   with pytest.raises(ValueError, match="w_out must be"):

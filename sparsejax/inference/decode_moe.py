@@ -40,6 +40,7 @@ PENDING_RESIDUAL = True
 
 def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
   _checks.check_rank("x", x, 2, "[tokens, d_model]")
+  _checks.check_tokens("x", x)
   _checks.check_floating("x", x)
   _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
   _checks.check_integer("expert_ids", expert_ids)
