@@ -137,7 +137,8 @@ def moe_mlp(
   capacity_factor=None is dropless: every assignment is computed, the expert rows sorted (and, for
   the Pallas kernels, padded to 128-row blocks) by expert. A float gives the Switch/GShard layer:
   C = ceil(capacity_factor * T * k / E) rows per expert, later assignments (token order) dropped
-  and counted. Expert ids of -1 (routing.NO_EXPERT) contribute nothing and are not counted as dropped.
+  and counted. Expert ids of -1 (routing.NO_EXPERT), or anywhere outside [0, E), contribute nothing and
+  are not counted as dropped (ids are traced values, so an out-of-range one cannot be refused at trace time).
   combine_weights may be float32 with bf16 x: the combine is done in float32 either way.
   precision: see `expert_ffn` (None: full float32 precision for float32 inputs on every backend).
   """

@@ -302,6 +302,28 @@ def test_no_expert_slots_are_ignored(impl, cf):
   np.testing.assert_allclose(float(stats.dropped_fraction), dropped / valid.size, rtol=1e-6)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cf", [None, 0.3])
+def test_ids_outside_the_experts_are_no_expert_slots(impl, cf):
+  """An id outside [0, E) (E, E + 10, -5; routing's own NO_EXPERT is -1) is a slot with no expert: the same
+  output and stats as NO_EXPERT there, on every backend and in the capacity layer (the moe_mlp docstring)."""
+  T, E, k, d, f = 12, 4, 2, 8, 8
+  rng = np.random.default_rng(seed_of("outside", impl, cf))
+  x = jnp.asarray(rand(rng, (T, d)))
+  w_in, w_out = jnp.asarray(rand(rng, (E, d, f))), jnp.asarray(rand(rng, (E, f, d)))
+  ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int32)
+  w = jnp.asarray(rng.uniform(0.1, 1.0, (T, k)).astype(np.float32))
+  outside = ids.copy()
+  outside[0::3, 1], outside[1::3, 1], outside[2::3, 1] = E, E + 10, -5
+  none = ids.copy()
+  none[:, 1] = sj.NO_EXPERT
+  run = jax.jit(lambda i: sj.moe_mlp(x, i, w, w_in, w_out, capacity_factor=cf, impl=impl))
+  (y, stats), (y_none, stats_none) = run(jnp.asarray(outside)), run(jnp.asarray(none))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_none))
+  np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), np.asarray(stats_none.tokens_per_expert))
+  assert int(stats.num_dropped) == int(stats_none.num_dropped)
+
+
 # ---------------------------------------------------------------- jit, grad, vmap
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("cf", [None, 1.0])
