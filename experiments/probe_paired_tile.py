@@ -58,6 +58,7 @@ from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
 
+from peers import common  # noqa: E402
 from sparsejax.kernels.gmm import mosaic  # noqa: E402
 
 BLOCK, HALF = 128, 64
@@ -333,11 +334,7 @@ def layout_error(got, want, row_block_rows) -> float:
   """rel_err over the active blocks (the kernels leave inactive ones unwritten)."""
   active = np.flatnonzero(np.asarray(row_block_rows) > 0)
   got = got.reshape(want.shape)[active]
-  return rel_err(got, want[active])
-
-
-def rel_err(got, want) -> float:
-  return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+  return common.rel_err(got, want[active])
 
 
 def timed(calls: dict, rounds: int, timer) -> dict[str, list[float]]:
@@ -365,7 +362,8 @@ def tiles_part(rounds: int, timer) -> dict:
     for name, mode, changes in VARIANTS:
       cfg = fitted(dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm, **changes), mode, k, n)
       calls[name] = functools.partial(tile_gmm, lhs, w, he, mode=mode, cfg=cfg)
-      err = checked(f"{shape} {name}", rel_err(jax.block_until_ready(calls[name]()), reference(lhs, w, he, mode)),
+      got = jax.block_until_ready(calls[name]())
+      err = checked(f"{shape} {name}", common.rel_err(got, reference(lhs, w, he, mode)),
                     f"tile_n {cfg.tile_n} tile_k {cfg.tile_k} ring {cfg.max_concurrent_steps}, ")
       res["variants"][name] = dict(mode=mode, config=dataclasses.asdict(cfg), rel_err=err)
     ms = timed(calls, rounds, timer)
@@ -388,7 +386,7 @@ def layouts_part(names: list[str], rounds: int, timer, shapes=SHAPES) -> dict:
   """On bench_moe_layer's routings: the library's gmm, the mixed loop unpaired (its scope entered once
   for the loop, or per item) and paired, each against the float32 reference on the active blocks."""
   import bench_moe_layer
-  from peers import common, sparsejax_variants
+  from peers import sparsejax_variants
 
   routings = {s.name: s for s in bench_moe_layer.SHAPES + bench_moe_layer.SMOKE_SHAPES}
   out = {}
@@ -447,7 +445,6 @@ def main(argv=None):
   if jax.default_backend() != "gpu":
     raise SystemExit("probe_paired_tile times compiled Mosaic GPU kernels: run it on an sm_90 GPU "
                      "(tests/test_experiments.py interprets it on the CPU)")
-  from peers import common
   from provenance import source_fingerprint
 
   timer = common.Timer(min_repeat_s=0.1, repeats=7)  # 0.7 s a sample: the card reaches its power cap
