@@ -43,8 +43,8 @@ EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
 LAYER_RUN = 24  # kernels of --trace's run from the middle of a step: more than one medium-MoE layer's
 
 
-def log(*a):
-  print(*a, flush=True)
+def log(*a, **kw):
+  print(*a, flush=True, **kw)
 
 
 def copy_bandwidth(nbytes: int, warmup_s: float = 1.0, windows: int = 10, calls: int = 10,

@@ -286,6 +286,17 @@ def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypa
   assert res["copy_GBps"] > 0
 
 
+def test_bench_decode_prints_a_traced_rows_kernels_one_line_each(capsys):
+  """--trace's kernel table is printed under its row, one line per part (bench_decode's log once refused print's
+  sep and lost every row after the first traced one)."""
+  import bench_decode
+  k = dict(busy_union_ms=0.5, kernels=[("skinny_matmul", 0.25, 4.0)], run=[("skinny_matmul", 1.5, 20.0)])
+  bench_decode.log(*bench_decode.kernel_lines(k), sep="\n")
+  out = capsys.readouterr().out.splitlines()
+  assert out == ["  kernels: union busy 0.500 ms / step; skinny_matmul 0.250 ms x4",
+                 "  a run of the last step's kernels (idle us before, us): skinny_matmul 1.5 20.0"]
+
+
 def test_copy_bandwidth_warms_up_then_times_windows_of_calls():
   """The copy bandwidth is timed after its warm-up, in windows of back-to-back calls synced once each (timed one
   synced call at a time, the host's dispatch and sync read as 14% less bandwidth on an H100)."""
