@@ -41,11 +41,25 @@ from out_dir import copy_to_out  # noqa: E402
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
 
 
-def configs(m: int, k: int, n: int, k_steps: bool = False) -> list[triton.Config]:
+def configs(m: int, k: int, n: int, k_steps: bool = False, forms: bool = False, int8: bool = False) -> list[triton.Config]:
   """One row: both forms over 64-256 columns and 128-512 K rows. More rows take the dot form only (the
   multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows. Each program reads its rows
-  128 at a time (block_k); k_steps (one row): 64-128 columns, 128-1024 rows read in steps of 128-512."""
+  128 at a time (block_k); k_steps (one row): 64-128 columns, 128-1024 rows read in steps of 128-512.
+  forms: the tiles default_config picks at these sizes, and the 128-column tiles of 512-2048 rows, each read
+  128 or 256 K rows at a time through a 3- or 4-deep pipeline (each int8 form twice: see sweep)."""
   out = []
+  if forms:
+    tiles = {(c.block_n, c.rows_per_program, c.use_dot) for c in (
+        [triton.default_config(m, k, n, slots) for slots in (1, 22)]
+        + [triton.Config(block_n=128, block_k=128, rows_per_program=r, use_dot=True) for r in (512, 1024, 2048)])
+        if c is not None and k % c.rows_per_program == 0 and n % c.block_n == 0}
+    for block_n, rows, use_dot in sorted(tiles):
+      for block_k in (128, 256):
+        for stages in (3, 4):
+          if rows % block_k == 0:
+            out.append(triton.Config(block_n=block_n, block_k=block_k, rows_per_program=rows, use_dot=use_dot,
+                                     num_stages=stages))
+    return out
   if k_steps:
     for use_dot in (False, True):
       for block_n in (64, 128):
@@ -96,8 +110,17 @@ def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
   return tuple(jax.random.normal(jax.random.key(10 + i), (slots, k, n), jnp.bfloat16) for i in range(chain))
 
 
+def _with_magic(on: bool, fn):
+  """fn() traced with skinny_matmul's INT8_MAGIC switch set to `on` (a key of its shared lowering)."""
+  saved, triton.INT8_MAGIC = triton.INT8_MAGIC, on
+  try:
+    return fn()
+  finally:
+    triton.INT8_MAGIC = saved
+
+
 def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False, slots: int = 1,
-          k_steps: bool = False) -> list[dict]:
+          k_steps: bool = False, forms: bool = False) -> list[dict]:
   """Each call: x [m, k] through `slots` experts of [k, n] (one kernel, as decode_moe runs a step's distinct
   experts), chained over `chain` distinct weights."""
   interpret = jax.default_backend() != "gpu"
@@ -111,12 +134,15 @@ def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False,
     want = np.asarray(exact(x, ws))
     variants = {"xla_dot": lambda x, w: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
                                                    preferred_element_type=jnp.float32)}
-    for cfg in configs(m, k, n, k_steps)[:limit]:
-      name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
-              + (f"_bk{cfg.block_k}" if k_steps else "") + f"_w{cfg.num_warps}" + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else ""))
-      variants[name] = (lambda cfg: lambda x, w: triton.skinny_matmul_parts(
-          (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
-          interpret=interpret).sum(axis=1)[:, :m])(cfg)
+    # forms with int8 weights: each config with the cast (INT8_MAGIC off) and with the float bits (on).
+    for cfg in configs(m, k, n, k_steps, forms, int8)[:limit]:
+      for magic in ((False, True) if forms and int8 else (triton.INT8_MAGIC,)):
+        name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
+                + (f"_bk{cfg.block_k}" if k_steps or forms else "") + f"_w{cfg.num_warps}"
+                + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else "") + ("_magic" if forms and magic else ""))
+        variants[name] = (lambda cfg, magic: lambda x, w: _with_magic(magic, lambda: triton.skinny_matmul_parts(
+            (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
+            interpret=interpret).sum(axis=1)[:, :m]))(cfg, magic)
     for name, f in variants.items():
       g = jax.jit(lambda x, ws, f=f: jnp.stack([f(x, w) for w in ws]))
       row = dict(m=m, k=k, n=n, slots=slots, weight="int8" if int8 else "bf16", variant=name)
@@ -145,6 +171,8 @@ def main(argv=None):
   ap.add_argument("--chain", type=int, default=48, help="calls chained over distinct weights")
   ap.add_argument("--k-steps", action="store_true",
                   help="one row: sweep the K rows a program reads at a time (block_k) too")
+  ap.add_argument("--forms", action="store_true",
+                  help="the default and 128-column tiles, 128 or 256 K rows a step, 3 or 4 stages; int8 by cast and by float bits")
   ap.add_argument("--shapes", default=None, help="comma-separated KxN (default: a medium decode step's)")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
@@ -158,11 +186,11 @@ def main(argv=None):
     ap.error(f"--shapes takes comma-separated KxN pairs, e.g. 1024x4096; got {args.shapes!r}")
   if args.smoke:
     return sweep([(256, 128)], chain=2, limit=2, m=args.rows, int8=args.int8, slots=args.slots,
-                 k_steps=args.k_steps)
+                 k_steps=args.k_steps, forms=args.forms)
   rows = sweep(shapes, chain=args.chain, limit=None, m=args.rows, int8=args.int8, slots=args.slots,
-               k_steps=args.k_steps)
+               k_steps=args.k_steps, forms=args.forms)
   suffix = (f"_m{args.rows}" if args.rows > 1 else "") + (f"_s{args.slots}" if args.slots > 1 else "") + (
-      "_int8" if args.int8 else "") + ("_ksteps" if args.k_steps else "")
+      "_int8" if args.int8 else "") + ("_ksteps" if args.k_steps else "") + ("_forms" if args.forms else "")
   name = f"skinny_matmul_sweep_{jax.devices()[0].device_kind.replace(' ', '_')}{suffix}.json"
   path = os.path.join(args.out_dir, name)
   with open(path, "w") as f:

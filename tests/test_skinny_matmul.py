@@ -87,6 +87,30 @@ def test_int8_weights_with_scales(m, dtype):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_int8_float_bits_are_exact_and_the_kernels_agree_with_the_cast(dtype, monkeypatch, row_form_at_any_size):
+  """weights_as gives every int8 value exactly in either dtype, so the kernels' products by float bits equal those
+  by a cast to float32 rounding (the dot form, the one-row form, and the one-kernel row FFN)."""
+  from sparsejax.kernels.skinny_matmul import skinny_ffn, triton
+  v = jnp.arange(-128, 128, dtype=jnp.int32).astype(jnp.int8)
+  got = triton.weights_as(v, dtype)
+  assert got.dtype == dtype and np.array_equal(np.asarray(got, np.float32), np.arange(-128, 128))
+  seed = seed_of("int8 bits", str(dtype))
+  q, s = quantize_weight(_draw(seed + 1, (3, 256, 384), jnp.float32))
+  q2, s2 = quantize_weight(_draw(seed + 2, (3, 384, 256), jnp.float32))
+  experts = jnp.asarray([2, 0], jnp.int32)
+  assert _form(1, 256, 384, w_dtype=jnp.int8) == "row"
+  outs = []
+  for magic in (True, False):
+    monkeypatch.setattr(triton, "INT8_MAGIC", magic)
+    outs.append([np.asarray(skinny_matmul(_draw(seed, (m, 256), dtype), q, experts=experts, scale=s, impl="triton"))
+                 for m in (1, 4)]
+                + [np.asarray(skinny_ffn(_draw(seed, (1, 256), dtype), q, q2, experts=experts[:1], w_in_scale=s,
+                                         w_out_scale=s2, activation=jax.nn.gelu, impl="triton"))])
+  for a, b in zip(*outs):  # float32 rounding: XLA may order a sum differently around either conversion
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
 def test_dense_weight_and_mixed_dtypes():
   """w [k, n] with no experts; float32 weights under bf16 rows are cast where loaded, as w.astype(bf16)."""
   x = _draw(7, (1, 384), jnp.bfloat16)

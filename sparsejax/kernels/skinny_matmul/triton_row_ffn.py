@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
-from sparsejax.kernels.skinny_matmul.triton import Normed
+from sparsejax.kernels.skinny_matmul.triton import Normed, weights_as
 
 # Bytes of a W_in row a program reads. bf16: 64 (two 32-byte sectors, 32 columns) measured best; 32-byte rows
 # (16 columns) ran 13% slower on an H100, and wider slabs leave fewer programs than SMs at medium's f.
@@ -111,6 +111,8 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   cols = pl.ds(pl.multiple_of(j * c, c), c)
   f32 = lambda v: v.astype(jnp.float32)
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
+  # Weights enter as x's dtype: int8 exactly, so straight to float32 (weights_as: no conversion instructions).
+  wf = lambda w: weights_as(w, jnp.float32) if w.dtype == jnp.int8 else rnd(w)
   d = w_out_ref.shape[-1]
 
   def part(_):
@@ -126,7 +128,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
       xs, r = f32(x_ref[s, 0, :] if source.per_slot else x_ref[0, :]), None
 
     def first(w, scale_ref):
-      v = jnp.sum(xs[:, None] * rnd(w), axis=0)  # weights enter as x's dtype (int8 exactly)
+      v = jnp.sum(xs[:, None] * wf(w), axis=0)
       if r is not None:
         v = v * r
       if scale_ref is not None:
@@ -135,7 +137,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
 
     u = first(w1, s_in_ref)
     h = activation(first(wg, s_gate_ref)) * u if gated else activation(u)
-    return jnp.sum(rnd(h)[:, None] * rnd(w2), axis=0)
+    return jnp.sum(rnd(h)[:, None] * wf(w2), axis=0)
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
   out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
