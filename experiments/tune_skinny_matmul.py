@@ -110,13 +110,15 @@ def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
   return tuple(jax.random.normal(jax.random.key(10 + i), (slots, k, n), jnp.bfloat16) for i in range(chain))
 
 
-def _with_magic(on: bool, fn):
-  """fn() traced with skinny_matmul's INT8_MAGIC switch set to `on` (a key of its shared lowering)."""
-  saved, triton.INT8_MAGIC = triton.INT8_MAGIC, on
+def _with_float_bits(on: bool, fn):
+  """fn() traced with skinny_matmul's int8 conversion by float bits on at any row count, or off (the switches
+  are keys of its shared lowering)."""
+  saved = triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS
+  triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS = on, 0
   try:
     return fn()
   finally:
-    triton.INT8_MAGIC = saved
+    triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS = saved
 
 
 def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False, slots: int = 1,
@@ -134,15 +136,16 @@ def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False,
     want = np.asarray(exact(x, ws))
     variants = {"xla_dot": lambda x, w: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
                                                    preferred_element_type=jnp.float32)}
-    # forms with int8 weights: each config with the cast (INT8_MAGIC off) and with the float bits (on).
+    # forms with int8 weights: each config with the cast and with the float bits (_magic), at any row count.
     for cfg in configs(m, k, n, k_steps, forms, int8)[:limit]:
-      for magic in ((False, True) if forms and int8 else (triton.INT8_MAGIC,)):
+      for magic in ((False, True) if forms and int8 else (None,)):
         name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
                 + (f"_bk{cfg.block_k}" if k_steps or forms else "") + f"_w{cfg.num_warps}"
                 + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else "") + ("_magic" if forms and magic else ""))
-        variants[name] = (lambda cfg, magic: lambda x, w: _with_magic(magic, lambda: triton.skinny_matmul_parts(
-            (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
-            interpret=interpret).sum(axis=1)[:, :m]))(cfg, magic)
+        product = (lambda cfg: lambda x, w: triton.skinny_matmul_parts(
+            (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg, interpret=interpret).sum(axis=1)[:, :m])(cfg)
+        variants[name] = product if magic is None else (
+            lambda product, magic: lambda x, w: _with_float_bits(magic, lambda: product(x, w)))(product, magic)
     for name, f in variants.items():
       g = jax.jit(lambda x, ws, f=f: jnp.stack([f(x, w) for w in ws]))
       row = dict(m=m, k=k, n=n, slots=slots, weight="int8" if int8 else "bf16", variant=name)

@@ -102,7 +102,8 @@ def test_int8_float_bits_are_exact_and_the_kernels_agree_with_the_cast(dtype, mo
   assert _form(1, 256, 384, w_dtype=jnp.int8) == "row"
   outs = []
   for magic in (True, False):
-    monkeypatch.setattr(triton, "INT8_MAGIC", magic)
+    monkeypatch.setattr(triton, "INT8_FLOAT_BITS", magic)
+    monkeypatch.setattr(triton, "INT8_BITS_MIN_DOT_ROWS", 0)  # the dot form too, at 4 rows
     outs.append([np.asarray(skinny_matmul(_draw(seed, (m, 256), dtype), q, experts=experts, scale=s, impl="triton"))
                  for m in (1, 4)]
                 + [np.asarray(skinny_ffn(_draw(seed, (1, 256), dtype), q, q2, experts=experts[:1], w_in_scale=s,

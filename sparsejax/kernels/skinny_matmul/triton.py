@@ -41,17 +41,20 @@ class Config:
   num_stages: int = 3
 
 
-# int8 weights reach the product through float bits, not a cast (an A-B switch: shared_lowering keys on it).
-INT8_MAGIC = True
+# int8 weights reach the product through float bits, not a cast (A-B switches: shared_lowering keys on both).
+# The dot form does so from INT8_BITS_MIN_DOT_ROWS padded rows: at one row (16 padded) its default tiles ran
+# 6-15% slower by float bits (experiments/results/skinny_int8_forms_swap_H200_m1.log), at 32 rows 3% faster.
+INT8_FLOAT_BITS = True
+INT8_BITS_MIN_DOT_ROWS = 32
 _MAGIC_BITS = 0x4B000080  # float32 bits of 2^23 + 128: adding an int8 v gives the bits of 2^23 + 128 + v
 _MAGIC = 8388736.0  # 2^23 + 128
 
 
-def weights_as(ws, dtype):
+def weights_as(ws, dtype, float_bits: bool = True):
   """ws in dtype, exactly. int8 by float bits: v + bits(2^23 + 128) are the float32 bits of 2^23 + 128 + v, so a
   float32 subtract gives v, and bf16 takes its top 16 bits (v has at most 8 significant ones): integer and float
   adds where a cast runs conversions (int to float, float to bf16) that Hopper issues at a quarter of their rate."""
-  if not INT8_MAGIC or ws.dtype != jnp.int8:
+  if not (INT8_FLOAT_BITS and float_bits) or ws.dtype != jnp.int8:
     return ws.astype(dtype)
   f = jax.lax.bitcast_convert_type(ws.astype(jnp.int32) + _MAGIC_BITS, jnp.float32) - _MAGIC
   if dtype != jnp.bfloat16:
@@ -202,7 +205,8 @@ def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
     xs = source.slab(x_refs, s, expert, ks, rows)
     ws = w_ref[expert, ks, cols]
     if cfg.use_dot:
-      return acc + jax.lax.dot_general(xs, weights_as(ws, xs.dtype), (((1,), (0,)), ((), ())),
+      return acc + jax.lax.dot_general(xs, weights_as(ws, xs.dtype, rows >= INT8_BITS_MIN_DOT_ROWS),
+                                       (((1,), (0,)), ((), ())),
                                        precision=precision, preferred_element_type=jnp.float32)
     # One row: a multiply-reduce in float32 (no tensor-core tile to fill; exact for int8 weights).
     return acc + jnp.sum(xs.astype(jnp.float32)[:, :, None] * weights_as(ws, jnp.float32)[None], axis=1)
