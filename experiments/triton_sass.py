@@ -36,7 +36,28 @@ def _dataflow_ffn():
                            S((4, d, f), bf), S((4, f, d), bf), S((), jnp.int32), S(p.counters(d, f).shape, jnp.int32)])
 
 
-CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn}
+def _skinny_int8(float_bits: bool):
+  """skinny_matmul's dot form at medium-moe's batch 32: 32 rows through 22 int8 experts of W_in [1024, 4096], at
+  the tile default_config picks; int8 converted by float bits or by a cast (the A-B switch)."""
+  from sparsejax.kernels.skinny_matmul import triton as skinny
+  S, m, k, n, slots = jax.ShapeDtypeStruct, 32, 1024, 4096, 22
+  cfg = skinny.default_config(m, k, n, slots)
+
+  def product(x, w, ids):
+    saved = skinny.INT8_FLOAT_BITS
+    skinny.INT8_FLOAT_BITS = float_bits
+    try:
+      return _unjitted(skinny.skinny_matmul_parts)((x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
+                                                   interpret=False)
+    finally:
+      skinny.INT8_FLOAT_BITS = saved
+
+  return product, [S((m, k), jnp.bfloat16), S((slots, k, n), jnp.int8), S((slots,), jnp.int32)]
+
+
+CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn,
+         "skinny_int8_bits": functools.partial(_skinny_int8, True),
+         "skinny_int8_cast": functools.partial(_skinny_int8, False)}
 
 
 def _unjitted(fn):
@@ -71,8 +92,8 @@ _COMPILE = r'''
 import os, re, subprocess, sys
 import triton
 from triton.backends.compiler import GPUTarget
-path, warps = sys.argv[1], int(sys.argv[2])
-k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+path, warps, stages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 cubin = path + ".cubin"
 open(cubin, "wb").write(k.asm["cubin"])
 tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -81,7 +102,8 @@ print(" ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+)", res)))
 sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
 open(path + ".sass", "w").write(sass)
 lines = sass.splitlines()
-for key in ("LDG", "STRONG.SYS", "BAR.SYNC", "ATOMG", "CCTL.IVALL"):
+for key in ("LDG", "LDGSTS", "UTMALDG", "STRONG.SYS", "BAR.SYNC", "ATOMG", "CCTL.IVALL", "I2F", "F2F", "PRMT",
+            "STS", "LDS", "LDSM", "HMMA", "HGMMA"):
   print(f"{key}: {sum(key in l for l in lines)}")
 for i, l in enumerate(lines):
   if "ATOMG" in l and ", RZ, desc" in l:  # an atomic whose old value is dropped: a program counting itself in
@@ -95,6 +117,7 @@ def main(argv=None):
   ap.add_argument("case", choices=sorted(CASES))
   ap.add_argument("--out", required=True, help="directory for the .ttir (and, compiled, .cubin and .sass) files")
   ap.add_argument("--warps", type=int, default=8)
+  ap.add_argument("--stages", type=int, default=1, help="Triton's software pipeline depth (skinny_matmul runs 3)")
   ap.add_argument("--triton-python", help="a python whose environment has the triton wheel: compile and read SASS")
   args = ap.parse_args(argv)
   fn, shapes = CASES[args.case]()
@@ -107,7 +130,7 @@ def main(argv=None):
     print(f"{paths[-1]}: {len(text.splitlines())} lines of TTIR")
   if args.triton_python:
     for path in paths:
-      out = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(args.warps)], capture_output=True, text=True)
+      out = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(args.warps), str(args.stages)], capture_output=True, text=True)
       if out.returncode:
         sys.exit(f"compiling {path} failed: {out.stderr.strip().splitlines()[-1]}")
       print(out.stdout)

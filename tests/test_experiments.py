@@ -732,6 +732,18 @@ def test_one_grid_probes_put_a_cta_barrier_before_each_counting_atomic(case, tmp
   assert counting >= 1
 
 
+@pytest.mark.parametrize("case, conversion", [("skinny_int8_cast", "arith.sitofp"), ("skinny_int8_bits", "tt.bitcast")])
+def test_triton_sass_skinny_int8_cases_lower_the_library_loop_with_either_conversion(case, conversion, tmp_path):
+  """triton_sass's int8 cases: the library's 32-row dot loop lowered for CUDA, an int8 weight load feeding the dot,
+  converted by a cast or by float bits as the case says (and not the other way)."""
+  import triton_sass
+  (path,) = triton_sass.main([case, "--out", str(tmp_path)])
+  text = open(path).read()
+  assert "tt.dot" in text and "tensor<128x128x!tt.ptr<i8>>" in text
+  other = {"arith.sitofp": "tt.bitcast", "tt.bitcast": "arith.sitofp"}[conversion]
+  assert conversion in text and other not in text
+
+
 def test_probe_bench_check_times_decoders_compiled_before_and_after_the_check(capsys):
   """probe_bench_check: A is timed before and after bench_decode's check, B (and with --copy C) after it; each
   label has its rounds' times and the report prints the check's error."""
@@ -849,3 +861,41 @@ def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
     assert ("wgmma" in jaxpr) == flags["mma"], name
     text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
     assert "probe_megakernel_skeleton" in text, name
+
+
+def test_int8_weight_layout_probe_matches_the_product_in_every_form_and_lowers():
+  """probe_int8_weight_layout interpreted: each layout and conversion equals the float32 product (a k-major read of
+  an n-major weight does not), every variant of the timed run passes its check, the kernels lower for CUDA at the
+  probe's shapes, and the probe refuses a bad layout and a CPU timing run."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import probe_int8_weight_layout as probe
+
+  m, k, n = 20, 256, 256  # rows padded to 32 by the probe, as by the library
+  x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+  q = jax.random.randint(jax.random.key(1), (3, k, n), -127, 128, jnp.int32).astype(jnp.int8)
+  ids = jnp.array([2, 0], jnp.int32)
+  want = np.einsum("mk,skn->smn", np.asarray(x, np.float32), np.asarray(q, np.float32)[np.asarray(ids)])
+  fns = probe.variants(m, k, n, 2, interpret=True)
+  for name in ("int8_n_major_cast", "int8_n_major_bits", "int8_k_major_cast", "int8_k_major_bits"):
+    f, kind = fns[name]
+    got = np.asarray(f(x, jnp.swapaxes(q, 1, 2) if kind == "int8_k_major" else q, ids))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5, name
+  got = np.asarray(fns["int8_k_major_cast"][0](x, q, ids))  # the n-major weight read as k-major: its transpose
+  assert np.abs(got - want).max() / np.abs(want).max() > 0.5
+  rows = probe.run([(256, 256)], 32, 2, chain=1)
+  assert len(rows) == 7 and not [r for r in rows if "error" in r]
+  with pytest.raises(ValueError, match="layout"):
+    probe.product_parts(x, q, ids, layout="m_major", float_bits=False, cfg=probe.dot_config(m, k, n, 2))
+  with pytest.raises(SystemExit, match="GPU"):
+    probe.main([])
+  for pk, pn in probe.SHAPES:
+    cfg = probe.dot_config(32, pk, pn, 22)
+    for layout in probe.LAYOUTS:
+      w = jax.ShapeDtypeStruct((22, pn, pk) if layout == "k_major" else (22, pk, pn), jnp.int8)
+      text = jax.jit(lambda x, w, ids, layout=layout: probe.product_parts(
+          x, w, ids, layout=layout, float_bits=False, cfg=cfg)).trace(
+          jax.ShapeDtypeStruct((32, pk), jnp.bfloat16), w, jax.ShapeDtypeStruct((22,), jnp.int32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert "probe_int8_weight_layout" in text, layout
