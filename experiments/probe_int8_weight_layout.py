@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 
@@ -35,7 +34,7 @@ from jaxtyping import Array, Float, Int
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from sparsejax.kernels.skinny_matmul import triton as skinny  # noqa: E402
-from out_dir import copy_to_out  # noqa: E402
+from tune_skinny_matmul import device_us, parse_shapes, save  # noqa: E402
 
 SHAPES = [(1024, 4096), (4096, 1024)]  # medium's W_in [d, f] and W_out [f, d]
 LAYOUTS = ("n_major", "k_major")
@@ -125,7 +124,6 @@ def weight_sets(slots: int, k: int, n: int, chain: int) -> dict:
 
 def run(shapes, m: int, slots: int, chain: int) -> list[dict]:
   """Every variant checked (int8 ones against the float32 product of the same weights), then timed."""
-  from tune_skinny_matmul import device_us
   interpret = jax.default_backend() != "gpu"
   ids = jnp.arange(slots, dtype=jnp.int32)
   rows = []
@@ -164,21 +162,14 @@ def main(argv=None):
   args = ap.parse_args(argv)
   if not 1 <= args.rows <= 64:
     ap.error(f"--rows must be in [1, 64]; got {args.rows}")
-  try:
-    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-  except ValueError:
-    ap.error(f"--shapes takes comma-separated KxN pairs, e.g. 1024x4096; got {args.shapes!r}")
+  shapes = parse_shapes(ap, args.shapes, SHAPES)
   if args.smoke:
     return run([(256, 256)], args.rows, min(args.slots, 2), chain=1)
   if jax.default_backend() != "gpu":
     sys.exit("probe_int8_weight_layout times Pallas Triton kernels: run it on a GPU (or --smoke)")
   rows = run(shapes, args.rows, args.slots, args.chain)
-  kind = jax.devices()[0].device_kind.replace(" ", "_")
   suffix = (f"_m{args.rows}" if args.rows != 32 else "") + (f"_s{args.slots}" if args.slots != 22 else "")
-  path = os.path.join(args.out_dir, f"int8_weight_layout_{kind}{suffix}.json")
-  with open(path, "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
-  copy_to_out(path)
+  save(rows, args.out_dir, "int8_weight_layout", suffix)
   return rows
 
 

@@ -165,6 +165,24 @@ def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False,
   return rows
 
 
+def parse_shapes(ap: argparse.ArgumentParser, text: str | None, default: list) -> list[tuple[int, int]]:
+  """--shapes' comma-separated KxN pairs (default when not given); a malformed one is the parser's error."""
+  try:
+    return default if text is None else [tuple(int(v) for v in s.split("x")) for s in text.split(",")]
+  except ValueError:
+    ap.error(f"--shapes takes comma-separated KxN pairs, e.g. 1024x4096; got {text!r}")
+
+
+def save(rows: list[dict], out_dir: str, stem: str, suffix: str) -> str:
+  """rows as <out_dir>/<stem>_<gpu><suffix>.json with the device and jax version (copied under $OUT when set)."""
+  kind = jax.devices()[0].device_kind
+  path = os.path.join(out_dir, f"{stem}_{kind.replace(' ', '_')}{suffix}.json")
+  with open(path, "w") as f:
+    json.dump(dict(device=kind, jax=jax.__version__, rows=rows), f, indent=1)
+  copy_to_out(path)
+  return path
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--smoke", action="store_true", help="one small shape, two configs (runs on a CPU)")
@@ -183,10 +201,7 @@ def main(argv=None):
     ap.error(f"--rows must be in [1, 64]; got {args.rows}")
   if args.k_steps and args.rows != 1:
     ap.error("--k-steps sweeps the one-row tiles: drop --rows")
-  try:
-    shapes = SHAPES if args.shapes is None else [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-  except ValueError:
-    ap.error(f"--shapes takes comma-separated KxN pairs, e.g. 1024x4096; got {args.shapes!r}")
+  shapes = parse_shapes(ap, args.shapes, SHAPES)
   if args.smoke:
     return sweep([(256, 128)], chain=2, limit=2, m=args.rows, int8=args.int8, slots=args.slots,
                  k_steps=args.k_steps, forms=args.forms)
@@ -194,11 +209,7 @@ def main(argv=None):
                k_steps=args.k_steps, forms=args.forms)
   suffix = (f"_m{args.rows}" if args.rows > 1 else "") + (f"_s{args.slots}" if args.slots > 1 else "") + (
       "_int8" if args.int8 else "") + ("_ksteps" if args.k_steps else "") + ("_forms" if args.forms else "")
-  name = f"skinny_matmul_sweep_{jax.devices()[0].device_kind.replace(' ', '_')}{suffix}.json"
-  path = os.path.join(args.out_dir, name)
-  with open(path, "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f, indent=1)
-  copy_to_out(path)
+  save(rows, args.out_dir, "skinny_matmul_sweep", suffix)
   return rows
 
 

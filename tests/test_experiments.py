@@ -228,6 +228,13 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
   with pytest.raises(SystemExit):
     tune_skinny_matmul.main(["--smoke", "--k-steps", "--rows", "5"])
+  # --forms: each int8 config by cast and by float bits (the switch set while it is traced, then restored).
+  rows = tune_skinny_matmul.main(["--smoke", "--rows", "32", "--int8", "--slots", "3", "--forms"])
+  assert [r["variant"] for r in rows] == ["xla_dot", "pallas_dot_n64_rows256_bk128_w4",
+                                          "pallas_dot_n64_rows256_bk128_w4_magic", "pallas_dot_n64_rows256_bk128_w4_s4",
+                                          "pallas_dot_n64_rows256_bk128_w4_s4_magic"]
+  assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
+  assert tune_skinny_matmul.triton.INT8_FLOAT_BITS and tune_skinny_matmul.triton.INT8_BITS_MIN_DOT_ROWS == 32
 
 
 @pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
