@@ -13,9 +13,9 @@ Here the library's dot loop is written both ways, with the int8 weight converted
 bf16 kernel and XLA's dot over contiguous experts, in one process with one timer (tune_skinny_matmul.device_us: the
 summed kernel time of a chain of calls over distinct weights, best of three traced calls).
 
-  python experiments/probe_int8_weight_layout.py                        # GPU: medium's W_in and W_out, 32 rows, 22 experts
-  python experiments/probe_int8_weight_layout.py --rows 1 --slots 1     # one row (the dot form; the library
-                                                                        # runs one row of K <= 2048 as a multiply-reduce)
+  python experiments/probe_int8_weight_layout.py                     # GPU: medium's W_in and W_out, 32 rows, 22 experts
+  python experiments/probe_int8_weight_layout.py --rows 1 --slots 1  # one row, in the dot form (the library runs
+                                                                     # one row of K <= 2048 as a multiply-reduce)
 Writes experiments/results/int8_weight_layout_<gpu>[_m<rows>][_s<slots>].json (and a copy under $OUT when set).
 """
 from __future__ import annotations
@@ -103,12 +103,13 @@ def variants(m: int, k: int, n: int, slots: int, interpret: bool) -> dict:
       out[f"int8_{layout}_{'bits' if bits else 'cast'}"] = (padded(functools.partial(
           product_parts, layout=layout, float_bits=bits, cfg=cfg, interpret=interpret)), f"int8_{layout}")
   library = skinny.default_config(m, k, n, slots)
-  out["int8_library"] = (lambda x, w, ids: skinny.skinny_matmul_parts(
-      (x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, library, interpret=interpret).sum(axis=1)[:, :m],
-      "int8_n_major")
-  out["bf16_library"] = (lambda x, w, ids: skinny.skinny_matmul_parts(
-      (x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, library, interpret=interpret).sum(axis=1)[:, :m],
-      "bf16")
+
+  def library_product(x, w, ids):  # the library's kernel as the decode step runs it, int8 or bf16 weights
+    return skinny.skinny_matmul_parts((x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, library,
+                                      interpret=interpret).sum(axis=1)[:, :m]
+
+  out["int8_library"] = (library_product, "int8_n_major")
+  out["bf16_library"] = (library_product, "bf16")
   out["int8_xla_dot"] = (lambda x, w, ids: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
                                                       preferred_element_type=jnp.float32), "int8_n_major")
   return out

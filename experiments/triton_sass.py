@@ -130,7 +130,8 @@ def main(argv=None):
     print(f"{paths[-1]}: {len(text.splitlines())} lines of TTIR")
   if args.triton_python:
     for path in paths:
-      out = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(args.warps), str(args.stages)], capture_output=True, text=True)
+      out = subprocess.run([args.triton_python, "-c", _COMPILE, path, str(args.warps), str(args.stages)],
+                           capture_output=True, text=True)
       if out.returncode:
         sys.exit(f"compiling {path} failed: {out.stderr.strip().splitlines()[-1]}")
       print(out.stdout)

@@ -41,7 +41,8 @@ from out_dir import copy_to_out  # noqa: E402
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
 
 
-def configs(m: int, k: int, n: int, k_steps: bool = False, forms: bool = False, int8: bool = False) -> list[triton.Config]:
+def configs(m: int, k: int, n: int, k_steps: bool = False, forms: bool = False,
+            int8: bool = False) -> list[triton.Config]:
   """One row: both forms over 64-256 columns and 128-512 K rows. More rows take the dot form only (the
   multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows. Each program reads its rows
   128 at a time (block_k); k_steps (one row): 64-128 columns, 128-1024 rows read in steps of 128-512.
@@ -193,7 +194,8 @@ def main(argv=None):
   ap.add_argument("--k-steps", action="store_true",
                   help="one row: sweep the K rows a program reads at a time (block_k) too")
   ap.add_argument("--forms", action="store_true",
-                  help="the default and 128-column tiles, 128 or 256 K rows a step, 3 or 4 stages; int8 by cast and by float bits")
+                  help="the default and 128-column tiles, 128 or 256 K rows a step, 3 or 4 stages; "
+                       "int8 by cast and by float bits")
   ap.add_argument("--shapes", default=None, help="comma-separated KxN (default: a medium decode step's)")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)

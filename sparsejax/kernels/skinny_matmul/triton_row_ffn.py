@@ -111,7 +111,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   cols = pl.ds(pl.multiple_of(j * c, c), c)
   f32 = lambda v: v.astype(jnp.float32)
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
-  # Weights enter as x's dtype: int8 exactly, so straight to float32 (weights_as: no conversion instructions).
+  # Weights enter as x's dtype: int8 exactly, so straight to float32, by float bits (weights_as).
   wf = lambda w: weights_as(w, jnp.float32) if w.dtype == jnp.int8 else rnd(w)
   d = w_out_ref.shape[-1]
 
