@@ -40,17 +40,13 @@ def _skinny_int8(float_bits: bool):
   """skinny_matmul's dot form at medium-moe's batch 32: 32 rows through 22 int8 experts of W_in [1024, 4096], at
   the tile default_config picks; int8 converted by float bits or by a cast (the A-B switch)."""
   from sparsejax.kernels.skinny_matmul import triton as skinny
+  from tune_skinny_matmul import with_float_bits
   S, m, k, n, slots = jax.ShapeDtypeStruct, 32, 1024, 4096, 22
   cfg = skinny.default_config(m, k, n, slots)
 
   def product(x, w, ids):
-    saved = skinny.INT8_FLOAT_BITS
-    skinny.INT8_FLOAT_BITS = float_bits
-    try:
-      return _unjitted(skinny.skinny_matmul_parts)((x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, cfg,
-                                                   interpret=False)
-    finally:
-      skinny.INT8_FLOAT_BITS = saved
+    return with_float_bits(float_bits, lambda: _unjitted(skinny.skinny_matmul_parts)(
+        (x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, cfg, interpret=False))
 
   return product, [S((m, k), jnp.bfloat16), S((slots, k, n), jnp.int8), S((slots,), jnp.int32)]
 

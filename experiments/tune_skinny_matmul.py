@@ -111,7 +111,7 @@ def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
   return tuple(jax.random.normal(jax.random.key(10 + i), (slots, k, n), jnp.bfloat16) for i in range(chain))
 
 
-def _with_float_bits(on: bool, fn):
+def with_float_bits(on: bool, fn):
   """fn() traced with skinny_matmul's int8 conversion by float bits on at any row count, or off (the switches
   are keys of its shared lowering)."""
   saved = triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS
@@ -146,7 +146,7 @@ def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False,
         product = (lambda cfg: lambda x, w: triton.skinny_matmul_parts(
             (x,), triton.Plain(per_slot=False), w, ids, m, x.dtype, cfg, interpret=interpret).sum(axis=1)[:, :m])(cfg)
         variants[name] = product if magic is None else (
-            lambda product, magic: lambda x, w: _with_float_bits(magic, lambda: product(x, w)))(product, magic)
+            lambda product, magic: lambda x, w: with_float_bits(magic, lambda: product(x, w)))(product, magic)
     for name, f in variants.items():
       g = jax.jit(lambda x, ws, f=f: jnp.stack([f(x, w) for w in ws]))
       row = dict(m=m, k=k, n=n, slots=slots, weight="int8" if int8 else "bf16", variant=name)
