@@ -1,12 +1,12 @@
 """What the int8 expert weights' memory layout costs skinny_matmul's loop: k-major against today's n-major.
 
-The library stores an int8 expert weight as it stores a float one, [E, k, n] (n contiguous, "n-major"). Read by
-skinny_matmul's dot form (32 rows, batch 32's experts), that product streams 1.7-1.9 TB/s on an H200 where bf16 streams
-3.2-3.5 (notes_decode.md, forty-third session). Triton 3.6's SASS of that loop (experiments/triton_sass.py
-skinny_int8_cast) shows why: at 32 rows Triton runs mma.sync, whose B operand wants pairs of consecutive k. In an
-n-major int8 tile those bytes sit in different rows of shared memory, so each thread reads them one byte at a time
-(128 LDS.U8 per 128 x 128 step), and the tile is copied in with 8-byte cp.async. Stored k-major ([E, n, k], k
-contiguous), the same tile is read with vector loads and copied with 16-byte cp.async.
+The library stored an int8 expert weight as it stores a float one, [E, k, n] (n contiguous, "n-major"), until this
+probe. Read by skinny_matmul's dot form (32 rows, batch 32's experts), that product streamed 1.7-1.9 TB/s on an H200
+where bf16 streams 3.2-3.5 (notes_decode.md, forty-third session). Triton 3.6's SASS of that loop
+(experiments/triton_sass.py int8_n_major) shows why: at 32 rows Triton runs mma.sync, whose B operand wants pairs
+of consecutive k. In an n-major int8 tile those bytes sit in different rows of shared memory, so each thread
+reads them one byte at a time (128 LDS.U8 per 128 x 128 step), and the tile is copied in with 8-byte cp.async.
+Stored k-major ([E, n, k], k contiguous), the same tile is read with vector loads and copied with 16-byte cp.async.
 
 Here the library's dot loop is written both ways, with the int8 weight converted by a cast or by float bits
 (skinny_matmul.triton.weights_as). Each variant is checked against a float32 product and timed with the library's
@@ -108,7 +108,7 @@ def variants(m: int, k: int, n: int, slots: int, interpret: bool) -> dict:
     return skinny.skinny_matmul_parts((x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, library,
                                       interpret=interpret).sum(axis=1)[:, :m]
 
-  out["int8_library"] = (library_product, "int8_n_major")
+  out["int8_library"] = (library_product, "int8_k_major")  # the library stores int8 k-major (reference.k_major)
   out["bf16_library"] = (library_product, "bf16")
   out["int8_xla_dot"] = (lambda x, w, ids: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
                                                       preferred_element_type=jnp.float32), "int8_n_major")

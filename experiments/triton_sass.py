@@ -36,24 +36,30 @@ def _dataflow_ffn():
                            S((4, d, f), bf), S((4, f, d), bf), S((), jnp.int32), S(p.counters(d, f).shape, jnp.int32)])
 
 
-def _skinny_int8(float_bits: bool):
-  """skinny_matmul's dot form at medium-moe's batch 32: 32 rows through 22 int8 experts of W_in [1024, 4096], at
-  the tile default_config picks; int8 converted by float bits or by a cast (the A-B switch)."""
+def _skinny_int8():
+  """skinny_matmul's dot form at medium-moe's batch 32: 32 rows through 22 int8 experts of W_in [1024, 4096], stored
+  k-major ([22, 4096, 1024]) as the library stores int8, at the tile default_config picks."""
   from sparsejax.kernels.skinny_matmul import triton as skinny
-  from tune_skinny_matmul import with_float_bits
   S, m, k, n, slots = jax.ShapeDtypeStruct, 32, 1024, 4096, 22
   cfg = skinny.default_config(m, k, n, slots)
+  product = functools.partial(_unjitted(skinny.skinny_matmul_parts), source=skinny.Plain(per_slot=False), m=m,
+                              dtype=jnp.bfloat16, cfg=cfg, interpret=False)
+  return (lambda x, w, ids: product((x,), w=w, experts=ids),
+          [S((m, k), jnp.bfloat16), S((slots, n, k), jnp.int8), S((slots,), jnp.int32)])
 
-  def product(x, w, ids):
-    return with_float_bits(float_bits, lambda: _unjitted(skinny.skinny_matmul_parts)(
-        (x,), skinny.Plain(per_slot=False), w, ids, m, x.dtype, cfg, interpret=False))
 
-  return product, [S((m, k), jnp.bfloat16), S((slots, k, n), jnp.int8), S((slots,), jnp.int32)]
+def _int8_n_major():
+  """The same loop with the int8 weight stored n-major ([22, 1024, 4096]) and cast, the library's layout before the
+  forty-third session (experiments/probe_int8_weight_layout.py's kernel)."""
+  import probe_int8_weight_layout as p
+  S, m, k, n, slots = jax.ShapeDtypeStruct, 32, 1024, 4096, 22
+  cfg = p.dot_config(m, k, n, slots)
+  return (lambda x, w, ids: p.product_parts(x, w, ids, layout="n_major", float_bits=False, cfg=cfg),
+          [S((m, k), jnp.bfloat16), S((slots, k, n), jnp.int8), S((slots,), jnp.int32)])
 
 
 CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn,
-         "skinny_int8_bits": functools.partial(_skinny_int8, True),
-         "skinny_int8_cast": functools.partial(_skinny_int8, False)}
+         "skinny_int8": _skinny_int8, "int8_n_major": _int8_n_major}
 
 
 def _unjitted(fn):

@@ -15,7 +15,8 @@ L2); --slots runs each product through that many experts in one kernel, as a dec
                                                       # one row, int8, the K rows a program reads at a time
   python experiments/tune_skinny_matmul.py --smoke    # any backend: one small shape, interpret mode
 
-int8 weights enter the kernel as stored and are cast where they are loaded, as in the decode step
+int8 weights enter the kernel as stored, k-major ([slots, n, k], as quantize_weight stores them), and are
+converted where they are loaded, as in the decode step
 (the per-column scale multiplies the result outside the kernel, so it is left out here). Writes
 experiments/results/skinny_matmul_sweep_<gpu>[_m<rows>][_s<slots>][_int8][_ksteps].json (and a copy under $OUT when set).
 """
@@ -47,7 +48,7 @@ def configs(m: int, k: int, n: int, k_steps: bool = False, forms: bool = False,
   multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows. Each program reads its rows
   128 at a time (block_k); k_steps (one row): 64-128 columns, 128-1024 rows read in steps of 128-512.
   forms: the tiles default_config picks at these sizes, and the 128-column tiles of 512-2048 rows, each read
-  128 or 256 K rows at a time through a 3- or 4-deep pipeline (each int8 form twice: see sweep)."""
+  128 or 256 K rows at a time through a 3- or 4-deep pipeline (each int8 multiply-reduce twice: see sweep)."""
   out = []
   if forms:
     tiles = {(c.block_n, c.rows_per_program, c.use_dot) for c in (
@@ -104,22 +105,27 @@ def device_us(f, *args) -> tuple[float, int]:
 
 
 def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
-  """chain distinct [slots, k, n] expert weights: bf16 normals, or int8 drawn uniformly from [-127, 127]."""
+  """chain distinct expert weights: bf16 normals [slots, k, n], or int8 drawn uniformly from [-127, 127], stored
+  k-major as the library stores int8 ([slots, n, k]; as_kn gives the [slots, k, n] product's view)."""
   if int8:
-    return tuple(jax.random.randint(jax.random.key(10 + i), (slots, k, n), -127, 128, jnp.int32).astype(jnp.int8)
+    return tuple(jax.random.randint(jax.random.key(10 + i), (slots, n, k), -127, 128, jnp.int32).astype(jnp.int8)
                  for i in range(chain))
   return tuple(jax.random.normal(jax.random.key(10 + i), (slots, k, n), jnp.bfloat16) for i in range(chain))
 
 
+def as_kn(w):
+  """A weight as the product reads it, [.., k, n]: int8 is stored k-major (skinny_matmul.reference.k_major)."""
+  return jnp.swapaxes(w, -1, -2) if w.dtype == jnp.int8 else w
+
+
 def with_float_bits(on: bool, fn):
-  """fn() traced with skinny_matmul's int8 conversion by float bits on at any row count, or off (the switches
-  are keys of its shared lowering)."""
-  saved = triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS
-  triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS = on, 0
+  """fn() traced with skinny_matmul's int8 conversion by float bits (a multiply-reduce's) on or off (the switch is
+  a key of its shared lowering)."""
+  saved, triton.INT8_FLOAT_BITS = triton.INT8_FLOAT_BITS, on
   try:
     return fn()
   finally:
-    triton.INT8_FLOAT_BITS, triton.INT8_BITS_MIN_DOT_ROWS = saved
+    triton.INT8_FLOAT_BITS = saved
 
 
 def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False, slots: int = 1,
@@ -132,14 +138,16 @@ def sweep(shapes, chain: int, limit: int | None, m: int = 1, int8: bool = False,
   for k, n in shapes:
     ws = weights(slots, k, n, chain, int8)
     x = jax.random.normal(jax.random.key(2), (m, k), jnp.bfloat16)
-    exact = jax.jit(lambda x, ws: jnp.stack([jnp.einsum("mk,skn->smn", x.astype(jnp.float32), w.astype(jnp.float32),
+    exact = jax.jit(lambda x, ws: jnp.stack([jnp.einsum("mk,skn->smn", x.astype(jnp.float32),
+                                                        as_kn(w).astype(jnp.float32),
                                                         precision="highest") for w in ws]))
     want = np.asarray(exact(x, ws))
-    variants = {"xla_dot": lambda x, w: jnp.einsum("mk,skn->smn", x, w.astype(x.dtype),
+    variants = {"xla_dot": lambda x, w: jnp.einsum("mk,skn->smn", x, as_kn(w).astype(x.dtype),
                                                    preferred_element_type=jnp.float32)}
-    # forms with int8 weights: each config with the cast and with the float bits (_magic), at any row count.
+    # forms with int8 weights: each multiply-reduce config with the cast and with the float bits (_magic); the
+    # dot form always casts.
     for cfg in configs(m, k, n, k_steps, forms, int8)[:limit]:
-      for magic in ((False, True) if forms and int8 else (None,)):
+      for magic in ((False, True) if forms and int8 and not cfg.use_dot else (None,)):
         name = (f"pallas_{'dot' if cfg.use_dot else 'mulsum'}_n{cfg.block_n}_rows{cfg.rows_per_program}"
                 + (f"_bk{cfg.block_k}" if k_steps or forms else "") + f"_w{cfg.num_warps}"
                 + (f"_s{cfg.num_stages}" if cfg.num_stages != 3 else "") + ("_magic" if forms and magic else ""))

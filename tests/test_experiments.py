@@ -228,13 +228,18 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
   with pytest.raises(SystemExit):
     tune_skinny_matmul.main(["--smoke", "--k-steps", "--rows", "5"])
-  # --forms: each int8 config by cast and by float bits (the switch set while it is traced, then restored).
+  # --forms: int8 (k-major) multiply-reduce configs by cast and by float bits (the switch set while it is traced,
+  # then restored); the dot form always casts.
+  rows = tune_skinny_matmul.main(["--smoke", "--int8", "--forms"])
+  assert [r["variant"] for r in rows] == [
+      "xla_dot", "pallas_mulsum_n64_rows128_bk128_w4", "pallas_mulsum_n64_rows128_bk128_w4_magic",
+      "pallas_mulsum_n64_rows128_bk128_w4_s4", "pallas_mulsum_n64_rows128_bk128_w4_s4_magic"]
+  assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
+  assert tune_skinny_matmul.triton.INT8_FLOAT_BITS
   rows = tune_skinny_matmul.main(["--smoke", "--rows", "32", "--int8", "--slots", "3", "--forms"])
   assert [r["variant"] for r in rows] == ["xla_dot", "pallas_dot_n64_rows256_bk128_w4",
-                                          "pallas_dot_n64_rows256_bk128_w4_magic", "pallas_dot_n64_rows256_bk128_w4_s4",
-                                          "pallas_dot_n64_rows256_bk128_w4_s4_magic"]
+                                          "pallas_dot_n64_rows256_bk128_w4_s4"]
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
-  assert tune_skinny_matmul.triton.INT8_FLOAT_BITS and tune_skinny_matmul.triton.INT8_BITS_MIN_DOT_ROWS == 32
 
 
 @pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
@@ -739,16 +744,16 @@ def test_one_grid_probes_put_a_cta_barrier_before_each_counting_atomic(case, tmp
   assert counting >= 1
 
 
-@pytest.mark.parametrize("case, conversion", [("skinny_int8_cast", "arith.sitofp"), ("skinny_int8_bits", "tt.bitcast")])
-def test_triton_sass_skinny_int8_cases_lower_the_library_loop_with_either_conversion(case, conversion, tmp_path):
-  """triton_sass's int8 cases: the library's 32-row dot loop lowered for CUDA, an int8 weight load feeding the dot,
-  converted by a cast or by float bits as the case says (and not the other way)."""
+def test_triton_sass_int8_cases_lower_the_loop_k_major_and_n_major(tmp_path):
+  """triton_sass's int8 cases: the library's 32-row dot loop over k-major int8 (the dot takes the weight tile
+  transposed: a tt.trans of the loaded [n, k] tile) and the probe's n-major loop (no transpose), each an int8 load
+  feeding the dot through a cast."""
   import triton_sass
-  (path,) = triton_sass.main([case, "--out", str(tmp_path)])
-  text = open(path).read()
-  assert "tt.dot" in text and "tensor<128x128x!tt.ptr<i8>>" in text
-  other = {"arith.sitofp": "tt.bitcast", "tt.bitcast": "arith.sitofp"}[conversion]
-  assert conversion in text and other not in text
+  texts = {case: open(triton_sass.main([case, "--out", str(tmp_path)])[0]).read()
+           for case in ("skinny_int8", "int8_n_major")}
+  for text in texts.values():
+    assert "tt.dot" in text and "tensor<128x128x!tt.ptr<i8>>" in text and "arith.sitofp" in text
+  assert "tt.trans" in texts["skinny_int8"] and "tt.trans" not in texts["int8_n_major"]
 
 
 def test_probe_bench_check_times_decoders_compiled_before_and_after_the_check(capsys):

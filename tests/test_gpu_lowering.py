@@ -69,8 +69,8 @@ def test_row_ffn_kernel_lowers(act):
           triggers=0)
   fn = lambda x, w_in, w_gate, w_out, s, ids: row_ffn.row_ffn_parts((x,), skinny.Plain(True), w_in, w_gate, w_out, s,
                                                                      s, ids, f, bf16, interpret=False)
-  i8 = jnp.int8
-  _lowers(fn, ((2, 1, 512), bf16), ((4, 512, 2048), i8), ((4, 512, 2048), i8), ((4, 2048, 512), i8), ((4, 2048), g),
+  i8 = jnp.int8  # int8 weights are k-major: W_in and W_gate [E, f, d], W_out [E, d, f]
+  _lowers(fn, ((2, 1, 512), bf16), ((4, 2048, 512), i8), ((4, 2048, 512), i8), ((4, 512, 2048), i8), ((4, 2048), g),
           ((2,), jnp.int32), triggers=0)
 
 
@@ -104,7 +104,7 @@ def test_routed_row_ffn_and_epilogue_lower(k):
     _lowers(top1, ((1, 1024), bf16), ((1024,), g), ((64, 1024, 4096), bf16), ((64, 4096, 1024), bf16),
             ((1, 8, 64), g), ((1, 1024), bf16), triggers=1)
   else:
-    _lowers(top2, ((1, 512), bf16), ((8, 512, 2048), i8), ((8, 512, 2048), i8), ((8, 2048, 512), i8),
+    _lowers(top2, ((1, 512), bf16), ((8, 2048, 512), i8), ((8, 2048, 512), i8), ((8, 512, 2048), i8),  # k-major
             ((8, 2048), g), ((8, 512), g), ((1, 4, 8), g), ((1, 512), g), triggers=1)
 
 

@@ -92,7 +92,8 @@ def test_quantize_weight_bounds_the_error_by_half_a_step():
   assert int(jnp.max(jnp.abs(q.astype(jnp.int32)))) == 127  # absmax maps to the edge
   err = jnp.abs(dequantize(q, s, jnp.float32) - w)
   assert bool(jnp.all(err <= s[:, None, :] / 2 + 1e-7))
-  assert bool(jnp.all(q[1, :, 2] == 0)) and float(s[1, 2]) == 1.0  # an all-zero column stays zero
+  assert q.shape == (3, 8, 16)  # k-major: each output channel's 16 inputs contiguous
+  assert bool(jnp.all(q[1, 2, :] == 0)) and float(s[1, 2]) == 1.0  # an all-zero column stays zero
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -156,6 +157,8 @@ def test_bad_inputs_fail_with_clear_errors():
     call(w_in_scale=s, w_out=qo, w_out_scale=so)
   with pytest.raises(ValueError, match="w_out is int8 but w_out_scale is missing"):
     call(w_in=q, w_in_scale=s, w_out=qo)
+  with pytest.raises(ValueError, match=r"but w_in is .* \(int8: k-major, as quantize_weight stores it\)"):
+    call(w_in=jnp.swapaxes(q, 1, 2), w_in_scale=s, w_out=qo, w_out_scale=so)  # int8 laid out as a float weight
   with pytest.raises(ValueError, match=r"w_in_scale must be \[experts, out channels\]"):
     call(w_in=q, w_in_scale=s[:, :3], w_out=qo, w_out_scale=so)
   with pytest.raises(TypeError, match="w_in_scale must be a floating"):

@@ -20,6 +20,7 @@ from sparsejax._precision import dot_precision
 from sparsejax.kernels.decode_router import router_logit_parts, splits_logits
 from sparsejax.kernels.decode_router.triton import default_config as router_config
 from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual, skinny_ffn, skinny_ffn_residual
+from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 from sparsejax.moe import MoEStats, moe_mlp
 from sparsejax.norm import rms_norm
 
@@ -51,11 +52,13 @@ def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
                      f"be [tokens={x.shape[0]}, k].")
   _checks.check_rank("w_in", w_in, 3, "[experts, d_model, d_ff]")
   _checks.check_rank("w_out", w_out, 3, "[experts, d_ff, d_model]")
-  num_experts, d_model, d_ff = w_in.shape
+  num_experts, (d_model, d_ff) = w_in.shape[0], kn(w_in)
+  int8 = " (int8: k-major, as quantize_weight stores it)" if k_major(w_in.dtype) else ""
   if x.shape[1] != d_model:
-    raise ValueError(f"x has d_model={x.shape[1]} but w_in is [E, {d_model}, {d_ff}].")
-  if w_out.shape != (num_experts, d_ff, d_model):
-    raise ValueError(f"w_out must be [E, d_ff, d_model] = {(num_experts, d_ff, d_model)}; got {w_out.shape}.")
+    raise ValueError(f"x has d_model={x.shape[1]} but w_in is {w_in.shape}{int8}.")
+  if w_out.shape[0] != num_experts or kn(w_out) != (d_ff, d_model):
+    raise ValueError(f"w_out must be [E, d_ff, d_model] = {(num_experts, d_ff, d_model)} (int8: k-major, "
+                     f"{(num_experts, d_model, d_ff)}); got {w_out.shape} {jnp.result_type(w_out)}.")
   if w_gate is not None and w_gate.shape != w_in.shape:
     raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
   _checks.check_top_k(expert_ids.shape[1], num_experts)
@@ -113,8 +116,9 @@ def decode_moe_mlp(
   With n = min(T k, E) (static): u = the distinct ids of e, padded to n with E (no expert: Y[s] = 0); W_s = W[u_s];
   Y[s, t] = FFN_{W_s}(x[t]) for every slot s and token t; y[t] = sum_s C[t, s] Y[s, t] with
   C[t, s] = sum_j c[t, j] [e[t, j] = u_s] (first matching slot only, so padding never counts twice).
-  int8 weights (with *_scale given): W[e][:, o] = q[e][:, o] * scale[e, o], and since the scale is per
-  output column, x W = (x q) * scale: the int8 values enter the product as x's dtype (exact: |q| <= 127)
+  int8 weights (with *_scale given), stored k-major as quantize_weight stores them ([E, out, in]):
+  W[e][:, o] = q[e][o, :] * scale[e, o], and since the scale is per output column, x W = (x q^T) * scale:
+  the int8 values enter the product as x's dtype (exact: |q| <= 127)
   and the scale multiplies the float32 result, so no dequantized weight is ever formed.
   Equals moe_mlp (dropless) on the same inputs; ids of -1 (NO_EXPERT) add nothing.
   """
@@ -205,10 +209,10 @@ def routed_decode_layer(
   return y, _stats(ids, c.num_experts), ids[None]
 
 
-def dequantize(q: Num[Array, "experts n_in n_out"], scale: Float[Array, "experts n_out"], dtype
+def dequantize(q: Num[Array, "experts n_out n_in"], scale: Float[Array, "experts n_out"], dtype
                ) -> Float[Array, "experts n_in n_out"]:
-  """W[e, i, o] = q[e, i, o] * scale[e, o], in dtype."""
-  return (q.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]).astype(dtype)
+  """W[e, i, o] = q[e, o, i] * scale[e, o], in dtype (q k-major, as quantize_weight stores it)."""
+  return (jnp.swapaxes(q, 1, 2).astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]).astype(dtype)
 
 
 def expert_weights(moe, dtype, *, quantized: bool) -> dict:

@@ -1,8 +1,10 @@
 """int8 weight-only experts: per-output-channel absmax scales, dequantized on the fly by the MoE layer.
 
-q[e, i, o] = round(W[e, i, o] / s[e, o]) in [-127, 127] with s[e, o] = max_i |W[e, i, o]| / 127, so
-|W - q s| <= s / 2 elementwise. Expert weights are most of an MoE model's bytes; int8 halves what a
-bf16 decode step reads from them. Only the experts are quantized (router, attention, embeddings stay).
+q[e, o, i] = round(W[e, i, o] / s[e, o]) in [-127, 127] with s[e, o] = max_i |W[e, i, o]| / 127, so
+|W - q^T s| <= s / 2 elementwise. q is stored k-major, [experts, n_out, n_in]: each output channel's inputs
+contiguous, the layout whose int8 products Triton reads fastest (skinny_matmul.reference.k_major). Expert
+weights are most of an MoE model's bytes; int8 halves what a bf16 decode step reads from them. Only the
+experts are quantized (router, attention, embeddings stay).
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
 
 
 def quantize_weight(w: Float[Array, "experts n_in n_out"]
-                    ) -> tuple[Int8[Array, "experts n_in n_out"], Float[Array, "experts n_out"]]:
-  """(q, s): s[e, o] = max_i |w[e, i, o]| / 127 (1 where a column is all zeros), q = round(w / s)."""
+                    ) -> tuple[Int8[Array, "experts n_out n_in"], Float[Array, "experts n_out"]]:
+  """(q, s): s[e, o] = max_i |w[e, i, o]| / 127 (1 where a column is all zeros), q[e, o, i] = round(w[e, i, o] /
+  s[e, o]): k-major, the transpose of w's last two axes."""
   if jnp.ndim(w) != 3:
     raise ValueError(f"expert weights must be [experts, n_in, n_out]; got shape {jnp.shape(w)}.")
   if not jnp.issubdtype(jnp.result_type(w), jnp.floating):
@@ -29,7 +32,7 @@ def quantize_weight(w: Float[Array, "experts n_in n_out"]
   amax = jnp.max(jnp.abs(w32), axis=1)
   s = jnp.where(amax > 0, amax / 127.0, 1.0)
   q = jnp.clip(jnp.round(w32 / s[:, None, :]), -127, 127).astype(jnp.int8)
-  return q, s
+  return jnp.swapaxes(q, 1, 2), s
 
 
 def _is_moe_params(d: Any) -> bool:

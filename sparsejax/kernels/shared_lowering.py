@@ -9,8 +9,8 @@ distinct set of static arguments and argument shapes, and XLA inlines it: the la
 each distinct kernel compiles once, and the kernels run as before.
 
 The jit also keys on the kernels' module switches (`module_switches`, today launch_dependents.EARLY and
-skinny_matmul.triton's INT8_FLOAT_BITS and INT8_BITS_MIN_DOT_ROWS): an A-B that patches one traces B's kernels
-anew instead of being handed A's.
+skinny_matmul.triton.INT8_FLOAT_BITS): an A-B that patches one traces B's kernels anew instead of being handed
+A's.
 
 Interpret mode (the CPU tests) calls the kernel directly: jax 0.10's Mosaic GPU interpreter, whose
 callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it. The
@@ -31,7 +31,7 @@ def module_switches() -> tuple:
   where the nested jit would otherwise hand back the kernel traced and lowered before the patch."""
   from sparsejax.kernels.skinny_matmul import triton as skinny  # it imports this module
 
-  return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS, skinny.INT8_BITS_MIN_DOT_ROWS)
+  return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS)
 
 
 def shared_lowering(*static_argnames: str):

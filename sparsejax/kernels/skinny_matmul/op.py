@@ -2,8 +2,9 @@
 
   w [k, n]:               y[r]    = x[r] @ w, r over x's leading axes          (* scale[n])
   w [e, k, n], experts:   y[s, m] = x_s[m] @ w[experts[s]]   (* scale[experts[s], n])
-with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. A slot whose id is outside
-[0, E) holds no expert: its rows are zero and it reads no weight. Weights enter the
+with x_s = x (shared, [m, k]) or x[s] ([slots, m, k]); the result is float32. int8 w is stored k-major,
+[n, k] or [e, n, k] (inference.quantize_weight's layout: reference.k_major), and read as its transpose.
+A slot whose id is outside [0, E) holds no expert: its rows are zero and it reads no weight. Weights enter the
 product as x's dtype, cast where they are loaded: int8 exactly (|q| <= 127), with the per-column
 scale on the float32 result, so no dequantized (or float32-to-bf16) copy of a weight is ever
 written. Only the chosen experts' weights are read.
@@ -28,7 +29,7 @@ from sparsejax.activations import PLAIN
 from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_router.reference import select_from_parts
 from sparsejax.kernels.skinny_matmul import triton, triton_row_ffn
-from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
+from sparsejax.kernels.skinny_matmul.reference import k_major, kn, skinny_matmul_reference
 from sparsejax.norm import rms_norm
 
 IMPLS = ("auto", "triton", "xla")
@@ -56,9 +57,10 @@ def _check(x, w, experts, scale, norm, impl):
       raise ValueError(f"x must be [m, k] (shared by every slot) or [slots, m, k]; got shape {x.shape}.")
     if x.ndim == 3 and x.shape[0] != experts.shape[0]:
       raise ValueError(f"x is [slots={x.shape[0]}, m, k] but experts has {experts.shape[0]} slots.")
-  k, n = w.shape[-2:]
+  k, n = kn(w)
   if x.shape[-1] != k:
-    raise ValueError(f"x has k={x.shape[-1]} but w is {'[e, ' if w.ndim == 3 else '['}{k}, {n}].")
+    stored = f"{n}, {k}] (int8: k-major)" if k_major(w.dtype) else f"{k}, {n}]"
+    raise ValueError(f"x has k={x.shape[-1]} but w is {'[e, ' if w.ndim == 3 else '['}{stored}.")
   if jnp.result_type(w) == jnp.int8:
     if scale is None:
       raise ValueError("int8 w needs scale, its per-output-column float scales.")
@@ -103,7 +105,7 @@ def _source(x, norm):
 def _kernel_product(x, w3, ids, norm):
   """[slots, m, n] float32 from the kernel (no scale), differentiable through the reference."""
   m, k = x.shape[-2:]
-  cfg = triton.default_config(m, k, w3.shape[-1], ids.shape[0])
+  cfg = triton.default_config(m, k, kn(w3)[1], ids.shape[0])
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
 
   def kernel(x, w3, ids, ns):
@@ -155,16 +157,17 @@ def skinny_matmul(
   if dense and x.ndim != 2:
     lead = x.shape[:-1]
     y = skinny_matmul(x.reshape(-1, x.shape[-1]), w, scale=scale, norm=norm, impl=impl)
-    return y.reshape(*lead, w.shape[-1])
+    return y.reshape(*lead, kn(w)[1])
   w3 = w[None] if dense else w
   ids = jnp.zeros((1,), jnp.int32) if dense else experts.astype(jnp.int32)
   m, k = x.shape[-2:]
-  n = w.shape[-1]
+  n = kn(w)[1]
   x, norm = _norm_unless_folded(x, norm, m, k, n, impl)
   if runs_kernel(m, k, n, impl):
     y = _kernel_product(x, w3, ids, norm)
   elif dense:  # a plain dot: no gather of the one weight
-    y = jnp.dot(x, w.astype(x.dtype), precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)[None]
+    wk = (w.T if k_major(w.dtype) else w).astype(x.dtype)
+    y = jnp.dot(x, wk, precision=dot_precision(x.dtype), preferred_element_type=jnp.float32)[None]
   else:
     y = skinny_matmul_reference(_slots(x, ids), w3, ids)
   if scale is not None:
@@ -227,7 +230,7 @@ def _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_
     raise ValueError(f"w_out must be {want} (w_in {w_in.shape} transposed in its last two axes); got {w_out.shape}.")
   # The second product's x: h [*m, f] for a dense weight, [slots, m, f] for experts.
   lead = x.shape[:-1] if w_in.ndim == 2 or x.ndim == 3 else (experts.shape[0],) + x.shape[:-1]
-  _check(jax.ShapeDtypeStruct(lead + (w_in.shape[-1],), x.dtype), w_out, experts, w_out_scale, None, impl)
+  _check(jax.ShapeDtypeStruct(lead + (kn(w_in)[1],), x.dtype), w_out, experts, w_out_scale, None, impl)
 
 
 def skinny_ffn(
@@ -268,9 +271,9 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
     y = skinny_ffn(x.reshape(-1, x.shape[-1]), w_in, w_out, w_gate=w_gate, activation=activation,
                    w_in_scale=w_in_scale, w_gate_scale=w_gate_scale, w_out_scale=w_out_scale, norm=norm,
                    impl=impl)
-    return y.reshape(*lead, w_out.shape[-1])
+    return y.reshape(*lead, kn(w_out)[1])
   m, d = x.shape[-2:]
-  f = w_in.shape[-1]
+  f = kn(w_in)[1]
   dt = x.dtype
   slots = 1 if dense else experts.shape[0]
   gated = w_gate is not None
@@ -392,7 +395,7 @@ def skinny_ffn_residual(
   _checks.check_floating("combine", combine)
   if combine.shape != (m, slots):
     raise ValueError(f"combine must be [m={m}, slots={slots}]; got {combine.shape}.")
-  f = w_in.shape[-1]
+  f = kn(w_in)[1]
   if _one_width(w_in, w_gate, w_out) and fuses_residual(m, d, f, activation, impl, w_in.dtype, w_gate is not None, slots):
     return _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_scale, w_out_scale, norm,
                        impl, epilogue=(combine, residual))
@@ -446,7 +449,7 @@ def routed_ffn_residual(
   _checks.check_floating("residual", residual)
   if residual.shape != x.shape:
     raise ValueError(f"residual must be x's shape {x.shape}; got {residual.shape}.")
-  d, f = w_in.shape[-2:]
+  d, f = kn(w_in)
   dt, renormalize = x.dtype, bool(renormalize)
   if not fuses_routing(d, f, activation, impl, k, router_parts.shape[1], w_in, w_gate, w_out):
     ids, wts = select_from_parts(router_parts, k, renormalize)

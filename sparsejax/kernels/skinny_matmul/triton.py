@@ -11,6 +11,7 @@ What a program multiplies, its rows of x, comes from one of three sources: x as 
 (Normed: the norm's per-row factor applied after the loop), or the hidden layer of a feed-forward
 (Hidden: act(sum of the first product's partials) [* the gate's], rounded to x's dtype), so that
 neither the norm nor the first product's sum and activation runs as a kernel of its own.
+int8 weights come k-major ([.., n, k], k_major): a program reads the same slab, each column's K rows contiguous.
 Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax._precision import dot_precision
 from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.shared_lowering import shared_lowering
+from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,11 +43,10 @@ class Config:
   num_stages: int = 3
 
 
-# int8 weights reach the product through float bits, not a cast (A-B switches: shared_lowering keys on both).
-# The dot form does so from INT8_BITS_MIN_DOT_ROWS padded rows: at one row (16 padded) its default tiles ran
-# 6-15% slower by float bits (experiments/results/skinny_int8_forms_swap_H200_m1.log), at 32 rows 3% faster.
+# int8 weights reach a multiply-reduce (one row, and the row FFN) through float bits, not a cast (an A-B switch
+# shared_lowering keys on); the dot form casts, which ran 5-13% faster on k-major int8 at 32 rows
+# (experiments/results/int8_weight_layout_H200_first_form.log).
 INT8_FLOAT_BITS = True
-INT8_BITS_MIN_DOT_ROWS = 32
 _MAGIC_BITS = 0x4B000080  # float32 bits of 2^23 + 128: adding an int8 v gives the bits of 2^23 + 128 + v
 _MAGIC = 8388736.0  # 2^23 + 128
 
@@ -53,9 +54,9 @@ _MAGIC = 8388736.0  # 2^23 + 128
 def weights_as(ws, dtype, float_bits: bool = True):
   """ws in dtype, exactly. int8 by float bits: v + bits(2^23 + 128) are the float32 bits of 2^23 + 128 + v, so a
   float32 subtract gives v, and bf16 takes its top 16 bits (v has at most 8 significant ones). Triton compiles a
-  cast without conversion instructions too (byte permutes and a bf16 add); this form measured 3% faster in the
-  32-row dot (1,200 instructions against 1,232 and 128 registers against 156 in Triton 3.6's SASS) and 11% in the
-  one-row multiply-reduce (experiments/notes_decode.md, forty-third session)."""
+  cast without conversion instructions too (byte permutes and a bf16 add). On n-major int8 this form ran the
+  one-row multiply-reduce 11% faster and the 32-row dot 3% (experiments/notes_decode.md, forty-third session);
+  on k-major int8 the dot ran faster by a cast, which the kernel now uses there."""
   if not (INT8_FLOAT_BITS and float_bits) or ws.dtype != jnp.int8:
     return ws.astype(dtype)
   f = jax.lax.bitcast_convert_type(ws.astype(jnp.int32) + _MAGIC_BITS, jnp.float32) - _MAGIC
@@ -201,22 +202,34 @@ def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
   expert = jnp.clip(e, 0, w_ref.shape[0] - 1)
   cols = pl.ds(pl.multiple_of(j * cfg.block_n, cfg.block_n), cfg.block_n)
   rows = out_ref.shape[-2]
+  km = k_major(w_ref.dtype)
 
   def step(i, acc):
     ks = pl.ds(pl.multiple_of((p * steps + i) * cfg.block_k, cfg.block_k), cfg.block_k)
     xs = source.slab(x_refs, s, expert, ks, rows)
-    ws = w_ref[expert, ks, cols]
     if cfg.use_dot:
-      return acc + jax.lax.dot_general(xs, weights_as(ws, xs.dtype, rows >= INT8_BITS_MIN_DOT_ROWS),
-                                       (((1,), (0,)), ((), ())),
+      if km:  # [block_n, block_k]: contracted on its K axis
+        return acc + jax.lax.dot_general(xs, w_ref[expert, cols, ks].astype(xs.dtype), (((1,), (1,)), ((), ())),
+                                         precision=precision, preferred_element_type=jnp.float32)
+      return acc + jax.lax.dot_general(xs, w_ref[expert, ks, cols].astype(xs.dtype), (((1,), (0,)), ((), ())),
                                        precision=precision, preferred_element_type=jnp.float32)
     # One row: a multiply-reduce in float32 (no tensor-core tile to fill; exact for int8 weights).
-    return acc + jnp.sum(xs.astype(jnp.float32)[:, :, None] * weights_as(ws, jnp.float32)[None], axis=1)
+    x32 = xs.astype(jnp.float32)
+    if km:  # [block_n, block_k] products accumulated as they are; summed over K once, after the loop
+      return acc + x32 * weights_as(w_ref[expert, cols, ks], jnp.float32)
+    return acc + jnp.sum(x32[:, :, None] * weights_as(w_ref[expert, ks, cols], jnp.float32)[None], axis=1)
 
   zeros = jnp.zeros((rows, cfg.block_n), jnp.float32)
+  # k-major one row: the K axis is the one threads share, so a sum over it each step would reduce across
+  # threads through shared memory every step (Triton 3.6's SASS: 86 shared stores against 7 for n-major).
+  deferred = km and not cfg.use_dot
 
   def product(_):
-    acc = jax.lax.fori_loop(0, steps, step, zeros)
+    if deferred:
+      acc = jnp.sum(jax.lax.fori_loop(0, steps, step, jnp.zeros((cfg.block_n, cfg.block_k), jnp.float32)),
+                    axis=1)[None]
+    else:
+      acc = jax.lax.fori_loop(0, steps, step, zeros)
     return source.finish(x_refs, acc) if isinstance(source, Normed) else acc
 
   # A branch, not a trip count of zero: Pallas Triton lowers a loop with a traced bound to an scf.while
@@ -240,7 +253,7 @@ def skinny_matmul_parts(
 
   x_operands are what `source` reads: (x,) for Plain (x padded here), (x, g) for Normed, the parts and
   scales for Hidden. m is x's row count and dtype its dtype (Hidden's rounding)."""
-  k, n = w.shape[-2:]
+  k, n = kn(w)
   slots = experts.shape[0]
   mp = padded_rows(m, cfg.use_dot)
   if not isinstance(source, Hidden) and mp != m:

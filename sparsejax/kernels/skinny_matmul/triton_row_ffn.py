@@ -11,7 +11,8 @@ program waits on another and the whole expert's weights stream through one kerne
 
 A program issues its W_out slab's loads first (they depend on nothing it computes), then W_in's (and
 W_gate's), and holds them in registers: F_j is slab_row_bytes of every W_in row wide (64 bytes in bf16, 32
-in int8: 32 columns either way), so a program reads d x that of each weight. x comes as Plain (one row, or one
+in int8: 32 columns either way), so a program reads d x that of each weight (int8 weights are k-major, triton.k_major:
+its W_in slab is then c whole rows of W_in^T, and its W_out slab d rows of c bytes). x comes as Plain (one row, or one
 per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
 rounding of u, g and h is the split form's (op._hidden). At a decode step's one token the kernel can route itself
 (Routed): each program takes its slot's expert from the router's partial logits, so the router's select kernel
@@ -32,6 +33,7 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
+from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 from sparsejax.kernels.skinny_matmul.triton import Normed, weights_as
 
 # Bytes of a W_in row a program reads. bf16: 64 (two 32-byte sectors, 32 columns) measured best; 32-byte rows
@@ -113,12 +115,13 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
   # Weights enter as x's dtype: int8 exactly, so straight to float32, by float bits (weights_as).
   wf = lambda w: weights_as(w, jnp.float32) if w.dtype == jnp.int8 else rnd(w)
-  d = w_out_ref.shape[-1]
+  d = kn(w_out_ref)[1]
+  km = k_major(w_in_ref.dtype)  # int8: W_in's slab is [c, d] and W_out's [d, c], summed over their last axis
 
   def part(_):
-    w2 = w_out_ref[expert, cols, :]  # [c, d]
-    w1 = w_in_ref[expert, :, cols]  # [d, c]
-    wg = w_gate_ref[expert, :, cols] if gated else None
+    w2 = w_out_ref[expert, :, cols] if km else w_out_ref[expert, cols, :]
+    w1 = w_in_ref[expert, cols, :] if km else w_in_ref[expert, :, cols]
+    wg = (w_gate_ref[expert, cols, :] if km else w_gate_ref[expert, :, cols]) if gated else None
     if isinstance(source, Normed):
       x = x_refs[0][0, :]
       xs = f32((f32(x) * f32(x_refs[1][:])).astype(x.dtype))
@@ -128,7 +131,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
       xs, r = f32(x_ref[s, 0, :] if source.per_slot else x_ref[0, :]), None
 
     def first(w, scale_ref):
-      v = jnp.sum(xs[:, None] * wf(w), axis=0)
+      v = jnp.sum(xs[None, :] * wf(w), axis=1) if km else jnp.sum(xs[:, None] * wf(w), axis=0)
       if r is not None:
         v = v * r
       if scale_ref is not None:
@@ -137,7 +140,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
 
     u = first(w1, s_in_ref)
     h = activation(first(wg, s_gate_ref)) * u if gated else activation(u)
-    return jnp.sum(rnd(h)[:, None] * wf(w2), axis=0)
+    return jnp.sum(rnd(h)[None, :] * wf(w2), axis=1) if km else jnp.sum(rnd(h)[:, None] * wf(w2), axis=0)
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
   out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
@@ -172,7 +175,7 @@ def row_ffn_parts(
   rounding of u, g and h). routed (Routed): `experts` is the router's partial logits of the token
   (decode_router.router_logit_parts) and slot s's expert its s-th choice, which every program takes itself
   (the router's select kernel then never runs); the result is (parts, the k ids, their float32 weights)."""
-  d, f = w_in.shape[-2:]
+  d, f = kn(w_in)
   slots = routed.k if routed else experts.shape[0]
   c = slab_columns(w_in.dtype)
   gated, up_scaled, gate_scaled = w_gate is not None, s_in is not None, s_gate is not None
