@@ -9,6 +9,7 @@ round trips and a counting atomic with no CTA barrier ahead of it (experiments/n
   python experiments/triton_sass.py overlap_one_grid --out DIR                      # TTIR only (this venv)
   python experiments/triton_sass.py overlap_one_grid --out DIR --triton-python /path/to/venv/bin/python
       --warps 8      # then SASS: registers, stack, and the instructions around each counting atomic
+  python experiments/triton_sass.py row_ffn_int8_16 --out DIR --triton-python ...   # a candidate slab width
 """
 from __future__ import annotations
 
@@ -58,8 +59,33 @@ def _int8_n_major():
           [S((m, k), jnp.bfloat16), S((slots, k, n), jnp.int8), S((slots,), jnp.int32)])
 
 
+def _row_ffn(w_dtype, slab_bytes: int):
+  """The row FFN at medium-moe's batch 1: one row, the RMSNorm folded, through one expert of W_in [1024, 4096] and
+  W_out [4096, 1024] (int8 stored k-major, with W_in's scale), each program a slab of slab_bytes of every W_in
+  row. The width is patched for the trace only: the case is a candidate's code as an A-B would run it."""
+  from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn as row
+  S, d, f, experts, bf = jax.ShapeDtypeStruct, 1024, 4096, 64, jnp.bfloat16
+  km = jnp.dtype(w_dtype) == jnp.int8
+  parts = functools.partial(_unjitted(row.row_ffn_parts), source=skinny.Normed(eps=1e-6), activation=jax.nn.gelu,
+                            dtype=bf, interpret=False)
+
+  def fn(x, g, w_in, w_out, s_in, ids):
+    saved = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES
+    row.SLAB_ROW_BYTES_INT8 = row.SLAB_ROW_BYTES = slab_bytes
+    try:
+      return parts((x, g), w_in=w_in, w_gate=None, w_out=w_out, s_in=s_in if km else None, s_gate=None, experts=ids)
+    finally:
+      row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES = saved
+
+  return fn, [S((1, d), bf), S((d,), bf), S((experts, f, d) if km else (experts, d, f), w_dtype),
+              S((experts, d, f) if km else (experts, f, d), w_dtype), S((experts, f), jnp.float32),
+              S((1,), jnp.int32)]
+
+
 CASES = {"overlap_one_grid": _overlap_one_grid, "dataflow_ffn": _dataflow_ffn,
-         "skinny_int8": _skinny_int8, "int8_n_major": _int8_n_major}
+         "skinny_int8": _skinny_int8, "int8_n_major": _int8_n_major,
+         "row_ffn_bf16": functools.partial(_row_ffn, jnp.bfloat16, 64),
+         **{f"row_ffn_int8_{b}": functools.partial(_row_ffn, jnp.int8, b) for b in (16, 32, 64)}}
 
 
 def _unjitted(fn):

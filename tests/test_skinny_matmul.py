@@ -338,12 +338,13 @@ def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype, 
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("d,form", [(256, "row"), (2048, "split")])
-def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, dtype, row_form_at_any_size):
-  """SiLU-GLU with int8 experts and their scales, the norm folded into the kernels: the one-kernel form, and
-  the split form (where a program's three slabs of d = 2,048 rows would not fit) in W_in's and W_gate's
-  programs."""
-  from sparsejax.kernels.skinny_matmul import folds_norm, skinny_ffn
+@pytest.mark.parametrize("d,form,slab", [(256, "row", 32), (256, "row", 16), (2048, "split", 32)])
+def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, slab, dtype, row_form_at_any_size, monkeypatch):
+  """SiLU-GLU with int8 experts and their scales, the norm folded into the kernels: the one-kernel form (at the
+  library's slab width and at 16-byte slabs, the width an A-B may try), and the split form (where a program's three
+  slabs of d = 2,048 rows would not fit) in W_in's and W_gate's programs."""
+  from sparsejax.kernels.skinny_matmul import folds_norm, skinny_ffn, triton_row_ffn
+  monkeypatch.setattr(triton_row_ffn, "SLAB_ROW_BYTES_INT8", slab)
   seed = seed_of("ffn_glu", str(dtype), str(d))
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((1, d)) * 2.0, dtype)
@@ -357,6 +358,24 @@ def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, dtype, row_form_
   xn = jnp.asarray(_rms64(x.astype(jnp.float32), g), jnp.float32).astype(dtype)
   want = _ffn_oracle(xn, qi, qo, experts, _silu64, w_gate=qg, scales=(si, sg, so), dtype=dtype)
   np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
+
+
+def test_a_patched_slab_width_reaches_a_row_kernel_already_lowered(monkeypatch):
+  """An A-B of the row kernel's slab width (ab_decode --patch ...triton_row_ffn:SLAB_ROW_BYTES_INT8=16) lowers B's
+  kernel anew: shared_lowering keys on the width, so B gets its own grid, not the kernel lowered for A."""
+  from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn
+  S, d, f = jax.ShapeDtypeStruct, 256, 1024
+  args = [S((1, d), jnp.bfloat16), S((2, f, d), jnp.int8), S((2, d, f), jnp.int8), S((2, f), jnp.float32),
+          S((1,), jnp.int32)]
+
+  def programs():  # a new outer trace each time, as B's decoder is
+    fn = lambda x, wi, wo, si, ids: triton_row_ffn.row_ffn_parts(
+        (x,), skinny.Plain(per_slot=False), wi, None, wo, si, None, ids, jax.nn.gelu, jnp.bfloat16, interpret=False)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).out_info.shape[1]
+
+  for width, want in [(32, 32), (16, 64), (32, 32)]:
+    monkeypatch.setattr(triton_row_ffn, "SLAB_ROW_BYTES_INT8", width)
+    assert programs() == want, width
 
 
 def test_ffn_row_kernel_per_slot_rows_dense_weights_and_gradients(row_form_at_any_size):

@@ -8,9 +8,9 @@ and 40 s compiling 48 kernels). A nested jax.jit is traced and lowered once per 
 distinct set of static arguments and argument shapes, and XLA inlines it: the layers share one module,
 each distinct kernel compiles once, and the kernels run as before.
 
-The jit also keys on the kernels' module switches (`module_switches`, today launch_dependents.EARLY and
-skinny_matmul.triton.INT8_FLOAT_BITS): an A-B that patches one traces B's kernels anew instead of being handed
-A's.
+The jit also keys on the kernels' module switches (`module_switches`: launch_dependents.EARLY,
+skinny_matmul.triton.INT8_FLOAT_BITS, and the row FFN's slab widths and warps): an A-B that patches one traces
+B's kernels anew instead of being handed A's.
 
 Interpret mode (the CPU tests) calls the kernel directly: jax 0.10's Mosaic GPU interpreter, whose
 callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it. The
@@ -29,9 +29,9 @@ from sparsejax.kernels import launch_dependents
 def module_switches() -> tuple:
   """Module switches a kernel's trace reads (A-B flags): part of the jit's key, so a patched switch traces anew
   where the nested jit would otherwise hand back the kernel traced and lowered before the patch."""
-  from sparsejax.kernels.skinny_matmul import triton as skinny  # it imports this module
+  from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn as row  # they import this module
 
-  return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS)
+  return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS, row.SLAB_ROW_BYTES, row.SLAB_ROW_BYTES_INT8, row.NUM_WARPS)
 
 
 def shared_lowering(*static_argnames: str):
