@@ -11,7 +11,7 @@ program waits on another and the whole expert's weights stream through one kerne
 
 A program issues its W_out slab's loads first (they depend on nothing it computes), then W_in's (and
 W_gate's), and holds them in registers: F_j is slab_row_bytes of every W_in row wide (64 bytes in bf16, 32
-in int8: 32 columns either way), so a program reads d x that of each weight (int8 weights are k-major, triton.k_major:
+in int8: 32 columns either way), so a program reads d x that of each weight (int8 weights are k-major, reference.k_major:
 its W_in slab is then c whole rows of W_in^T, and its W_out slab d rows of c bytes). x comes as Plain (one row, or one
 per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
 rounding of u, g and h is the split form's (op._hidden). At a decode step's one token the kernel can route itself
