@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from sparsejax.kernels.skinny_matmul import triton  # noqa: E402
+from sparsejax.kernels.skinny_matmul.reference import k_major  # noqa: E402
 from out_dir import copy_to_out  # noqa: E402
 
 SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
@@ -114,8 +115,8 @@ def weights(slots: int, k: int, n: int, chain: int, int8: bool) -> tuple:
 
 
 def as_kn(w):
-  """A weight as the product reads it, [.., k, n]: int8 is stored k-major (skinny_matmul.reference.k_major)."""
-  return jnp.swapaxes(w, -1, -2) if w.dtype == jnp.int8 else w
+  """A weight as the product reads it, [.., k, n], whichever way it is stored (skinny_matmul.reference.k_major)."""
+  return jnp.swapaxes(w, -1, -2) if k_major(w.dtype) else w
 
 
 def with_float_bits(on: bool, fn):
