@@ -758,16 +758,17 @@ def test_triton_sass_int8_cases_lower_the_loop_k_major_and_n_major(tmp_path):
 
 def test_triton_sass_row_ffn_cases_lower_the_slab_width_they_name():
   """triton_sass's row FFN cases: each int8 case's program loads a W_in slab of its width's rows of W_in^T (k-major),
-  bf16's 32 columns of W_in; tracing a case leaves the library's widths as they were."""
+  64 bytes too though they make fewer programs than a wave, bf16's 32 columns of W_in; tracing a case leaves the
+  library's widths as they were."""
   import triton_sass
   from sparsejax.kernels.skinny_matmul import triton_row_ffn as row
-  widths = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES
+  widths = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.MIN_PROGRAMS
   for case, tile in [("row_ffn_int8_16", "16x1024xi8"), ("row_ffn_int8_32", "32x1024xi8"),
-                     ("row_ffn_bf16", "1024x32xbf16")]:
+                     ("row_ffn_int8_64", "64x1024xi8"), ("row_ffn_bf16", "1024x32xbf16")]:
     fn, shapes = triton_sass.CASES[case]()
     (text,) = triton_sass.ttir_of(fn, *shapes)
     assert f"tensor<{tile}>" in text, case
-  assert (row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES) == widths
+  assert (row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.MIN_PROGRAMS) == widths
 
 
 def test_probe_bench_check_times_decoders_compiled_before_and_after_the_check(capsys):

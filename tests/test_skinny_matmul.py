@@ -360,9 +360,48 @@ def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, slab, dtype, row
   np.testing.assert_allclose(np.asarray(got), want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("w_dtype,f,slots,c,row", [
+    (jnp.bfloat16, 4096, 1, 32, True), (jnp.int8, 4096, 1, 32, True),  # medium's f: a wave at the set widths
+    (jnp.bfloat16, 2048, 1, 16, True), (jnp.int8, 2048, 1, 16, True),  # xs's f: narrowed to make one
+    (jnp.bfloat16, 2048, 2, 32, True),  # two slots make the wave
+    (jnp.float32, 2048, 1, 16, True),  # 64-byte rows are 16 columns already
+    (jnp.int8, 3072, 1, 16, True),  # 96 programs at 32 columns, 192 at 16
+    (jnp.bfloat16, 1024, 1, 16, False), (jnp.int8, 1024, 1, 16, False),  # short of a wave at the narrowest slab
+])
+def test_the_row_slab_narrows_only_to_make_a_wave(w_dtype, f, slots, c, row):
+  """slab_columns keeps the set width where it makes MIN_PROGRAMS programs and halves it (to MIN_SLAB_COLUMNS at
+  most) where it does not; a feed-forward still short of a wave takes the split form (d 512, the library's
+  constants)."""
+  from sparsejax.kernels.skinny_matmul import triton_row_ffn
+  assert triton_row_ffn.slab_columns(w_dtype, f, slots) == c
+  assert triton_row_ffn.fits(1, 512, f, w_dtype, False, slots) == row
+
+
+@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.int8], ids=["bf16", "int8"])
+def test_ffn_row_kernel_at_a_narrowed_slab_equals_the_oracle(w_dtype, monkeypatch):
+  """The one-kernel form where the set width leaves too few programs (8 at f 256 for a wave of 16 here): at
+  16-column slabs, against float64, per-channel scales for int8."""
+  from sparsejax.kernels.skinny_matmul import skinny_ffn, triton_row_ffn
+  monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 16)
+  d, f = 128, 256
+  seed = seed_of("ffn_narrow", str(w_dtype))
+  x = _draw(seed, (1, d), jnp.bfloat16)
+  w_in, w_out = _draw(seed + 1, (3, d, f), jnp.float32), _draw(seed + 2, (3, f, d), jnp.float32)
+  if w_dtype == jnp.int8:
+    (w_in, s_in), (w_out, s_out) = quantize_weight(w_in), quantize_weight(w_out)
+  else:
+    w_in, w_out, s_in, s_out = w_in.astype(w_dtype), w_out.astype(w_dtype), None, None
+  assert triton_row_ffn.slab_columns(w_dtype, f) == 16 and _form(1, d, f, w_dtype=w_dtype) == "row"
+  experts = jnp.asarray([1], jnp.int32)
+  got = skinny_ffn(x, w_in, w_out, experts=experts, w_in_scale=s_in, w_out_scale=s_out, impl="triton")
+  want = _ffn_oracle(x, w_in, w_out, experts, _gelu64, scales=(s_in, None, s_out), dtype=jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(got), want, **TOL[jnp.bfloat16])
+
+
 def test_a_patched_slab_width_reaches_a_row_kernel_already_lowered(monkeypatch):
   """An A-B of the row kernel's slab width (ab_decode --patch ...triton_row_ffn:SLAB_ROW_BYTES_INT8=16) lowers B's
-  kernel anew: shared_lowering keys on the width, so B gets its own grid, not the kernel lowered for A."""
+  kernel anew: shared_lowering keys on the width (and the wave it narrows for), so B gets its own grid, not the
+  kernel lowered for A."""
   from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn
   S, d, f = jax.ShapeDtypeStruct, 256, 1024
   args = [S((1, d), jnp.bfloat16), S((2, f, d), jnp.int8), S((2, d, f), jnp.int8), S((2, f), jnp.float32),
@@ -373,9 +412,11 @@ def test_a_patched_slab_width_reaches_a_row_kernel_already_lowered(monkeypatch):
         (x,), skinny.Plain(per_slot=False), wi, None, wo, si, None, ids, jax.nn.gelu, jnp.bfloat16, interpret=False)
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).out_info.shape[1]
 
-  for width, want in [(32, 32), (16, 64), (32, 32)]:
+  # The wave the slab narrows for is a switch too: 32 columns make 32 programs here, short of 64.
+  for width, wave, want in [(32, 1, 32), (16, 1, 64), (32, 1, 32), (32, 64, 64)]:
     monkeypatch.setattr(triton_row_ffn, "SLAB_ROW_BYTES_INT8", width)
-    assert programs() == want, width
+    monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", wave)
+    assert programs() == want, (width, wave)
 
 
 def test_ffn_row_kernel_per_slot_rows_dense_weights_and_gradients(row_form_at_any_size):
@@ -423,8 +464,10 @@ def test_ffn_dense_weights_and_the_unfused_cases():
   # ... which runs as one kernel of 128 slabs of 32 columns (d x 64 bytes of W_in and of W_out a program);
   # int8 reads 32-byte rows, 32 columns as bf16's 64 bytes do: medium's int8 experts take the form at one slot
   assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16) == "row" and _form(1, 1024, 4096, w_dtype=jnp.int8) == "row"
-  assert _form(1, 512, 2048, w_dtype=jnp.int8) == "split" and _form(1, 512, 2048, w_dtype=jnp.int8, slots=2) == "row"
-  assert _form(1, 512, 2048, w_dtype=jnp.bfloat16) == "split" and _form(1, 512, 2048, w_dtype=jnp.bfloat16, slots=2) == "row"
+  # xs's f 2,048 at one slot: 64 programs at those widths, so 16-column slabs make the wave
+  for w_dtype in (jnp.int8, jnp.bfloat16):
+    assert _form(1, 512, 2048, w_dtype=w_dtype) == "row" and _form(1, 512, 2048, w_dtype=w_dtype, slots=2) == "row"
+  assert _form(1, 512, 1024, w_dtype=jnp.bfloat16) == "split"  # 64 programs even at 16 columns
   assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16, gated=True) == "split"  # three slabs: 192 KB a program
   assert _form(1, 768, 3072, w_dtype=jnp.bfloat16) == "split"  # small's d: not a Triton block
   assert _form(2, 1024, 4096, w_dtype=jnp.bfloat16) != "row"  # two rows

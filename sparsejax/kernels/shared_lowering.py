@@ -9,8 +9,8 @@ distinct set of static arguments and argument shapes, and XLA inlines it: the la
 each distinct kernel compiles once, and the kernels run as before.
 
 The jit also keys on the kernels' module switches (`module_switches`: launch_dependents.EARLY,
-skinny_matmul.triton.INT8_FLOAT_BITS, and the row FFN's slab widths and warps): an A-B that patches one traces
-B's kernels anew instead of being handed A's.
+skinny_matmul.triton.INT8_FLOAT_BITS, and the row FFN's slab widths, warps and the wave it narrows its slabs
+for): an A-B that patches one traces B's kernels anew instead of being handed A's.
 
 Interpret mode (the CPU tests) calls the kernel directly: jax 0.10's Mosaic GPU interpreter, whose
 callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it. The
@@ -31,7 +31,8 @@ def module_switches() -> tuple:
   where the nested jit would otherwise hand back the kernel traced and lowered before the patch."""
   from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn as row  # they import this module
 
-  return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS, row.SLAB_ROW_BYTES, row.SLAB_ROW_BYTES_INT8, row.NUM_WARPS)
+  return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS, row.SLAB_ROW_BYTES, row.SLAB_ROW_BYTES_INT8, row.NUM_WARPS,
+          row.MIN_PROGRAMS, row.MIN_SLAB_COLUMNS)
 
 
 def shared_lowering(*static_argnames: str):

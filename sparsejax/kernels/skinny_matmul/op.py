@@ -351,7 +351,7 @@ def fuses_residual(m: int, d: int, f: int, activation, impl: str = "auto", w_dty
   """Whether skinny_ffn_residual runs its epilogue as a kernel after the row form's (runs_row_ffn, and
   triton_row_ffn.epilogue_fits for its parts); else XLA runs it after skinny_ffn."""
   return (runs_row_ffn(m, d, f, activation, impl, w_dtype, gated, slots)
-          and triton_row_ffn.epilogue_fits(d, f // triton_row_ffn.slab_columns(w_dtype)))
+          and triton_row_ffn.epilogue_fits(d, f // triton_row_ffn.slab_columns(w_dtype, f, slots)))
 
 
 def skinny_ffn_residual(

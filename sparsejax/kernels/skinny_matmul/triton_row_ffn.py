@@ -10,14 +10,16 @@ program waits on another and the whole expert's weights stream through one kerne
   parts[s, j] = h_j W_out[e][F_j, :]                        (float32 [d]; the caller sums over j)
 
 A program issues its W_out slab's loads first (they depend on nothing it computes), then W_in's (and
-W_gate's), and holds them in registers: F_j is slab_row_bytes of every W_in row wide (64 bytes in bf16, 32
-in int8: 32 columns either way), so a program reads d x that of each weight (int8 weights are k-major, reference.k_major:
-its W_in slab is then c whole rows of W_in^T, and its W_out slab d rows of c bytes). x comes as Plain (one row, or one
-per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by rsqrt(mean(x^2) + eps)); the
-rounding of u, g and h is the split form's (op._hidden). At a decode step's one token the kernel can route itself
-(Routed): each program takes its slot's expert from the router's partial logits, so the router's select kernel
-never runs (op.routed_ffn_residual). Reference: op.skinny_ffn's reference (the two-call form); off the GPU the
-kernel runs in Pallas' interpret mode (tests/test_skinny_matmul.py).
+W_gate's), and holds them in registers: F_j is slab_columns wide (64 bytes of every W_in row in bf16, 32
+in int8: 32 columns either way, halved to 16 where f is too short for a wave of programs), so a program
+reads d x that of each weight (int8 weights are k-major, reference.k_major: its W_in slab is then c whole
+rows of W_in^T, and its W_out slab d rows of c bytes). x comes as Plain (one row, or one per slot) or Normed
+(the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by
+rsqrt(mean(x^2) + eps)); the rounding of u, g and h is the split form's (op._hidden). At a decode step's one
+token the kernel can route itself (Routed): each program takes its slot's expert from the router's partial
+logits, so the router's select kernel never runs (op.routed_ffn_residual). Reference: op.skinny_ffn's
+reference (the two-call form); off the GPU the kernel runs in Pallas' interpret mode
+(tests/test_skinny_matmul.py).
 """
 from __future__ import annotations
 
@@ -36,40 +38,46 @@ from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 from sparsejax.kernels.skinny_matmul.triton import Normed, weights_as
 
-# Bytes of a W_in row a program reads. bf16: 64 (two 32-byte sectors, 32 columns) measured best; 32-byte rows
-# (16 columns) ran 13% slower on an H100, and wider slabs leave fewer programs than SMs at medium's f.
+# Bytes of a W_in row a program reads where the feed-forward makes a wave of programs at this width. bf16: 64 (two
+# 32-byte sectors, 32 columns) measured best; 32-byte rows (16 columns) ran medium's step 13% slower on an H100.
 SLAB_ROW_BYTES = 64
 # int8: 32 bytes (32 columns, as bf16's), so medium's f 4,096 makes 128 programs at one slot. In one-process A-Bs
 # of the medium-moe step against int8's split form it ran 0.986-0.991x its time in four runs (16 rounds each;
 # experiments/results/decode_row_ffn_int8_epilogue_ab{,2}_H100.log); 64-byte int8 rows (64 programs) ran 1.076x
-# (decode_row_ffn_int8_ab_H100.log).
+# (decode_row_ffn_int8_ab_H100.log), and 16-byte rows (256 programs) 1.066x on an H200
+# (decode_int8_slab16_medium_ab_H200.log).
 SLAB_ROW_BYTES_INT8 = 32
 # Weight bytes a program holds in registers: 128 KB over 8 warps is 128 registers a thread (medium's
 # d 1,024 in bf16, non-gated); more spills.
 MAX_PROGRAM_BYTES = 128 * 1024
 NUM_WARPS = 8
 # Programs (slots x f / c) the form needs: a wave's worth of the H100's 132 SMs. With 64 (xs's f 2,048, one
-# slot) it ran 6-10% slower than the split form in bench_decode's steps.
+# slot, at the widths above) it ran 6-10% slower than the split form in bench_decode's steps.
 MIN_PROGRAMS = 128
+# The narrowest slab: where the widths above leave fewer than MIN_PROGRAMS programs, the slab halves down to this
+# many columns. At xs's f 2,048 (16 columns, 128 programs) the row form then ran the step 0.915x the split form's
+# time in bf16, 0.925x in int8 (twice) and 0.943x in xs-dense, every round below 1 (one-process A-Bs on an H200,
+# experiments/results/decode_{bf16_slab32,int8_slab16}_xs*_ab*_H200.log).
+MIN_SLAB_COLUMNS = 16
 
 
-def slab_row_bytes(w_dtype) -> int:
-  """The bytes of a W_in row a program reads: SLAB_ROW_BYTES_INT8 for int8 weights, else SLAB_ROW_BYTES."""
-  return SLAB_ROW_BYTES_INT8 if jnp.dtype(w_dtype).itemsize == 1 else SLAB_ROW_BYTES
-
-
-def slab_columns(w_dtype) -> int:
-  """c: the hidden columns a program owns, slab_row_bytes of a W_in row."""
-  return slab_row_bytes(w_dtype) // jnp.dtype(w_dtype).itemsize
+def slab_columns(w_dtype, f: int, slots: int = 1) -> int:
+  """c: the hidden columns a program owns. The configured width (SLAB_ROW_BYTES_INT8 of a W_in row for int8
+  weights, else SLAB_ROW_BYTES), halved while slots x f / c falls short of MIN_PROGRAMS and c > MIN_SLAB_COLUMNS."""
+  itemsize = jnp.dtype(w_dtype).itemsize
+  c = (SLAB_ROW_BYTES_INT8 if itemsize == 1 else SLAB_ROW_BYTES) // itemsize
+  while slots * (f // c) < MIN_PROGRAMS and c // 2 >= MIN_SLAB_COLUMNS and f % (c // 2) == 0:
+    c //= 2
+  return c
 
 
 def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
   """Whether the one-kernel form takes this feed-forward: one row, d a power of two (a Triton block), f a
-  multiple of the slab, a program's (2 + gated) slabs of d x slab_row_bytes within MAX_PROGRAM_BYTES, and at
-  least MIN_PROGRAMS programs."""
-  c = slab_columns(w_dtype)
+  multiple of the slab (slab_columns), a program's (2 + gated) slabs of d x c within MAX_PROGRAM_BYTES, and
+  at least MIN_PROGRAMS programs."""
+  c = slab_columns(w_dtype, f, slots)
   return (m == 1 and d >= 16 and d & (d - 1) == 0 and f % c == 0 and slots * (f // c) >= MIN_PROGRAMS
-          and (2 + gated) * d * slab_row_bytes(w_dtype) <= MAX_PROGRAM_BYTES)
+          and (2 + gated) * d * c * jnp.dtype(w_dtype).itemsize <= MAX_PROGRAM_BYTES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +185,7 @@ def row_ffn_parts(
   (the router's select kernel then never runs); the result is (parts, the k ids, their float32 weights)."""
   d, f = kn(w_in)
   slots = routed.k if routed else experts.shape[0]
-  c = slab_columns(w_in.dtype)
+  c = slab_columns(w_in.dtype, f, slots)
   gated, up_scaled, gate_scaled = w_gate is not None, s_in is not None, s_gate is not None
   kernel = functools.partial(_kernel, source=source, activation=activation, dtype=jnp.dtype(dtype), c=c,
                              gated=gated, up_scaled=up_scaled, gate_scaled=gate_scaled, routed=routed)
