@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -606,7 +607,7 @@ def _gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block
             @pl.when(has_rows)
             def _():
               for b_smem, acc_ref in zip(b_smems, accs, strict=True):
-                b = plgpu.transpose_ref(b_smem, (1, 0)) if transpose_rhs else b_smem
+                b = b_smem.transpose((1, 0)) if transpose_rhs else b_smem
                 plgpu.wgmma(acc_ref, a_smem.at[wg_m], b)
 
             plgpu.wgmma_wait(num_w * delay)  # each wgmma is one group: keep this step's in flight
@@ -689,11 +690,19 @@ def gmm_epilogue(activation, num_w, num_pre, pre_tile, piece_real):
   return epilogue
 
 
+# jax 0.10's plgpu.load takes the index as a required argument; jax 0.11 deprecates passing it (the ref comes
+# indexed), so the index goes only where it is required.
+_LOAD_NEEDS_INDEX = (getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default", None)
+                     is inspect.Parameter.empty)
+
+
 def _load_wgmma(ref):
   """A shared-memory tile read into registers in the accumulator's (wgmma) layout."""
   if _interpret() is not None:
     return ref[...]
-  return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)  # jax 0.10 takes the index separately
+  if _LOAD_NEEDS_INDEX:
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+  return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
 
 def _gmm_config(lhs, n, topo, cfg, out_dtype, num_w=1, pre=()):
@@ -975,7 +984,7 @@ def _tgmm_padded(lhs, dout, plan, *, block_m, out_dtype, cfg: Config):
           def _():
             _zero_rows_from(b, tail)
 
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b)
+          plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b)
           plgpu.wgmma_wait(delay)
           return acc_ref
 
@@ -1131,7 +1140,7 @@ def _tgmm_streamed(lhs, dout, plan, *, block_m, out_dtype, cfg: Config):
               def _():
                 _zero_rows_from(b, tail)
 
-              plgpu.wgmma(acc, plgpu.transpose_ref(a_smem.at[slot], (1, 0)), b)
+              plgpu.wgmma(acc, a_smem.at[slot].transpose((1, 0)), b)
               plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
 
               @pl.when(s > 0)

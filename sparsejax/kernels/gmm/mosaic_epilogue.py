@@ -170,7 +170,7 @@ def gmm_padded(lhs, weights, row_block_expert, row_block_rows, pre=(), *, block_
                 @pl.when(mine > 0)
                 def _():
                   plgpu.wgmma(acc, a_smem.at[slot].at[a_rows],
-                              plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b)
+                              b.transpose((1, 0)) if transpose_rhs else b)
 
                 plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
 

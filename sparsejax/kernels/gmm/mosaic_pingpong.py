@@ -197,7 +197,7 @@ def tgmm_padded(
               def _():
                 mosaic._zero_rows_from(b, tail)
 
-              plgpu.wgmma(acc, plgpu.transpose_ref(a_smem.at[slot], (1, 0)), b)
+              plgpu.wgmma(acc, a_smem.at[slot].transpose((1, 0)), b)
               plgpu.wgmma_wait(1)  # the previous step's wgmma is done: release its slot
 
               @pl.when(s > 0)
@@ -392,7 +392,7 @@ def gmm_padded(
               a = a_smem.at[slot]
               for acc, b_ring in zip(accs, b_smems, strict=True):
                 b = b_ring.at[slot]
-                b = plgpu.transpose_ref(b, (1, 0)) if transpose_rhs else b
+                b = b.transpose((1, 0)) if transpose_rhs else b
 
                 # One commit group a weight and step either way, so the wait below keeps its meaning.
                 @pl.when(num_real > half)
