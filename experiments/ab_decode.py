@@ -11,10 +11,10 @@ read by the caller): a kernel under shared_lowering is a nested jit that A and B
 arguments and shapes agree, so a value read only inside its trace keeps A's, except the module switches that
 shared_lowering keys on (shared_lowering.module_switches: launch_dependents.EARLY,
 skinny_matmul.triton.INT8_FLOAT_BITS, triton_row_ffn.SLAB_ROW_BYTES{,_INT8}, NUM_WARPS, MIN_PROGRAMS and
-MIN_SLAB_COLUMNS). Rounds alternate the order (A B, B A, ...). Each time is one device-loop call of --steps steps. The report gives each variant's median
-ms a step, and B / A's median over the rounds with its range. Both decode the same greedy tokens from the same
-prompt, and the fraction that differ is printed (a kernel may flip a near-tie). --int8 decodes both with int8
-experts.
+MIN_SLAB_COLUMNS). Rounds alternate the order (A B, B A, ...). Each time is one device-loop call of --steps
+steps. The report gives each variant's median ms a step, and B / A's median over the rounds with its range.
+Both decode the same greedy tokens from the same prompt, and the fraction that differ is printed (a kernel may
+flip a near-tie). --int8 decodes both with int8 experts.
 
 Measured on an H100 (results/decode_ab_in_process_H100.log, medium-moe at batch 1, 16 rounds): an A-A run read
 B / A 1.002 (A 0.8265, B 0.8285 ms a step); with decode_qkv's kernel off (XLA's three kernels of glue) 1.010,
