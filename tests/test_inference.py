@@ -236,6 +236,39 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
   assert decode_logits_error(model, model, prompt, 5, full) < 1e-5
 
 
+def test_greedy_decoding_at_a_width_not_a_power_of_two(monkeypatch):
+  """d_model 96 (as 768 is, not a power of two): the norms still fold into the qkv, router and first expert
+  products, whose programs load the row as a masked block of 128, and the router's kernel adds W_o's pending parts
+  and stores the row it made. One prompt, every decode kernel forced; it decodes the full forward's greedy tokens."""
+  generate_module = importlib.import_module("sparsejax.inference.generate")
+  from sparsejax import modules
+  from sparsejax.inference import decode_moe
+  from sparsejax.kernels.decode_router import splits_logits
+  from sparsejax.kernels.decode_router import triton as router_triton
+  seen = force_decode_kernels(monkeypatch)
+  monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)  # [16, 4] tiles: 96 is six, three a program
+  monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
+  generate_module._compiled_step.cache_clear()
+  generate_module._compiled_loop.cache_clear()
+  pendings, real_parts = [], modules.router_logit_parts
+
+  def recording_parts(*args, pending=None, **kwargs):
+    pendings.append(None if pending is None else pending.shape)
+    return real_parts(*args, pending=pending, **kwargs)
+
+  monkeypatch.setattr(modules, "router_logit_parts", recording_parts)
+  config = BASE.replace(d_model=96, num_heads=3, moe_every=1)
+  model = Transformer(config, rngs=nnx.Rngs(5))
+  prompt = PROMPTS[:1]
+  got = np.asarray(generate(model, prompt, 5, temperature=0.0))
+  steps = seen.count("qkv") // config.num_layers
+  assert steps >= 1 and seen.count("Normed") >= 2 * steps * config.num_layers
+  assert pendings and set(pendings) == {(1, 1, 96)}
+  full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
+  assert_greedy_matches_full_forward(got, model, prompt, 5, full)
+  assert decode_logits_error(model, model, prompt, 5, full) < 1e-5
+
+
 @pytest.mark.parametrize("moe_every,temperature,chunk", [(0, 0.0, 3), (1, 0.8, 8)])
 def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   """Decoder.run (n steps in one jitted loop) samples exactly the tokens, and leaves the routing counts

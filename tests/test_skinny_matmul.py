@@ -194,11 +194,12 @@ def _rms64(x, g, eps=1e-6):
   return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * np.asarray(g, np.float64)
 
 
-# (x shape, w shape, slot ids or None): rows whose norm the kernel folds in (k a power of two: one
-# row, and 5 rows padded to 16 on the dot path), a dense weight with [b, t, k] rows, and k = 384,
-# where the op takes the norm in XLA first.
+# (x shape, w shape, slot ids or None): rows whose norm the kernel folds in (one row, one row of k = 384, loaded
+# as a masked block of 512, and 5 rows padded to 16 on the dot path), a dense weight with [b, t, k] rows, and
+# two rows of 384 (16 padded rows of 512 a program: past 4,096 numbers), where the op takes the norm in XLA first.
 NORM_CASES = {
     "one_row": ((1, 256), (3, 256, 320), [2, 0]),
+    "one_row_not_a_power_of_two": ((1, 384), (3, 384, 320), [2, 0]),
     "few_rows": ((5, 256), (2, 256, 192), [1]),
     "dense_rows": ((2, 3, 128), (128, 320), None),
     "norm_not_folded": ((2, 384), (2, 384, 64), [0, 1]),
@@ -259,7 +260,8 @@ def test_folds_norm_where_the_kernel_runs_on_small_rows():
   assert folds_norm(1, 1024, 4096, "triton")  # one row
   assert folds_norm(8, 256, 64, "triton")  # 16 padded rows of 256
   assert not folds_norm(32, 512, 2048, "triton")  # 16,384 numbers a program: XLA normalizes first
-  assert not folds_norm(1, 384, 64, "triton") and not folds_norm(1, 1024, 64, "xla")
+  assert folds_norm(1, 768, 3072, "triton")  # small-moe's d: a masked block of 1,024
+  assert not folds_norm(2, 384, 64, "triton") and not folds_norm(1, 1024, 64, "xla")
   assert folds_norm(1, 1024, 4096) == (jax.default_backend() == "gpu")
   assert not folds_norm(1, 1024, 100)  # no tiles for n = 100: XLA runs the product, and the norm
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from sparsejax.kernels import launch_dependents
+from sparsejax.kernels import launch_dependents, whole_row
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 
@@ -56,29 +56,33 @@ def default_config(d_model: int, num_experts: int) -> Config | None:
 
 
 def norm_fits(d_model: int) -> bool:
-  """Whether a program can fold the RMSNorm of x's row in: it loads the whole row (a power of two of
-  at most 16,384 numbers) to take its root mean square."""
-  return d_model & (d_model - 1) == 0 and d_model <= 16384
+  """Whether a program can fold the RMSNorm of x's row in: it loads the whole row (whole_row: d_model padded
+  to a power of two, at most 16,384 numbers) to take its root mean square."""
+  return whole_row.width(d_model) <= 16384
 
 
-def _row(x_ref, pend_ref, t, cols):
-  """x[t, cols] as [1, n]; with pend_ref (float32 [P, rows, d]: a product's split-K parts, not yet summed) the
-  block's residual add as XLA rounds it, round(x + round(sum_p pend[p, t, cols])), the parts summed in order."""
-  xs = x_ref[pl.ds(t, 1), cols]
+def _row(x_ref, pend_ref, t, cols=None):
+  """x[t, cols] as [1, n], or with cols None the whole row as whole_row's block; with pend_ref (float32
+  [P, rows, d]: a product's split-K parts, not yet summed) the block's residual add as XLA rounds it,
+  round(x + round(sum_p pend[p, t, cols])), the parts summed in order."""
+  part = (lambda ref, lead: whole_row.load(ref, t, 1, lead)) if cols is None else (
+      lambda ref, lead: ref[(*lead, pl.ds(t, 1), cols)])
+  xs = part(x_ref, ())
   if pend_ref is None:
     return xs
-  y = pend_ref[0, pl.ds(t, 1), cols]
+  y = part(pend_ref, (0,))
   for p in range(1, pend_ref.shape[0]):
-    y = y + pend_ref[p, pl.ds(t, 1), cols]
+    y = y + part(pend_ref, (p,))
   return (xs.astype(jnp.float32) + y.astype(x_ref.dtype).astype(jnp.float32)).astype(x_ref.dtype)
 
 
 def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None, eps=None, pend_ref=None):
   """([1, E] float32, the row): the sum over rows first .. first + steps * block_k of xn[t, r] W_r[r, :], with
   xn = x, or with g_ref rms_norm(x, g, eps) rounded to x's dtype as the norm's module rounds it; x is _row's (the
-  residual add of pend_ref's parts where given). The row is x[t] whole ([1, d]) where the norm loads it, else None."""
+  residual add of pend_ref's parts where given). The row is x[t] whole (whole_row's [1, width(d)] block) where
+  the norm loads it, else None."""
   e, d = w_ref.shape[1], x_ref.shape[1]
-  x_row = _row(x_ref, pend_ref, t, pl.ds(0, d)) if g_ref is not None else None  # the norm's whole row
+  x_row = _row(x_ref, pend_ref, t) if g_ref is not None else None  # the norm's whole row
 
   def tile(i):
     start = first + i * block_k
@@ -95,8 +99,7 @@ def _partial_logits(x_ref, w_ref, t, first, steps: int, block_k: int, g_ref=None
   def rms_scale():
     if g_ref is None:
       return None
-    x32 = x_row.astype(jnp.float32)
-    return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + eps)
+    return jax.lax.rsqrt(whole_row.mean_square(x_row, d) + eps)
 
   if steps == 1:  # the split form's one tile: its load is issued before the norm waits on the row
     ks, ws = tile(0)
@@ -185,7 +188,7 @@ def _split_kernel(x_ref, w_ref, *refs, cfg: Config, eps, pending: bool):
 
     @pl.when(s == 0)
     def _():
-      h_ref[0][pl.ds(t, 1), :] = x_row
+      whole_row.store(h_ref[0], t, x_row)
 
 
 def _select_kernel(part_ref, ids_ref, wts_ref, *, k: int, renormalize: bool):

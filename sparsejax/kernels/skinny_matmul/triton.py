@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
 from sparsejax._precision import dot_precision
-from sparsejax.kernels import launch_dependents
+from sparsejax.kernels import launch_dependents, whole_row
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 
@@ -108,10 +108,10 @@ def padded_rows(m: int, use_dot: bool) -> int:
 
 def norm_fits(m: int, k: int) -> bool:
   """Whether the kernel folds an RMSNorm of x's rows into the product: every program loads the whole
-  (padded) rows, a power-of-two k, so only where they are at most 4,096 numbers. At 32 rows of 512
-  (xs-moe at batch 32) the programs' copies of x made the step 18% slower on an H100
+  (padded) rows, k padded to a power of two (whole_row), so only where they are at most 4,096 numbers. At 32
+  rows of 512 (xs-moe at batch 32) the programs' copies of x made the step 18% slower on an H100
   (experiments/notes_decode.md); at one row of 1,024 folding took 9% off medium-moe's step."""
-  return k & (k - 1) == 0 and padded_rows(m, m > 1 or k > 2048) * k <= 4096
+  return padded_rows(m, m > 1 or k > 2048) * whole_row.width(k) <= 4096
 
 
 def hidden_fits(parts_rows: int, splits: int, m: int, k: int, n: int, slots: int = 1) -> bool:
@@ -150,8 +150,9 @@ class Normed:
   def finish(self, refs, acc):
     # The whole rows are loaded only now, after the weight loop, so their latency hides under the
     # weight's loads instead of delaying the first of them.
-    x32 = refs[0][...].astype(jnp.float32)
-    return acc * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=1, keepdims=True) + self.eps)
+    x_ref = refs[0]
+    x = whole_row.load(x_ref, 0, x_ref.shape[0])
+    return acc * jax.lax.rsqrt(whole_row.mean_square(x, x_ref.shape[1]) + self.eps)
 
 
 @dataclasses.dataclass(frozen=True)
