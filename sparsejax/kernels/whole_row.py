@@ -3,8 +3,8 @@
 Triton's blocks are powers of two. Where d is one, a row is the block ref[.., rows, 0:d]. Elsewhere (d 768) it is
 the block of width(d) = the next power of two, its columns past d loaded as zeros and stored onto column d - 1
 with its own value. Every address stays inside the row (the column index is clamped to d - 1), so no program
-reads or writes past the buffer on the GPU, where Pallas Triton masks no block access of its own. A norm over such a block divides its
-sum of squares by d, not by the width.
+reads or writes past the buffer on the GPU, where Pallas Triton masks no block access of its own. A norm over
+such a block divides its sum of squares by d, not by the width.
 """
 from __future__ import annotations
 

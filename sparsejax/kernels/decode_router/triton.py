@@ -65,14 +65,15 @@ def _row(x_ref, pend_ref, t, cols=None):
   """x[t, cols] as [1, n], or with cols None the whole row as whole_row's block; with pend_ref (float32
   [P, rows, d]: a product's split-K parts, not yet summed) the block's residual add as XLA rounds it,
   round(x + round(sum_p pend[p, t, cols])), the parts summed in order."""
-  part = (lambda ref, lead: whole_row.load(ref, t, 1, lead)) if cols is None else (
-      lambda ref, lead: ref[(*lead, pl.ds(t, 1), cols)])
-  xs = part(x_ref, ())
+  def part(ref, *lead):
+    return whole_row.load(ref, t, 1, lead) if cols is None else ref[(*lead, pl.ds(t, 1), cols)]
+
+  xs = part(x_ref)
   if pend_ref is None:
     return xs
-  y = part(pend_ref, (0,))
+  y = part(pend_ref, 0)
   for p in range(1, pend_ref.shape[0]):
-    y = y + part(pend_ref, (p,))
+    y = y + part(pend_ref, p)
   return (xs.astype(jnp.float32) + y.astype(x_ref.dtype).astype(jnp.float32)).astype(x_ref.dtype)
 
 
