@@ -10,7 +10,7 @@ compiled steps is cleared between them. A patch must act where the step is trace
 read by the caller): a kernel under shared_lowering is a nested jit that A and B share wherever their static
 arguments and shapes agree, so a value read only inside its trace keeps A's, except the module switches that
 shared_lowering keys on (shared_lowering.module_switches: launch_dependents.EARLY,
-skinny_matmul.triton.INT8_FLOAT_BITS, triton_row_ffn.SLAB_ROW_BYTES{,_INT8}, NUM_WARPS, MIN_PROGRAMS and
+skinny_matmul.triton.INT8_FLOAT_BITS, triton_row_ffn.SLAB_ROW_BYTES{,_INT8}, NUM_WARPS, WAVE_PROGRAMS and
 MIN_SLAB_COLUMNS). Rounds alternate the order (A B, B A, ...). Each time is one device-loop call of --steps
 steps. The report gives each variant's median ms a step, and B / A's median over the rounds with its range.
 Both decode the same greedy tokens from the same prompt, and the fraction that differ is printed (a kernel may

@@ -70,13 +70,13 @@ def _row_ffn(w_dtype, slab_bytes: int):
                             dtype=bf, interpret=False)
 
   def fn(x, g, w_in, w_out, s_in, ids):
-    saved = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.MIN_PROGRAMS
+    saved = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.WAVE_PROGRAMS
     row.SLAB_ROW_BYTES_INT8 = row.SLAB_ROW_BYTES = slab_bytes
-    row.MIN_PROGRAMS = 1  # the width asked, not narrowed for a wave (64-byte int8 slabs make 64 programs)
+    row.WAVE_PROGRAMS = 0  # the width asked, not narrowed for a wave (64-byte int8 slabs make 64 programs)
     try:
       return parts((x, g), w_in=w_in, w_gate=None, w_out=w_out, s_in=s_in if km else None, s_gate=None, experts=ids)
     finally:
-      row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.MIN_PROGRAMS = saved
+      row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.WAVE_PROGRAMS = saved
 
   return fn, [S((1, d), bf), S((d,), bf), S((experts, f, d) if km else (experts, d, f), w_dtype),
               S((experts, d, f) if km else (experts, f, d), w_dtype), S((experts, f), jnp.float32),

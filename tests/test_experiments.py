@@ -762,13 +762,13 @@ def test_triton_sass_row_ffn_cases_lower_the_slab_width_they_name():
   library's widths as they were."""
   import triton_sass
   from sparsejax.kernels.skinny_matmul import triton_row_ffn as row
-  widths = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.MIN_PROGRAMS
+  widths = row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.WAVE_PROGRAMS
   for case, tile in [("row_ffn_int8_16", "16x1024xi8"), ("row_ffn_int8_32", "32x1024xi8"),
                      ("row_ffn_int8_64", "64x1024xi8"), ("row_ffn_bf16", "1024x32xbf16")]:
     fn, shapes = triton_sass.CASES[case]()
     (text,) = triton_sass.ttir_of(fn, *shapes)
     assert f"tensor<{tile}>" in text, case
-  assert (row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.MIN_PROGRAMS) == widths
+  assert (row.SLAB_ROW_BYTES_INT8, row.SLAB_ROW_BYTES, row.WAVE_PROGRAMS) == widths
 
 
 def test_probe_bench_check_times_decoders_compiled_before_and_after_the_check(capsys):

@@ -237,15 +237,19 @@ def test_greedy_decoding_at_batch_one_with_the_row_ffn_and_its_residual_kernel(m
 
 
 def test_greedy_decoding_at_a_width_not_a_power_of_two(monkeypatch):
-  """d_model 96 (as 768 is, not a power of two): the norms still fold into the qkv, router and first expert
-  products, whose programs load the row as a masked block of 128, and the router's kernel adds W_o's pending parts
-  and stores the row it made. One prompt, every decode kernel forced; it decodes the full forward's greedy tokens."""
+  """d_model 96 (as 768 is, not a power of two): the norms still fold into the qkv and router products, whose
+  programs load the row as a masked block of 128, and the router's kernel adds W_o's pending parts and stores the
+  row it made; the experts' row kernel takes d as pieces of 64 and 32 (its norm folded in), routes itself, and its
+  epilogue sums d_ff 96's six slabs as pieces of 4 and 2. One prompt, every decode kernel forced; it decodes the
+  full forward's greedy tokens."""
   generate_module = importlib.import_module("sparsejax.inference.generate")
   from sparsejax import modules
   from sparsejax.inference import decode_moe
   from sparsejax.kernels.decode_router import splits_logits
   from sparsejax.kernels.decode_router import triton as router_triton
+  from sparsejax.kernels.skinny_matmul import triton_row_ffn
   seen = force_decode_kernels(monkeypatch)
+  monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
   monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)  # [16, 4] tiles: 96 is six, three a program
   monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
   generate_module._compiled_step.cache_clear()
@@ -257,13 +261,27 @@ def test_greedy_decoding_at_a_width_not_a_power_of_two(monkeypatch):
     return real_parts(*args, pending=pending, **kwargs)
 
   monkeypatch.setattr(modules, "router_logit_parts", recording_parts)
-  config = BASE.replace(d_model=96, num_heads=3, moe_every=1)
+  real_row, real_epilogue, rows, epilogues = triton_row_ffn.row_ffn_parts, triton_row_ffn.residual_epilogue, [], []
+
+  def recording_row(x_operands, source, *args, **kwargs):
+    rows.append((type(source).__name__, args[8] if len(args) > 8 else kwargs.get("routed")))
+    return real_row(x_operands, source, *args, **kwargs)
+
+  def recording_epilogue(parts, *args, **kwargs):
+    epilogues.append(parts.shape)
+    return real_epilogue(parts, *args, **kwargs)
+
+  monkeypatch.setattr(triton_row_ffn, "row_ffn_parts", recording_row)
+  monkeypatch.setattr(triton_row_ffn, "residual_epilogue", recording_epilogue)
+  config = BASE.replace(d_model=96, num_heads=3, moe_every=1, d_ff=96)
   model = Transformer(config, rngs=nnx.Rngs(5))
   prompt = PROMPTS[:1]
   got = np.asarray(generate(model, prompt, 5, temperature=0.0))
   steps = seen.count("qkv") // config.num_layers
-  assert steps >= 1 and seen.count("Normed") >= 2 * steps * config.num_layers
+  assert steps >= 1 and seen.count("Normed") >= steps * config.num_layers
   assert pendings and set(pendings) == {(1, 1, 96)}
+  assert set(rows) == {("Normed", triton_row_ffn.Routed(config.top_k, True))}
+  assert set(epilogues) == {(config.top_k, 96 // 16, 96)}  # float32: 16-column slabs
   full = greedy_by_full_forward(model, prompt, 5, with_logits=True)
   assert_greedy_matches_full_forward(got, model, prompt, 5, full)
   assert decode_logits_error(model, model, prompt, 5, full) < 1e-5

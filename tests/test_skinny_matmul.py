@@ -287,16 +287,18 @@ def _ffn_oracle(x, w_in, w_out, ids, act, w_gate=None, scales=(None, None, None)
   return _oracle(jnp.asarray(h, dtype), w_out, ids, s_out)
 
 
-# (m, d, f, E, ids, form): "row" is one kernel of hidden-layer slabs (one row, d a power of two); "split" the
+# (m, d, f, E, ids, form): "row" is one kernel of hidden-layer slabs (one row, d in power-of-two pieces); "split" the
 # two kernels with the hidden layer in W_out's loads: one row whose parts (no dot) feed W_out's dot (f > 2048:
 # 16 padded rows); five rows (the parts already padded to 16); one row on both multiply-reduce paths. ids past
 # [0, E) are slots with no expert (zero rows); 128 slabs at f = 4,096.
 FFN_CASES = {
-    "split_one_row_into_a_dot": (1, 192, 4096, 3, [2, 0], "split"),
+    "split_one_row_into_a_dot": (1, 240, 4096, 3, [2, 0], "split"),  # 128 + 64 + 32 + 16: too many pieces
     "split_few_rows": (5, 256, 384, 4, [1, 3, 1], "split"),
-    "split_one_row": (1, 384, 512, 3, [-1, 3, 1], "split"),
+    "split_one_row": (1, 496, 512, 3, [-1, 3, 1], "split"),  # five pieces
     "row": (1, 256, 512, 3, [-1, 3, 1], "row"),
     "row_many_slabs": (1, 64, 4096, 3, [2, 0], "row"),
+    "row_d_in_two_pieces": (1, 384, 512, 3, [1, -1, 0], "row"),  # 256 + 128, as small's 768 is 512 + 256
+    "row_d_in_three_pieces": (1, 448, 256, 2, [1], "row"),  # 256 + 128 + 64
 }
 
 
@@ -309,10 +311,12 @@ def _form(m, d, f, act=jax.nn.gelu, w_dtype=jnp.float32, gated=False, slots=1):
 
 @pytest.fixture
 def row_form_at_any_size(monkeypatch):
-  """The one-kernel form for the tests' small feed-forwards too: it asks for a wave of programs (MIN_PROGRAMS)
-  only so as not to leave SMs idle; its answer does not depend on how many programs run."""
+  """The one-kernel form for the tests' small feed-forwards too, at the width set: it asks for most of a wave of
+  programs (MIN_PROGRAMS) and narrows its slab to fill one (WAVE_PROGRAMS) only for speed; its answer does not
+  depend on how many programs run."""
   from sparsejax.kernels.skinny_matmul import triton_row_ffn
   monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 1)
+  monkeypatch.setattr(triton_row_ffn, "WAVE_PROGRAMS", 0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -340,11 +344,12 @@ def test_ffn_with_the_hidden_layer_in_the_kernel_equals_the_oracle(name, dtype, 
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("d,form,slab", [(256, "row", 32), (256, "row", 16), (2048, "split", 32)])
+@pytest.mark.parametrize("d,form,slab", [(256, "row", 32), (256, "row", 16), (384, "row", 32), (2048, "split", 32)])
 def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, slab, dtype, row_form_at_any_size, monkeypatch):
   """SiLU-GLU with int8 experts and their scales, the norm folded into the kernels: the one-kernel form (at the
-  library's slab width and at 16-byte slabs, the width an A-B may try), and the split form (where a program's three
-  slabs of d = 2,048 rows would not fit) in W_in's and W_gate's programs."""
+  library's slab width and at 16-byte slabs, the width an A-B may try; at d 384, k-major slabs and the norm's row in
+  pieces of 256 and 128), and the split form (where a program's three slabs of d = 2,048 rows would not fit) in
+  W_in's and W_gate's programs."""
   from sparsejax.kernels.skinny_matmul import folds_norm, skinny_ffn, triton_row_ffn
   monkeypatch.setattr(triton_row_ffn, "SLAB_ROW_BYTES_INT8", slab)
   seed = seed_of("ffn_glu", str(dtype), str(d))
@@ -367,22 +372,36 @@ def test_ffn_gated_int8_and_folded_norm_in_the_kernels(d, form, slab, dtype, row
     (jnp.bfloat16, 2048, 1, 16, True), (jnp.int8, 2048, 1, 16, True),  # xs's f: narrowed to make one
     (jnp.bfloat16, 2048, 2, 32, True),  # two slots make the wave
     (jnp.float32, 2048, 1, 16, True),  # 64-byte rows are 16 columns already
-    (jnp.int8, 3072, 1, 16, True),  # 96 programs at 32 columns, 192 at 16
-    (jnp.bfloat16, 1024, 1, 16, False), (jnp.int8, 1024, 1, 16, False),  # short of a wave at the narrowest slab
+    (jnp.int8, 3072, 1, 32, True), (jnp.bfloat16, 3072, 1, 32, True),  # small's f: 96 programs; 192 overflow a wave
+    (jnp.bfloat16, 1536, 1, 16, True),  # 48 programs at 32 columns, 96 at 16
+    (jnp.bfloat16, 1024, 1, 16, False), (jnp.int8, 1024, 1, 16, False),  # short of MIN_PROGRAMS at the narrowest slab
 ])
 def test_the_row_slab_narrows_only_to_make_a_wave(w_dtype, f, slots, c, row):
-  """slab_columns keeps the set width where it makes MIN_PROGRAMS programs and halves it (to MIN_SLAB_COLUMNS at
-  most) where it does not; a feed-forward still short of a wave takes the split form (d 512, the library's
-  constants)."""
+  """slab_columns keeps the set width unless twice its programs still fit a wave (WAVE_PROGRAMS), and then halves
+  it (to MIN_SLAB_COLUMNS at most); a feed-forward short of MIN_PROGRAMS at that width takes the split form (d 512,
+  the library's constants)."""
   from sparsejax.kernels.skinny_matmul import triton_row_ffn
   assert triton_row_ffn.slab_columns(w_dtype, f, slots) == c
   assert triton_row_ffn.fits(1, 512, f, w_dtype, False, slots) == row
 
 
+@pytest.mark.parametrize("d,want", [(1024, [(0, 1024)]), (768, [(0, 512), (512, 256)]), (96, [(0, 64), (64, 32)]),
+                                    (448, [(0, 256), (256, 128), (384, 64)]), (1, [(0, 1)])])
+def test_a_row_in_power_of_two_pieces(d, want):
+  """whole_row.pieces: d's binary digits, largest first, tiling 0..d; a power of two is one piece, the whole axis."""
+  from sparsejax.kernels import whole_row
+  assert list(whole_row.pieces(d)) == want
+  index = [whole_row.piece_index(d, p) for p in want]
+  if len(want) == 1:
+    assert index == [slice(None)]
+  else:
+    assert [(i.start, i.size) for i in index] == want
+
+
 @pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.int8], ids=["bf16", "int8"])
 def test_ffn_row_kernel_at_a_narrowed_slab_equals_the_oracle(w_dtype, monkeypatch):
-  """The one-kernel form where the set width leaves too few programs (8 at f 256 for a wave of 16 here): at
-  16-column slabs, against float64, per-channel scales for int8."""
+  """The one-kernel form where the set width leaves a wave mostly idle (8 programs at f 256; MIN_PROGRAMS 16 here):
+  at 16-column slabs, against float64, per-channel scales for int8."""
   from sparsejax.kernels.skinny_matmul import skinny_ffn, triton_row_ffn
   monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", 16)
   d, f = 128, 256
@@ -402,7 +421,7 @@ def test_ffn_row_kernel_at_a_narrowed_slab_equals_the_oracle(w_dtype, monkeypatc
 
 def test_a_patched_slab_width_reaches_a_row_kernel_already_lowered(monkeypatch):
   """An A-B of the row kernel's slab width (ab_decode --patch ...triton_row_ffn:SLAB_ROW_BYTES_INT8=16) lowers B's
-  kernel anew: shared_lowering keys on the width (and the wave it narrows for), so B gets its own grid, not the
+  kernel anew: shared_lowering keys on the width (and the wave it narrows to fill), so B gets its own grid, not the
   kernel lowered for A."""
   from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn
   S, d, f = jax.ShapeDtypeStruct, 256, 1024
@@ -414,10 +433,11 @@ def test_a_patched_slab_width_reaches_a_row_kernel_already_lowered(monkeypatch):
         (x,), skinny.Plain(per_slot=False), wi, None, wo, si, None, ids, jax.nn.gelu, jnp.bfloat16, interpret=False)
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).out_info.shape[1]
 
-  # The wave the slab narrows for is a switch too: 32 columns make 32 programs here, short of 64.
-  for width, wave, want in [(32, 1, 32), (16, 1, 64), (32, 1, 32), (32, 64, 64)]:
+  # The wave the slab narrows to fill is a switch too: 32 columns make 32 programs here, and a wave of 64 holds twice
+  # that (a wave of 0: no narrowing).
+  for width, wave, want in [(32, 0, 32), (16, 0, 64), (32, 0, 32), (32, 64, 64)]:
     monkeypatch.setattr(triton_row_ffn, "SLAB_ROW_BYTES_INT8", width)
-    monkeypatch.setattr(triton_row_ffn, "MIN_PROGRAMS", wave)
+    monkeypatch.setattr(triton_row_ffn, "WAVE_PROGRAMS", wave)
     assert programs() == want, (width, wave)
 
 
@@ -452,7 +472,7 @@ def test_ffn_dense_weights_and_the_unfused_cases():
   """A dense MLP ([d, f] weights, x [b, t, d]); exact GELU (no kernel body for erf) and hidden layers too
   large for a program take the two-call form, with the same answer."""
   from sparsejax.activations import gelu_exact
-  from sparsejax.kernels.skinny_matmul import fuses_hidden, skinny_ffn
+  from sparsejax.kernels.skinny_matmul import fuses_hidden, fuses_residual, skinny_ffn
   x = _draw(31, (2, 3, 128), jnp.float32)
   w_in, w_out = _draw(32, (128, 256), jnp.float32), _draw(33, (256, 128), jnp.float32)
   got = skinny_ffn(x, w_in, w_out, impl="triton")
@@ -471,7 +491,13 @@ def test_ffn_dense_weights_and_the_unfused_cases():
     assert _form(1, 512, 2048, w_dtype=w_dtype) == "row" and _form(1, 512, 2048, w_dtype=w_dtype, slots=2) == "row"
   assert _form(1, 512, 1024, w_dtype=jnp.bfloat16) == "split"  # 64 programs even at 16 columns
   assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16, gated=True) == "split"  # three slabs: 192 KB a program
-  assert _form(1, 768, 3072, w_dtype=jnp.bfloat16) == "split"  # small's d: not a Triton block
+  # small's d 768 as pieces of 512 and 256; f 3,072 at 32 columns makes 96 programs, whose parts the epilogue sums
+  # as 64 + 32, so small-moe's experts take the row form, its epilogue and their own routing
+  for w_dtype in (jnp.bfloat16, jnp.int8):
+    assert _form(1, 768, 3072, w_dtype=w_dtype) == "row"
+    assert fuses_residual(1, 768, 3072, jax.nn.gelu, "triton", w_dtype)
+  assert _form(1, 1008, 4096, w_dtype=jnp.bfloat16) != "row"  # 512 + 256 + 128 + 64 + 32 + 16: too many pieces
+  assert _form(1, 776, 4096, w_dtype=jnp.bfloat16) == "two_calls"  # not a multiple of 16: no kernel's tiles
   assert _form(2, 1024, 4096, w_dtype=jnp.bfloat16) != "row"  # two rows
   assert not fuses_hidden(32, 1024, 4096, jax.nn.gelu, "triton")  # 32 rows of parts: too many a program
   assert not fuses_hidden(1, 1024, 4096, jax.nn.gelu, "xla")
@@ -557,13 +583,16 @@ def _residual_oracle(y64, combine, residual, dtype):
   return rnd(np.asarray(residual, np.float64) + rnd(z, dtype), residual.dtype)
 
 
-# (d, f, E, ids, w dtype, gated, fused): the row form's epilogue kernel where its parts are a power of two
-# (f / slab columns: 16 bf16, 32 float32, 16 int8 slabs), XLA's epilogue where not (f = 384 in bf16: 12 slabs).
+# (d, f, E, ids, w dtype, gated, fused): the row form's epilogue kernel where its parts come in at most
+# MAX_PIECES power-of-two pieces (f / slab columns: 16 bf16, 32 float32, 16 int8 slabs; 384 in bf16: 12 = 8 + 4),
+# XLA's epilogue where not (f = 480: 15 = 8 + 4 + 2 + 1 bf16 slabs, 30 = 16 + 8 + 4 + 2 float32 ones).
 RESIDUAL_CASES = {
     "moe_empty_padded_and_repeated_slots": (256, 512, 3, [-1, 2, 2, 3], None, False, True),
     "one_expert": (128, 512, 1, [0], None, False, True),
     "glu_int8_scales": (256, 512, 3, [2, 0], jnp.int8, True, True),
-    "slabs_not_a_power_of_two": (128, 384, 3, [1, 0], None, False, False),
+    "slabs_in_two_pieces": (128, 384, 3, [1, 0], None, False, True),
+    "slabs_in_four_pieces": (128, 480, 3, [1, 0], None, False, False),
+    "d_in_two_pieces_int8_glu": (384, 512, 3, [2, 0], jnp.int8, True, True),
 }
 
 
@@ -655,13 +684,16 @@ def _select64(router_parts, k, renormalize):
 
 
 # (d, f, E, k, router splits, renormalize, w dtype, gated, fused): the row kernel and its epilogue selecting for
-# themselves (f / slab columns a power of two), and XLA selecting where the epilogue does not fuse (12 slabs).
+# themselves (f / slab columns in at most MAX_PIECES pieces), and XLA selecting where the epilogue does not fuse
+# (15 or 30 slabs: four pieces).
 ROUTED_CASES = {
     "top1": (256, 512, 8, 1, 4, False, None, False, True),
     "top2_renormalized_int8_glu": (256, 512, 8, 2, 2, True, jnp.int8, True, True),
     "k_equals_e": (128, 512, 4, 4, 8, True, None, False, True),
     "one_expert": (128, 512, 1, 1, 2, False, None, False, True),
-    "slabs_not_a_power_of_two": (128, 384, 4, 2, 2, True, None, False, False),
+    "slabs_in_two_pieces": (128, 384, 4, 2, 2, True, None, False, True),
+    "slabs_in_four_pieces": (128, 480, 4, 2, 2, True, None, False, False),
+    "d_in_two_pieces": (384, 256, 8, 2, 4, False, None, False, True),
 }
 
 

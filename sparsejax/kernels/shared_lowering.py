@@ -10,7 +10,7 @@ each distinct kernel compiles once, and the kernels run as before.
 
 The jit also keys on the kernels' module switches (`module_switches`: launch_dependents.EARLY,
 skinny_matmul.triton.INT8_FLOAT_BITS, and the row FFN's slab widths, warps and the wave it narrows its slabs
-for): an A-B that patches one traces B's kernels anew instead of being handed A's.
+to fill): an A-B that patches one traces B's kernels anew instead of being handed A's.
 
 Interpret mode (the CPU tests) calls the kernel directly: jax 0.10's Mosaic GPU interpreter, whose
 callbacks dispatch jax ops, ran one CPU test in minutes inside a jit against 18 s outside it. The
@@ -32,7 +32,7 @@ def module_switches() -> tuple:
   from sparsejax.kernels.skinny_matmul import triton as skinny, triton_row_ffn as row  # they import this module
 
   return (launch_dependents.EARLY, skinny.INT8_FLOAT_BITS, row.SLAB_ROW_BYTES, row.SLAB_ROW_BYTES_INT8, row.NUM_WARPS,
-          row.MIN_PROGRAMS, row.MIN_SLAB_COLUMNS)
+          row.WAVE_PROGRAMS, row.MIN_SLAB_COLUMNS)
 
 
 def shared_lowering(*static_argnames: str):

@@ -5,6 +5,9 @@ the block of width(d) = the next power of two, its columns past d loaded as zero
 with its own value. Every address stays inside the row (the column index is clamped to d - 1), so no program
 reads or writes past the buffer on the GPU, where Pallas Triton masks no block access of its own. A norm over
 such a block divides its sum of squares by d, not by the width.
+
+A kernel that holds a block per row of weights (the row FFN's slabs) would waste a quarter of its registers on
+a padded block at d 768; it takes the row as pieces instead (pieces: 768 = 512 + 256), each a block of its own.
 """
 from __future__ import annotations
 
@@ -16,6 +19,23 @@ from jax.experimental import pallas as pl
 def width(d: int) -> int:
   """The block's columns for a row of d numbers: d rounded up to a power of two."""
   return pl.next_power_of_2(d)
+
+
+def pieces(d: int) -> tuple[tuple[int, int], ...]:
+  """d as (offset, size) blocks of powers of two, largest first, that tile 0..d: its binary digits."""
+  out, offset = [], 0
+  for bit in reversed(range(d.bit_length())):
+    if d >> bit & 1:
+      out.append((offset, 1 << bit))
+      offset += 1 << bit
+  return tuple(out)
+
+
+def piece_index(d: int, piece: tuple[int, int]):
+  """The index of a piece along an axis of d: the whole axis where the piece is all of it (so a power-of-two d
+  lowers as it did before pieces), else the piece's static slice."""
+  offset, size = piece
+  return slice(None) if size == d else pl.ds(offset, size)
 
 
 def _indices(lead: tuple, row0, nrows: int, d: int):

@@ -199,6 +199,8 @@ def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto", slots: 
   if not (runs_kernel(m, d, f, impl) and runs_kernel(m, f, d, impl) and activation in PLAIN):
     return False
   cfg_in = triton.default_config(m, d, f, slots)
+  if cfg_in is None:  # d or f not a multiple of 16: no tiles (impl="triton" then runs the reference)
+    return False
   parts_rows = triton.padded_rows(m, cfg_in.use_dot)
   return triton.hidden_fits(parts_rows, d // cfg_in.rows_per_program, m, f, d, slots)
 

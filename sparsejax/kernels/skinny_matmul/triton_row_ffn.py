@@ -13,9 +13,10 @@ A program issues its W_out slab's loads first (they depend on nothing it compute
 W_gate's), and holds them in registers: F_j is slab_columns wide (64 bytes of every W_in row in bf16, 32
 in int8: 32 columns either way, halved to 16 where f is too short for a wave of programs), so a program
 reads d x that of each weight (int8 weights are k-major, reference.k_major: its W_in slab is then c whole
-rows of W_in^T, and its W_out slab d rows of c bytes). x comes as Plain (one row, or one per slot) or Normed
-(the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product scaled by
-rsqrt(mean(x^2) + eps)); the rounding of u, g and h is the split form's (op._hidden). At a decode step's one
+rows of W_in^T, and its W_out slab d rows of c bytes). Where d is not a power of two (small's 768), slabs, x
+and the parts' row are taken in power-of-two pieces of d (whole_row.pieces: 512 + 256). x comes as Plain (one
+row, or one per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product
+scaled by rsqrt(mean(x^2) + eps)); the rounding of u, g and h is the split form's (op._hidden). At a decode step's one
 token the kernel can route itself (Routed): each program takes its slot's expert from the router's partial
 logits, so the router's select kernel never runs (op.routed_ffn_residual). Reference: op.skinny_ffn's
 reference (the two-call form); off the GPU the kernel runs in Pallas' interpret mode
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from typing import Callable
 
 import jax
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
-from sparsejax.kernels import launch_dependents
+from sparsejax.kernels import launch_dependents, whole_row
 from sparsejax.kernels.decode_router.triton import summed_logits, top_ids, weights_of
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.kernels.skinny_matmul.reference import k_major, kn
@@ -50,33 +52,43 @@ SLAB_ROW_BYTES_INT8 = 32
 # Weight bytes a program holds in registers: 128 KB over 8 warps is 128 registers a thread (medium's
 # d 1,024 in bf16, non-gated); more spills.
 MAX_PROGRAM_BYTES = 128 * 1024
+# Power-of-two pieces a row of d (or the epilogue's P parts) may take (whole_row.pieces): 768 = 512 + 256 and
+# every d a multiple of 256 up to 2,048 take at most three.
+MAX_PIECES = 3
 NUM_WARPS = 8
-# Programs (slots x f / c) the form needs: a wave's worth of the H100's 132 SMs. With 64 (xs's f 2,048, one
-# slot, at the widths above) it ran 6-10% slower than the split form in bench_decode's steps.
-MIN_PROGRAMS = 128
-# The narrowest slab: where the widths above leave fewer than MIN_PROGRAMS programs, the slab halves down to this
-# many columns. At xs's f 2,048 (16 columns, 128 programs) the row form then ran the step 0.915x the split form's
-# time in bf16, 0.925x in int8 (twice) and 0.943x in xs-dense, every round below 1 (one-process A-Bs on an H200,
-# experiments/results/decode_{bf16_slab32,int8_slab16}_xs*_ab*_H200.log).
+# Programs (slots x f / c) a wave holds: the H100's and the H200's 132 SMs. The slab narrows only while the
+# programs it then makes still fit one wave: 16 columns at small's f 3,072 (192 programs, a wave and a half) ran
+# its step 1.07x the time of 32 columns (96 programs) on an H200 (decode_row_ffn_pieces_small_c32_ab_H200.log).
+WAVE_PROGRAMS = 132
+# The fewest programs the form takes (else the split form's two kernels run): 64 (xs's f 2,048 at 32 columns)
+# ran 6-10% slower than the split form in bench_decode's steps on an H100; 96 (small's f 3,072 at 32 columns)
+# ran faster (decode_row_ffn_pieces_small{,_int8}_ab_H200.log).
+MIN_PROGRAMS = 96
+# The narrowest slab. At xs's f 2,048 (16 columns, 128 programs, where 32 made 64) the row form ran the step
+# 0.915x the split form's time in bf16, 0.925x in int8 (twice) and 0.943x in xs-dense, every round below 1
+# (one-process A-Bs on an H200, experiments/results/decode_{bf16_slab32,int8_slab16}_xs*_ab*_H200.log); at medium's
+# f 4,096 16 columns (256 programs against 128) ran 1.066x (decode_int8_slab16_medium_ab_H200.log).
 MIN_SLAB_COLUMNS = 16
 
 
 def slab_columns(w_dtype, f: int, slots: int = 1) -> int:
   """c: the hidden columns a program owns. The configured width (SLAB_ROW_BYTES_INT8 of a W_in row for int8
-  weights, else SLAB_ROW_BYTES), halved while slots x f / c falls short of MIN_PROGRAMS and c > MIN_SLAB_COLUMNS."""
+  weights, else SLAB_ROW_BYTES), halved while twice the programs (slots x f / c) still fit WAVE_PROGRAMS and
+  c / 2 >= MIN_SLAB_COLUMNS divides f."""
   itemsize = jnp.dtype(w_dtype).itemsize
   c = (SLAB_ROW_BYTES_INT8 if itemsize == 1 else SLAB_ROW_BYTES) // itemsize
-  while slots * (f // c) < MIN_PROGRAMS and c // 2 >= MIN_SLAB_COLUMNS and f % (c // 2) == 0:
+  while 2 * slots * (f // c) <= WAVE_PROGRAMS and c // 2 >= MIN_SLAB_COLUMNS and f % (c // 2) == 0:
     c //= 2
   return c
 
 
 def fits(m: int, d: int, f: int, w_dtype, gated: bool, slots: int = 1) -> bool:
-  """Whether the one-kernel form takes this feed-forward: one row, d a power of two (a Triton block), f a
-  multiple of the slab (slab_columns), a program's (2 + gated) slabs of d x c within MAX_PROGRAM_BYTES, and
-  at least MIN_PROGRAMS programs."""
+  """Whether the one-kernel form takes this feed-forward: one row; d a multiple of 16 in at most MAX_PIECES
+  power-of-two pieces (Triton blocks); f a multiple of the slab (slab_columns); a program's (2 + gated) slabs of
+  d x c within MAX_PROGRAM_BYTES; and at least MIN_PROGRAMS programs."""
   c = slab_columns(w_dtype, f, slots)
-  return (m == 1 and d >= 16 and d & (d - 1) == 0 and f % c == 0 and slots * (f // c) >= MIN_PROGRAMS
+  return (m == 1 and d >= 16 and d % 16 == 0 and len(whole_row.pieces(d)) <= MAX_PIECES and f % c == 0
+          and slots * (f // c) >= MIN_PROGRAMS
           and (2 + gated) * d * c * jnp.dtype(w_dtype).itemsize <= MAX_PROGRAM_BYTES)
 
 
@@ -97,6 +109,11 @@ def _pick(values: list, s):
   for i in range(1, len(values)):
     v = jnp.where(s == i, values[i], v)
   return v
+
+
+def _total(values: list):
+  """The sum of a list of arrays, with no zero to start it (one piece lowers as it did before pieces)."""
+  return functools.reduce(operator.add, values)
 
 
 def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gated: bool, up_scaled: bool,
@@ -125,21 +142,25 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   wf = lambda w: weights_as(w, jnp.float32) if w.dtype == jnp.int8 else rnd(w)
   d = kn(w_out_ref)[1]
   km = k_major(w_in_ref.dtype)  # int8: W_in's slab is [c, d] and W_out's [d, c], summed over their last axis
+  # d in power-of-two pieces (whole_row.pieces; one piece, the whole row, where d is a power of two): every
+  # load, product and store along d runs piece by piece, so no register holds padding.
+  at = [whole_row.piece_index(d, p) for p in whole_row.pieces(d)]
 
   def part(_):
-    w2 = w_out_ref[expert, :, cols] if km else w_out_ref[expert, cols, :]
-    w1 = w_in_ref[expert, cols, :] if km else w_in_ref[expert, :, cols]
-    wg = (w_gate_ref[expert, cols, :] if km else w_gate_ref[expert, :, cols]) if gated else None
+    w2 = [w_out_ref[expert, i, cols] if km else w_out_ref[expert, cols, i] for i in at]
+    w1 = [w_in_ref[expert, cols, i] if km else w_in_ref[expert, i, cols] for i in at]
+    wg = [w_gate_ref[expert, cols, i] if km else w_gate_ref[expert, i, cols] for i in at] if gated else None
     if isinstance(source, Normed):
-      x = x_refs[0][0, :]
-      xs = f32((f32(x) * f32(x_refs[1][:])).astype(x.dtype))
-      r = jax.lax.rsqrt(jnp.sum(f32(x) * f32(x)) / d + source.eps)
+      x = [x_refs[0][0, i] for i in at]
+      xs = [f32((f32(xp) * f32(x_refs[1][i])).astype(xp.dtype)) for xp, i in zip(x, at)]
+      r = jax.lax.rsqrt(_total([jnp.sum(f32(xp) * f32(xp)) for xp in x]) / d + source.eps)
     else:
       x_ref = x_refs[0]
-      xs, r = f32(x_ref[s, 0, :] if source.per_slot else x_ref[0, :]), None
+      xs, r = [f32(x_ref[s, 0, i] if source.per_slot else x_ref[0, i]) for i in at], None
 
     def first(w, scale_ref):
-      v = jnp.sum(xs[None, :] * wf(w), axis=1) if km else jnp.sum(xs[:, None] * wf(w), axis=0)
+      v = _total([jnp.sum(xp[None, :] * wf(wp), axis=1) if km else jnp.sum(xp[:, None] * wf(wp), axis=0)
+                 for xp, wp in zip(xs, w)])
       if r is not None:
         v = v * r
       if scale_ref is not None:
@@ -147,11 +168,13 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
       return rnd(v)
 
     u = first(w1, s_in_ref)
-    h = activation(first(wg, s_gate_ref)) * u if gated else activation(u)
-    return jnp.sum(rnd(h)[None, :] * wf(w2), axis=1) if km else jnp.sum(rnd(h)[:, None] * wf(w2), axis=0)
+    h = rnd(activation(first(wg, s_gate_ref)) * u if gated else activation(u))
+    return [jnp.sum(h[None, :] * wf(wp), axis=1) if km else jnp.sum(h[:, None] * wf(wp), axis=0) for wp in w2]
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
-  out_ref[s, j, :] = jax.lax.cond(present, part, lambda _: jnp.zeros((d,), jnp.float32), None)
+  nothing = lambda _: [jnp.zeros((size,), jnp.float32) for _, size in whole_row.pieces(d)]
+  for i, v in zip(at, jax.lax.cond(present, part, nothing, None)):
+    out_ref[s, j, i] = v
   if routed:  # after the slab's work: the weights' softmax stays off the weight stream's path
 
     @pl.when(j == 0)
@@ -216,8 +239,9 @@ EPILOGUE_COLUMNS = 32
 
 
 def epilogue_fits(d: int, programs: int) -> bool:
-  """Whether residual_epilogue takes the parts: Triton blocks need P and the column block to be powers of two."""
-  return programs & (programs - 1) == 0 and d % EPILOGUE_COLUMNS == 0
+  """Whether residual_epilogue takes the parts: d a multiple of its column block, and P in at most MAX_PIECES
+  power-of-two pieces (whole_row.pieces)."""
+  return len(whole_row.pieces(programs)) <= MAX_PIECES and d % EPILOGUE_COLUMNS == 0
 
 
 def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, dtype, bd: int, scaled: bool,
@@ -227,8 +251,11 @@ def _epilogue_kernel(experts_ref, parts_ref, combine_ref, residual_ref, *refs, d
   cols = pl.ds(pl.multiple_of(pl.program_id(0) * bd, bd), bd)
   rnd = lambda v: v.astype(dtype).astype(jnp.float32)
   z = jnp.zeros((bd,), jnp.float32)
+  programs = parts_ref.shape[1]
   for s in range(parts_ref.shape[0]):  # the slots: static and few (one token's k)
-    y = jnp.sum(parts_ref[s, :, cols], axis=0)
+    # P in power-of-two pieces (small-moe's 192 programs: 128 + 64), each a block of its own
+    y = _total([jnp.sum(parts_ref[s, whole_row.piece_index(programs, p), cols], axis=0)
+                for p in whole_row.pieces(programs)])
     e = experts_ref[s]
     if scaled:
       y = y * s_out_ref[jnp.clip(e, 0, num_experts - 1), cols].astype(jnp.float32)  # no expert: zero parts
