@@ -45,7 +45,7 @@ SHAPES = [(1024, 4096), (4096, 1024), (1024, 3072), (1024, 1024)]
 
 def configs(m: int, k: int, n: int, k_steps: bool = False, forms: bool = False,
             int8: bool = False) -> list[triton.Config]:
-  """One row: both forms over 64-256 columns and 128-512 K rows. More rows take the dot form only (the
+  """One row: both forms over 32-256 columns and 128-512 K rows. More rows take the dot form only (the
   multiply-reduce computes one row), over 64-256 columns and 256-4096 K rows. Each program reads its rows
   128 at a time (block_k); k_steps (one row): 64-128 columns, 128-1024 rows read in steps of 128-512.
   forms: the tiles default_config picks at these sizes, and the 128-column tiles of 512-2048 rows, each read
@@ -75,7 +75,7 @@ def configs(m: int, k: int, n: int, k_steps: bool = False, forms: bool = False,
     return out
   wide = m > 1
   for use_dot in ((True,) if wide else (False, True)):
-    for block_n in (64, 128, 256):
+    for block_n in (64, 128, 256) if wide else (32, 64, 128, 256):
       for rows in ((256, 512, 1024, 2048, 4096) if wide else (128, 256, 512)):
         if k % rows or n % block_n:
           continue
