@@ -11,13 +11,13 @@ program waits on another and the whole expert's weights stream through one kerne
 
 A program issues its W_out slab's loads first (they depend on nothing it computes), then W_in's (and
 W_gate's), and holds them in registers: F_j is slab_columns wide (64 bytes of every W_in row in bf16, 32
-in int8: 32 columns either way, halved to 16 where f is too short for a wave of programs), so a program
+in int8: 32 columns either way, halved to 16 where twice the programs still fit a wave), so a program
 reads d x that of each weight (int8 weights are k-major, reference.k_major: its W_in slab is then c whole
 rows of W_in^T, and its W_out slab d rows of c bytes). Where d is not a power of two (small's 768), slabs, x
 and the parts' row are taken in power-of-two pieces of d (whole_row.pieces: 512 + 256). x comes as Plain (one
 row, or one per slot) or Normed (the row's RMSNorm folded as triton.Normed folds it: x * g rounded, the product
-scaled by rsqrt(mean(x^2) + eps)); the rounding of u, g and h is the split form's (op._hidden). At a decode step's one
-token the kernel can route itself (Routed): each program takes its slot's expert from the router's partial
+scaled by rsqrt(mean(x^2) + eps)); the rounding of u, g and h is the split form's (op._hidden). At a decode
+step's one token the kernel can route itself (Routed): each program takes its slot's expert from the router's partial
 logits, so the router's select kernel never runs (op.routed_ffn_residual). Reference: op.skinny_ffn's
 reference (the two-call form); off the GPU the kernel runs in Pallas' interpret mode
 (tests/test_skinny_matmul.py).
@@ -62,7 +62,8 @@ NUM_WARPS = 8
 WAVE_PROGRAMS = 132
 # The fewest programs the form takes (else the split form's two kernels run): 64 (xs's f 2,048 at 32 columns)
 # ran 6-10% slower than the split form in bench_decode's steps on an H100; 96 (small's f 3,072 at 32 columns)
-# ran faster (decode_row_ffn_pieces_small{,_int8}_ab_H200.log).
+# ran the step 0.96x (bf16) and 0.95x (int8) the split form's time on an H200
+# (decode_row_ffn_pieces_landed_small{,_int8}_ab_H200.log).
 MIN_PROGRAMS = 96
 # The narrowest slab. At xs's f 2,048 (16 columns, 128 programs, where 32 made 64) the row form ran the step
 # 0.915x the split form's time in bf16, 0.925x in int8 (twice) and 0.943x in xs-dense, every round below 1
