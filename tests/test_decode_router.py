@@ -26,7 +26,7 @@ def _oracle(x, w, k, renormalize):
 
 
 # (tokens, d_model, experts, k, renormalize): d_model crossing several [block_k, E] tiles (320 is 5 of
-# 64, in one program; 768 is 6 of 128, 3 in each of 2 programs), the medium preset's 1024 x 64 (8
+# 64, in one program; 768 is 24 of 32, 3 in each of 8 programs), the medium preset's 1024 x 64 (8
 # programs of one tile), k = E, one expert, top-1 renormalized (weight 1).
 CASES = {
     "decode_top1": (1, 1024, 64, 1, False),
@@ -110,11 +110,14 @@ def test_runs_kernel():
 
 
 def test_config_splits_w_r_over_programs():
-  """One tile a program where the tiles are a power of two (the medium preset: 8 of [128, 64]), the
-  largest power of two dividing them otherwise, one program for an odd count; the cases above take
-  both forms."""
+  """One tile a program where the tiles are a power of two (the medium preset: 8 of [128, 64]; xs: 4), the
+  largest power of two dividing them otherwise, with smaller tiles where that leaves fewer than MIN_SPLITS
+  programs (small's 768: 2 programs of [128, 64] tiles, 8 of [32, 64]), one program for an odd count that no
+  tile size splits into MIN_SPLITS; the cases above take both forms."""
   assert default_config(1024, 64) == Config(block_k=128, splits=8)
-  assert default_config(768, 64) == Config(block_k=128, splits=2)
+  assert default_config(512, 64) == Config(block_k=128, splits=4)
+  assert default_config(768, 64) == Config(block_k=32, splits=8)
+  assert default_config(1536, 64) == Config(block_k=64, splits=8)
   assert default_config(512, 256) == Config(block_k=32, splits=16)
   assert default_config(320, 8).splits == 1
   forms = {default_config(d, e).splits > 1 for _, d, e, _, _ in CASES.values()}
@@ -205,11 +208,13 @@ def test_logit_parts_are_the_first_kernel_and_select_as_the_router(name, norm):
 def test_logit_parts_gradients_and_errors():
   x, w = _case("splits_of_several_tiles", jnp.float32)
   g = jnp.asarray(np.random.default_rng(4).uniform(0.5, 1.5, 768), jnp.float32)
-  ct = jnp.asarray(np.random.default_rng(5).standard_normal((2, 2, 16)), jnp.float32)
+  splits = default_config(768, 16).splits  # 8 programs of three [32, 16] tiles
+  assert splits == 8
+  ct = jnp.asarray(np.random.default_rng(5).standard_normal((2, splits, 16)), jnp.float32)
   from sparsejax.kernels.decode_router.reference import logit_parts_reference
   from sparsejax.norm import rms_norm
   got = jax.grad(lambda x, w, g: jnp.sum(router_logit_parts(x, w, norm=(g, 1e-6)) * ct), argnums=(0, 1, 2))(x, w, g)
-  want = jax.grad(lambda x, w, g: jnp.sum(logit_parts_reference(rms_norm(x, g, 1e-6), w, 2) * ct),
+  want = jax.grad(lambda x, w, g: jnp.sum(logit_parts_reference(rms_norm(x, g, 1e-6), w, splits) * ct),
                   argnums=(0, 1, 2))(x, w, g)
   for a, b in zip(got, want):
     assert float(jnp.max(jnp.abs(b))) > 0

@@ -44,15 +44,32 @@ class Config:
 TILE_NUMBERS = 8192
 
 
+# Programs the split form asks for where each would read several tiles (d_model / block_k not a power of two:
+# small's 768 is six [128, 64] tiles, three a program over two programs, each loading the row for the norm
+# first): block_k shrinks until this many. At small-moe's batch 1 on an H200, eight programs of three [32, 64]
+# tiles ran the step 0.964x the time of two (every round below 1), sixteen of [16, 64] 0.974x
+# (experiments/results/decode_router_tiles{2048,1024}_small_ab_H200.log). Where one tile a program makes fewer,
+# it stays: xs's four programs against eight of [64, 64] tiles ran 0.991x, a tie
+# (decode_router_tiles4096_xs_ab_H200.log).
+MIN_SPLITS = 8
+
+
 def default_config(d_model: int, num_experts: int) -> Config | None:
   """The largest block_k of (128, 64, 32, 16) dividing d_model whose [block_k, E] float32 tile stays
-  within TILE_NUMBERS; splits = the largest power of two up to 64 dividing the d_model / block_k tiles.
-  None when no block_k divides d_model."""
-  for bk in (128, 64, 32, 16):
-    if d_model % bk == 0 and bk * num_experts <= TILE_NUMBERS:
-      tiles = d_model // bk
-      return Config(block_k=bk, splits=min(tiles & -tiles, 64))
-  return None
+  within TILE_NUMBERS; splits = the largest power of two up to 64 dividing the d_model / block_k tiles. Where
+  that leaves a program several tiles and fewer than MIN_SPLITS programs, the largest smaller block_k that makes
+  MIN_SPLITS, if one does. None when no block_k divides d_model."""
+  def config(bk):
+    tiles = d_model // bk
+    return Config(block_k=bk, splits=min(tiles & -tiles, 64))
+
+  fitting = [bk for bk in (128, 64, 32, 16) if d_model % bk == 0 and bk * num_experts <= TILE_NUMBERS]
+  if not fitting:
+    return None
+  first = config(fitting[0])
+  if first.splits * first.block_k < d_model and first.splits < MIN_SPLITS:
+    return next((config(bk) for bk in fitting[1:] if config(bk).splits >= MIN_SPLITS), first)
+  return first
 
 
 def norm_fits(d_model: int) -> bool:
