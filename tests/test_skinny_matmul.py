@@ -492,7 +492,7 @@ def test_ffn_dense_weights_and_the_unfused_cases():
   assert _form(1, 512, 1024, w_dtype=jnp.bfloat16) == "split"  # 64 programs even at 16 columns
   assert _form(1, 1024, 4096, w_dtype=jnp.bfloat16, gated=True) == "split"  # three slabs: 192 KB a program
   # small's d 768 as pieces of 512 and 256; f 3,072 at 32 columns makes 96 programs, whose parts the epilogue sums
-  # as 64 + 32, so small-moe's experts take the row form, its epilogue and their own routing
+  # as 64 + 32: small-moe's experts take the row form and its epilogue (what fuses_routing asks of them)
   for w_dtype in (jnp.bfloat16, jnp.int8):
     assert _form(1, 768, 3072, w_dtype=w_dtype) == "row"
     assert fuses_residual(1, 768, 3072, jax.nn.gelu, "triton", w_dtype)
