@@ -68,7 +68,7 @@ def default_config(d_model: int, num_experts: int) -> Config | None:
     return None
   first = config(fitting[0])
   if first.splits * first.block_k < d_model and first.splits < MIN_SPLITS:
-    return next((config(bk) for bk in fitting[1:] if config(bk).splits >= MIN_SPLITS), first)
+    return next((c for c in map(config, fitting[1:]) if c.splits >= MIN_SPLITS), first)
   return first
 
 

@@ -145,7 +145,8 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
   km = k_major(w_in_ref.dtype)  # int8: W_in's slab is [c, d] and W_out's [d, c], summed over their last axis
   # d in power-of-two pieces (whole_row.pieces; one piece, the whole row, where d is a power of two): every
   # load, product and store along d runs piece by piece, so no register holds padding.
-  at = [whole_row.piece_index(d, p) for p in whole_row.pieces(d)]
+  pieces = whole_row.pieces(d)
+  at = [whole_row.piece_index(d, p) for p in pieces]
 
   def part(_):
     w2 = [w_out_ref[expert, i, cols] if km else w_out_ref[expert, cols, i] for i in at]
@@ -173,7 +174,7 @@ def _kernel(experts_ref, *refs, source, activation: Callable, dtype, c: int, gat
     return [jnp.sum(h[None, :] * wf(wp), axis=1) if km else jnp.sum(h[:, None] * wf(wp), axis=0) for wp in w2]
 
   # A branch, not a zero trip count (triton.py's _kernel says why).
-  nothing = lambda _: [jnp.zeros((size,), jnp.float32) for _, size in whole_row.pieces(d)]
+  nothing = lambda _: [jnp.zeros((size,), jnp.float32) for _, size in pieces]
   for i, v in zip(at, jax.lax.cond(present, part, nothing, None)):
     out_ref[s, j, i] = v
   if routed:  # after the slab's work: the weights' softmax stays off the weight stream's path
