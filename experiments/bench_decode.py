@@ -12,10 +12,13 @@ Writes experiments/results/decode_<device>.{json,md,png} (and copies them to $OU
   python experiments/bench_decode.py --presets medium-moe --batches 1
   python experiments/bench_decode.py --smoke              # tiny presets, any backend, a few steps
   python experiments/bench_decode.py --presets medium-moe --batches 1 --no-check   # timing only
+  python experiments/bench_decode.py --presets medium-moe --label mixtral-8L \
+      --set d_model=4096,num_heads=32,d_ff=14336,num_experts=8,top_k=2,glu=true,activation=silu,num_layers=8
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -217,14 +220,47 @@ def time_decode(model, batch: int, prompt_len: int, warmup: int, steps: int, rep
               kernels=kernels)
 
 
+def parse_overrides(text: str) -> dict:
+  """"key=value,key=value" -> {key: value} for TransformerConfig fields; values are ints, floats, true/false
+  or strings. An unknown field or a malformed pair raises a one-line ValueError."""
+  from sparsejax.models import TransformerConfig
+  fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+  out = {}
+  for pair in filter(None, text.split(",")):
+    key, eq, raw = pair.partition("=")
+    key = key.strip()
+    if not eq or not raw.strip():
+      raise ValueError(f"--set takes key=value pairs; got {pair!r}.")
+    if key not in fields:
+      raise ValueError(f"--set: {key!r} is not a TransformerConfig field (known: {', '.join(sorted(fields))}).")
+    raw = raw.strip()
+    if raw.lower() in ("true", "false"):
+      out[key] = raw.lower() == "true"
+      continue
+    for kind in (int, float):
+      try:
+        out[key] = kind(raw)
+        break
+      except ValueError:
+        pass
+    else:
+      out[key] = raw
+  return out
+
+
 def bench_preset(preset: str, batches: list[int], args, bandwidth: float) -> list[dict]:
+  """Rows of one preset (with args.set's fields replaced, its rows named args.label) at each batch size."""
   dtype = args.dtype
-  cfg = get_preset(preset, dtype=dtype, param_dtype=dtype)
+  cfg = get_preset(preset, dtype=dtype, param_dtype=dtype, **args.overrides)
+  if args.overrides:
+    preset = args.label or f"{preset}+set"
   need = decode_slots(args.prompt_len, args.warmup, args.steps, args.reps)
   cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, need))
   t0 = time.perf_counter()
   model = Transformer(cfg, rngs=nnx.Rngs(0))
-  log(f"{preset}: built in {time.perf_counter() - t0:.1f} s")
+  log(f"{preset}: built in {time.perf_counter() - t0:.1f} s"
+      + (f" ({cfg.d_model=}, {cfg.num_layers=}, {cfg.d_ff=}, {cfg.num_experts=}, {cfg.top_k=}, {cfg.glu=})"
+         if args.overrides else ""))
   variants = [("bf16" if dtype == "bfloat16" else dtype, model)]
   if cfg.moe_every and not args.no_int8:
     variants.append(("int8", None))  # quantized after the float variant, so both never sit in memory
@@ -293,7 +329,7 @@ def targets(rows: list[dict]) -> list[str]:
   ok = {(r["preset"], r["variant"], r["batch"]): r for r in rows if "error" not in r}
   out = []
   for (p, v, b), r in ok.items():
-    if p.startswith("medium-moe") and b == 1:
+    if p == "medium-moe" and b == 1:
       out.append(f"- medium MoE ({v}) at batch 1: {r['x_bound']:.2f}x the memory bound (target <= 2x).")
   for b in sorted({k[2] for k in ok}):
     for size in ("tiny", "xs", "small", "medium"):
@@ -385,6 +421,9 @@ def main(argv=None) -> dict:
                   "and step (GPU)")
   ap.add_argument("--chunk", type=int, default=DECODE_CHUNK, help="steps per inner device loop (Decoder chunk); "
                   "--steps should be a multiple of it, else each timed call also runs the wasted rest of a chunk")
+  ap.add_argument("--set", default="", help="TransformerConfig fields to replace in every preset, "
+                  "key=value[,key=value] (e.g. d_model=4096,num_layers=8): a model shape outside the presets")
+  ap.add_argument("--label", default="", help="the rows' name for a --set model (default: <preset>+set)")
   ap.add_argument("--copy-mb", type=int, default=2048)
   ap.add_argument("--copy-warmup-s", type=float, default=1.0, help="seconds of copies before the copy bandwidth is timed")
   ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -395,6 +434,12 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
   if args.chunk < 1:
     ap.error(f"--chunk must be >= 1; got {args.chunk}")
+  try:
+    args.overrides = parse_overrides(args.set)
+  except ValueError as e:
+    ap.error(str(e))
+  if args.label and not args.overrides:
+    ap.error("--label names a --set model; give --set too")
   if args.val_runs:
     recs = [quantization_val_loss(r, args.val_data, 16, args.val_seq_len, 8) for r in args.val_runs.split(",")]
     os.makedirs(args.out_dir, exist_ok=True)
@@ -420,7 +465,8 @@ def main(argv=None) -> dict:
   results = dict(device=dev.device_kind, jax=jax.__version__, sparsejax_source=source_fingerprint(),
                  dtype=args.dtype, prompt_len=args.prompt_len,
                  steps=args.steps, chunk=args.chunk,
-                 copy_GBps=bandwidth / 1e9, small_batch_max_assignments=SMALL_BATCH_MAX_ASSIGNMENTS, rows=[],
+                 copy_GBps=bandwidth / 1e9, small_batch_max_assignments=SMALL_BATCH_MAX_ASSIGNMENTS,
+                 config_set=args.overrides, rows=[],
                  targets=[])
   batches = [int(b) for b in args.batches.split(",")]
   log(HEADER)

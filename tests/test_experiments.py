@@ -299,6 +299,36 @@ def test_bench_decode_no_check_times_without_the_full_forward(tmp_path, monkeypa
   assert res["copy_GBps"] > 0
 
 
+def test_bench_decode_set_builds_a_model_outside_the_presets(tmp_path, monkeypatch):
+  """--set replaces config fields in the preset (the rows timed are of that model, under --label), and a
+  --set model never stands in for the preset in the issue's targets."""
+  import bench_decode
+  built = []
+  real = bench_decode.Transformer
+  monkeypatch.setattr(bench_decode, "Transformer", lambda cfg, **kw: built.append(cfg) or real(cfg, **kw))
+  res = bench_decode.main(["--presets", "tiny-moe", "--batches", "1", "--prompt-len", "8", "--warmup", "1",
+                           "--steps", "2", "--reps", "1", "--chunk", "2", "--copy-mb", "4", "--copy-warmup-s", "0",
+                           "--no-check", "--no-int8", "--set", "num_layers=2,top_k=2,glu=true,activation=silu",
+                           "--label", "tiny-glu", "--out-dir", str(tmp_path)])
+  (cfg,) = built
+  assert (cfg.num_layers, cfg.top_k, cfg.glu, cfg.activation, cfg.d_model) == (2, 2, True, "silu", 128)
+  (row,) = res["rows"]
+  assert "error" not in row and row["preset"] == "tiny-glu" and row["static_slots"] == 2
+  assert res["config_set"] == dict(num_layers=2, top_k=2, glu=True, activation="silu")  # the JSON says which model
+  rows = [dict(row, preset="medium-moe+set"), dict(row, preset="medium-moe")]
+  assert [line.startswith("- medium MoE") for line in bench_decode.targets(rows)] == [True]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("d_model", "key=value pairs"), ("d_modle=4", "not a TransformerConfig field"), ("num_layers=", "key=value")])
+def test_bench_decode_set_rejects_bad_pairs_in_one_line(text, message):
+  import bench_decode
+  with pytest.raises(ValueError, match=message):
+    bench_decode.parse_overrides(text)
+  assert bench_decode.parse_overrides("d_model=64, glu=False,activation=relu,rope_base=5e5") == dict(
+      d_model=64, glu=False, activation="relu", rope_base=5e5)
+
+
 def test_bench_decode_prints_a_traced_rows_kernels_one_line_each(capsys):
   """--trace's kernel table is printed under its row, one line per part (bench_decode's log once refused print's
   sep and lost every row after the first traced one)."""
