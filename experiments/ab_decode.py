@@ -96,6 +96,8 @@ def main(argv=None):
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--int8", action="store_true", help="both variants decode with int8 experts (quantize_model)")
   ap.add_argument("--glu", action="store_true", help="the preset with gated feed-forwards (glu=True, d_ff as set)")
+  ap.add_argument("--set", default="", help="TransformerConfig fields to replace, key=value[,key=value] (as "
+                  "bench_decode's --set): a model shape outside the presets")
   ap.add_argument("--prompt-len", type=int, default=128)
   ap.add_argument("--steps", type=int, default=32, help="steps in one timed device-loop call")
   ap.add_argument("--rounds", type=int, default=12)
@@ -104,7 +106,13 @@ def main(argv=None):
                   "step by kind and a run of a step's kernels (one by one with XLA_FLAGS=--xla_gpu_enable_command_buffer=)")
   args = ap.parse_args(argv)
   patches = [parse_patch(p) for p in args.patch]
-  cfg = get_preset(args.preset, dtype=args.dtype, param_dtype=args.dtype, **({"glu": True} if args.glu else {}))
+  from bench_decode import parse_overrides
+  try:
+    overrides = parse_overrides(args.set)
+  except ValueError as e:
+    ap.error(str(e))
+  cfg = get_preset(args.preset, dtype=args.dtype, param_dtype=args.dtype,
+                   **({"glu": True} if args.glu else {}), **overrides)
   slots = args.prompt_len + 3 + (args.rounds + 1 + args.trace) * args.steps  # and one traced call
   model = Transformer(cfg.replace(max_seq_len=max(cfg.max_seq_len, slots)), rngs=nnx.Rngs(0))
   if args.int8:
@@ -130,7 +138,8 @@ def main(argv=None):
       toks[n].block_until_ready()
       times[n].append(1e3 * (time.perf_counter() - t0) / args.steps)
   ratios = [b / a for a, b in zip(times["A"], times["B"])]
-  name = args.preset + (" GLU" if args.glu else "") + (" (int8 experts)" if args.int8 else "")
+  name = (args.preset + (" GLU" if args.glu else "") + (f" [{args.set}]" if overrides else "")
+          + (" (int8 experts)" if args.int8 else ""))
   print(f"{name} batch {args.batch}, {args.rounds} rounds of {args.steps} steps on "
         f"{jax.devices()[0].device_kind}; B: {', '.join(args.patch) or 'no patch (A-A)'}")
   for n in times:

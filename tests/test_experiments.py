@@ -847,8 +847,9 @@ def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
   with pytest.raises(SystemExit, match="has no attribute 'nope'"):
     with ab_decode.patched([("sparsejax.models.transformer", "nope", 1)]):
       pass
-  res = ab_decode.main(["--preset", "tiny-moe", "--int8", "--glu", "--prompt-len", "8", "--steps", "2", "--rounds", "2"])
-  assert res["differ"] == 0.0 and "tiny-moe GLU (int8 experts)" in capsys.readouterr().out
+  res = ab_decode.main(["--preset", "tiny-moe", "--int8", "--glu", "--prompt-len", "8", "--steps", "2", "--rounds", "2",
+                        "--set", "num_layers=2,top_k=2"])
+  assert res["differ"] == 0.0 and "tiny-moe GLU [num_layers=2,top_k=2] (int8 experts)" in capsys.readouterr().out
   with pytest.raises(SystemExit, match="--int8: the model has no MoE layer"):
     ab_decode.main(["--preset", "tiny-dense", "--int8", "--prompt-len", "8", "--steps", "2", "--rounds", "2"])
 

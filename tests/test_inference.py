@@ -96,6 +96,26 @@ def test_greedy_cached_decoding_equals_full_forward(variant):
   assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
 
 
+@pytest.mark.parametrize("variant", ["moe", "moe_int8"])
+def test_greedy_decoding_above_a_row_group_equals_full_forward(monkeypatch, variant):
+  """At 18 rows (above decode_moe.ROW_GROUP) each expert takes its own tokens in groups of 16 rows: four experts,
+  top-2, so an expert holds more than 16 tokens (two groups) in most steps."""
+  from sparsejax.inference import decode_moe
+  groups = []
+  real = decode_moe._grouped_rows_ffn
+  monkeypatch.setattr(decode_moe, "_grouped_rows_ffn", lambda *a: groups.append(1) or real(*a))
+  model = reference = _model(1)
+  if variant == "moe_int8":
+    model = quantize_model(model)
+    reference = dequantize_model(model)
+  rng = np.random.default_rng(6)
+  prompts = [list(rng.integers(1, 256, int(rng.integers(1, 8)))) for _ in range(18)]
+  steps = 4
+  got = np.asarray(generate(model, prompts, steps, temperature=0.0))
+  assert groups, "the grouped form did not run"
+  assert_greedy_matches_full_forward(got, reference, prompts, steps)
+
+
 def test_greedy_decoding_with_the_router_kernel_equals_full_forward(monkeypatch):
   """The decode step's one-kernel router (forced here, in interpret mode; "auto" takes it on a GPU)
   routes as the full forward's XLA router does: the same greedy tokens."""

@@ -44,6 +44,13 @@ CASES = {  # name: (tokens, experts, k, glu, ids)
     "one_token": (1, 64, 1, False, None),
     "one_token_top3_glu": (1, 8, 3, True, None),
     "one_token_no_expert": (1, 4, 2, False, np.array([[NO_EXPERT, 2]])),
+    # Above ROW_GROUP (16) tokens each expert takes its own tokens in groups of 16 rows (_grouped_rows_ffn).
+    "grouped_top2_glu": (24, 8, 2, True, None),
+    "grouped_all_on_one_expert": (20, 4, 1, False, np.zeros((20, 1), np.int32)),
+    "grouped_k_equals_E": (17, 3, 3, False, None),  # 17 tokens an expert: two groups each, the bound exactly
+    "grouped_one_expert": (33, 1, 1, False, None),  # three groups of one expert
+    "grouped_no_expert": (18, 6, 2, False, np.where(np.arange(36).reshape(18, 2) % 5 == 0, NO_EXPERT,
+                                                     np.arange(36).reshape(18, 2) % 6)),
 }
 
 
@@ -76,8 +83,62 @@ def test_padding_slots_hold_no_expert(monkeypatch):
   np.testing.assert_allclose(np.asarray(got), np.asarray(_moe_mlp(x, ids, cw, w)), **TOL[jnp.float32])
 
 
-def test_gradients_match_moe_mlp():
-  x, ids, cw, w = _case(4, 8, 2, glu=True, seed=1)
+def test_grouped_rows_give_each_expert_its_own_tokens(monkeypatch):
+  """Above ROW_GROUP tokens skinny_ffn gets [groups, 16, d]: expert e's tokens in ceil(c_e / 16) groups, in
+  expert order, the unfilled groups' expert E (nothing read); the result equals the every-token-through-every-
+  expert form (COMPACT_ROWS off) and moe_mlp."""
+  from sparsejax.inference import decode_moe
+  seen = []
+  real = decode_moe.skinny_ffn
+  monkeypatch.setattr(decode_moe, "skinny_ffn", lambda x, *a, experts, **kw: seen.append((x, experts)) or real(
+      x, *a, experts=experts, **kw))
+  x, _, cw, w = _case(20, 8, 1, seed=4)
+  ids = jnp.asarray([[5]] * 17 + [[1], [NO_EXPERT], [1]], jnp.int32)
+  got = _decode(x, ids, cw, w)
+  xs, experts = seen[-1]
+  assert xs.shape == (decode_moe.row_groups(20, 8), 16, 16)
+  np.testing.assert_array_equal(np.asarray(experts), [1, 5, 5] + [8] * (xs.shape[0] - 3))
+  np.testing.assert_array_equal(np.asarray(xs[0, :2]), np.asarray(x[jnp.array([17, 19])]))  # expert 1's tokens
+  np.testing.assert_array_equal(np.asarray(xs[2, 0]), np.asarray(x[16]))  # expert 5's 17th token opens its 2nd group
+  assert not np.any(np.asarray(xs[0, 2:])) and not np.any(np.asarray(xs[2, 1:]))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_moe_mlp(x, ids, cw, w)), **TOL[jnp.float32])
+  monkeypatch.setattr(decode_moe, "COMPACT_ROWS", False)
+  np.testing.assert_allclose(np.asarray(_decode(x, ids, cw, w)), np.asarray(got), **TOL[jnp.float32])
+  assert seen[-1][0].shape == x.shape  # the shared-x form
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_grouped_rows_at_shapes_the_kernels_take(dtype, int8):
+  """d and f multiples of 16, so on a GPU skinny_matmul's kernels run the groups (CASES' f 24 takes the
+  reference there): 24 tokens, top-2 of 4 experts, expert 0 chosen by 20 tokens (two groups)."""
+  x, _, cw, w = _case(24, 4, 2, d=64, f=128, glu=True, seed=7)
+  ids = jnp.asarray(np.stack([np.zeros(24, int), 1 + np.arange(24) % 3], 1)).at[20:, 0].set(3)
+  if int8:
+    qs = {n: quantize_weight(v) for n, v in w.items()}
+    w = {n: dequantize(q, s, dtype) for n, (q, s) in qs.items()}
+    got = decode_moe_mlp(x.astype(dtype), ids, cw.astype(dtype), qs["w_in"][0], qs["w_out"][0], w_gate=qs["w_gate"][0],
+                         w_in_scale=qs["w_in"][1], w_out_scale=qs["w_out"][1], w_gate_scale=qs["w_gate"][1])[0]
+  else:
+    w = {n: v.astype(dtype) for n, v in w.items()}
+    got = _decode(x.astype(dtype), ids, cw.astype(dtype), w)
+  want = _moe_mlp(x.astype(dtype), ids, cw.astype(dtype), w)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
+
+
+def test_row_groups_bounds_every_routing():
+  from sparsejax.inference.decode_moe import ROW_GROUP, row_groups
+  rng = np.random.default_rng(5)
+  for _ in range(200):
+    tk, e = int(rng.integers(1, 65)), int(rng.integers(1, 70))
+    counts = np.bincount(rng.integers(0, e, tk) if rng.random() < 0.7 else np.zeros(tk, int), minlength=e)
+    assert np.sum(-(-counts // ROW_GROUP)) <= row_groups(tk, e)
+  assert row_groups(51, 3) == 6 and row_groups(48, 3) == 5 and row_groups(33, 1) == 3 and row_groups(64, 64) == 64
+
+
+@pytest.mark.parametrize("tokens", [4, 20])
+def test_gradients_match_moe_mlp(tokens):
+  x, ids, cw, w = _case(tokens, 8, 2, glu=True, seed=1)
   loss = lambda f: lambda x, cw, w: jnp.sum(jnp.sin(f(x, ids, cw, w)))
   want = jax.jit(jax.grad(loss(_moe_mlp), argnums=(0, 1, 2)))(x, cw, w)
   got = jax.jit(jax.grad(loss(_decode), argnums=(0, 1, 2)))(x, cw, w)
@@ -96,9 +157,10 @@ def test_quantize_weight_bounds_the_error_by_half_a_step():
   assert bool(jnp.all(q[1, 2, :] == 0)) and float(s[1, 2]) == 1.0  # an all-zero column stays zero
 
 
+@pytest.mark.parametrize("tokens", [6, 24])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_int8_equals_dequantize_then_moe_mlp(dtype):
-  x, ids, cw, w = _case(6, 8, 2, glu=True, dtype=jnp.float32, seed=seed_of("int8", str(dtype)))
+def test_int8_equals_dequantize_then_moe_mlp(dtype, tokens):
+  x, ids, cw, w = _case(tokens, 8, 2, glu=True, dtype=jnp.float32, seed=seed_of("int8", str(dtype)))
   qs = {n: quantize_weight(v) for n, v in w.items()}
   deq = {n: dequantize(q, s, dtype) for n, (q, s) in qs.items()}
   x, cw = x.astype(dtype), cw.astype(dtype)

@@ -33,6 +33,12 @@ SMALL_BATCH_MAX_ASSIGNMENTS = 64
 # router's partial logits (selects_in_experts), so the router's select kernel does not run. Read where the layer
 # is traced: an A-B (experiments/ab_decode.py --patch) sets it False to run the router's two kernels instead.
 SELECTS_IN_EXPERTS = True
+# Above ROW_GROUP tokens, each chosen expert takes only the tokens that chose it, in groups of ROW_GROUP rows (the
+# kernels' smallest tensor-core tile): every token through every expert pads the products to 32 or 64 rows, and an
+# int8 product's time grows with its rows (H200, 8 experts of [4096, 14336]: 129 us at 16 rows, 152 at 32, 217 at
+# 64; bf16 222, 235-240; experiments/notes_decode.md, forty-seventh session). Read at trace time; an A-B sets it False.
+COMPACT_ROWS = True
+ROW_GROUP = 16
 # At one token the block hands the MoE layer its attention's W_o product as split-K parts and the router's logits
 # kernel adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace
 # time; an A-B sets it False.
@@ -116,6 +122,7 @@ def decode_moe_mlp(
   With n = min(T k, E) (static): u = the distinct ids of e, padded to n with E (no expert: Y[s] = 0); W_s = W[u_s];
   Y[s, t] = FFN_{W_s}(x[t]) for every slot s and token t; y[t] = sum_s C[t, s] Y[s, t] with
   C[t, s] = sum_j c[t, j] [e[t, j] = u_s] (first matching slot only, so padding never counts twice).
+  Above ROW_GROUP tokens each expert takes only its own tokens, ROW_GROUP rows a group (_grouped_rows_ffn).
   int8 weights (with *_scale given), stored k-major as quantize_weight stores them ([E, out, in]):
   W[e][:, o] = q[e][o, :] * scale[e, o], and since the scale is per output column, x W = (x q^T) * scale:
   the int8 values enter the product as x's dtype (exact: |q| <= 127)
@@ -143,6 +150,14 @@ def decode_moe_mlp(
   valid = ids >= 0
   # NO_EXPERT sorts last (as E), so when it does not fit in the n slots it is the one left out.
   key = jnp.where(valid, ids, num_experts)
+  ffn = dict(w_gate=w_gate, activation=activation, w_in_scale=scales.get("w_in"), w_gate_scale=scales.get("w_gate"),
+             w_out_scale=scales.get("w_out"))
+  stats = _stats(ids, num_experts)
+  if COMPACT_ROWS and num_tokens > ROW_GROUP:
+    if norm is not None:  # a norm folds into a kernel over a shared x only; at these rows it would not fold anyway
+      x = rms_norm(x, *norm)
+    y = _grouped_rows_ffn(x, key, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
+    return (y if residual is None else residual + y.astype(residual.dtype)), stats
   if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
     uniq, slot, picked = ids, jnp.arange(k), valid  # -1 (NO_EXPERT) is a slot with no expert: zero, unread
   else:
@@ -156,9 +171,7 @@ def decode_moe_mlp(
   # slot zero rows without reading a weight, and its combine weight is zero.
   # skinny_ffn reads each chosen expert's weights once (on a GPU, split-K Pallas kernels; XLA's own
   # one-row dot writes the broadcast product out before reducing it) and never gathers a copy of them.
-  ffn = dict(experts=uniq, w_gate=w_gate, activation=activation, w_in_scale=scales.get("w_in"),
-             w_gate_scale=scales.get("w_gate"), w_out_scale=scales.get("w_out"), norm=norm)
-  stats = _stats(ids, num_experts)
+  ffn = dict(ffn, experts=uniq, norm=norm)
   if residual is not None and num_tokens == 1:  # the decode step at batch 1: one kernel may sum, combine, add
     # Slot j is the token's j-th choice, so combine is the router's weights with NO_EXPERT's zeroed, which
     # skinny_ffn_residual does itself: passed as they come, no XLA kernel runs between the router's and the FFN's.
@@ -169,6 +182,42 @@ def decode_moe_mlp(
   out = skinny_ffn(x, w_in, w_out, **ffn).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   return (y if residual is None else residual + y.astype(residual.dtype)), stats
+
+
+def row_groups(num_assignments: int, num_experts: int, group: int = ROW_GROUP) -> int:
+  """Static bound on the groups of `group` rows that num_assignments (token, expert) pairs fill, each group one
+  expert's: sum_e ceil(c_e / group) <= a + floor((num_assignments - a) / group), a = min(num_assignments, E)."""
+  a = min(num_assignments, num_experts)
+  return a + (num_assignments - a) // group
+
+
+def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], key: Int[Array, "tk"], c: Float[Array, "tk"],
+                      w_in: Num[Array, "experts ..."], w_out: Num[Array, "experts ..."], ffn: dict,
+                      precision) -> Float[Array, "tokens d_model"]:
+  """y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]) with each expert's tokens in groups of ROW_GROUP rows.
+
+  Pair a = (t, j) (key[a] = e[t, j], or E where it has no expert) is row r_a % G of group g_a = start[e] + r_a // G,
+  r_a its rank among e's pairs and start[e] = sum_{e' < e} ceil(c_e' / G). Group g reads expert u_g's weights
+  (u_g = E, no expert, for a group no pair fills: it reads and computes nothing); an expert with more than G
+  tokens is read once a group."""
+  num_tokens, d = x.shape
+  tk, num_experts = key.shape[0], w_in.shape[0]
+  groups = row_groups(tk, num_experts)
+  valid = key < num_experts
+  onehot = jax.nn.one_hot(jnp.where(valid, key, num_experts), num_experts, dtype=jnp.int32)  # [tk, E]
+  rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
+  per_expert = -(-jnp.sum(onehot, axis=0) // ROW_GROUP)
+  start = jnp.cumsum(per_expert) - per_expert
+  group = jnp.where(valid, jnp.take(start, jnp.minimum(key, num_experts - 1)) + rank // ROW_GROUP, groups)
+  row = rank % ROW_GROUP
+  experts = jnp.full((groups,), num_experts, jnp.int32).at[group].set(key, mode="drop")
+  token = jnp.arange(tk) // (tk // num_tokens)
+  xs = jnp.zeros((groups, ROW_GROUP, d), x.dtype).at[group, row].set(x[token], mode="drop")
+  out = skinny_ffn(xs, w_in, w_out, experts=experts, **ffn).astype(x.dtype)  # rounded like moe_mlp's expert rows
+  picked = out.at[jnp.minimum(group, groups - 1), row].get().astype(jnp.float32)  # [tk, d]
+  c = jnp.where(valid, c.astype(jnp.float32), 0.0)  # a pair with no expert fills no row and adds nothing
+  y = jnp.einsum("tj,tjd->td", c.reshape(num_tokens, -1), picked.reshape(num_tokens, -1, d), precision=precision)
+  return y.astype(x.dtype)
 
 
 def selects_in_experts(moe, x: Float[Array, "tokens d_model"], activation: Callable) -> bool:
