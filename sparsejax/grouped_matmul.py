@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 from sparsejax._precision import full_precision
+from sparsejax.kernels import auto_takes_triton, pallas_triton_available, require_triton
 
 IMPLS = ("auto", "reference", "ragged_dot", "pallas", "mosaic", "triton")
 # The Pallas kernels: "pallas" is the best of them for the GPU at hand (Mosaic GPU on Hopper,
@@ -21,13 +22,27 @@ IMPLS = ("auto", "reference", "ragged_dot", "pallas", "mosaic", "triton")
 BLOCK_IMPLS = ("pallas", "mosaic", "triton")
 
 
-def resolve_impl(impl: str) -> str:
-  """Map "auto" to the fastest backend for the default device: Pallas on GPU, ragged_dot elsewhere."""
+def resolve_impl(impl: str, dtype=None) -> str:
+  """Map "auto" to the fastest backend for the default device: Pallas on GPU, ragged_dot elsewhere. Where this jax
+  has no Pallas Triton backend and the Pallas kernels for operands of dtype would be Triton's (every GPU but
+  Hopper, and float32 on it; dtype None: not float32), "auto" takes ragged_dot and "pallas" / "triton" raise."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
-  if impl != "auto":
-    return impl
-  return "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
+  if impl == "auto" and jax.default_backend() != "gpu":
+    return "ragged_dot"
+  pallas = "pallas" if impl == "auto" else impl
+  if pallas in ("pallas", "triton") and not pallas_triton_available() and _runs_triton(pallas, dtype):
+    if impl != "auto":
+      require_triton(f"grouped_matmul(impl={impl!r})", "impl='auto' or impl='ragged_dot'")
+    auto_takes_triton()  # False here: it warns once that the XLA path runs
+    return "ragged_dot"
+  return pallas
+
+
+def _runs_triton(impl: str, dtype) -> bool:
+  """Whether a block impl's kernels for operands of dtype are Pallas Triton's (gmm.op.runs_triton)."""
+  from sparsejax.kernels.gmm import op  # the GPU kernels live beside their references
+  return op.runs_triton(kernel_backend(impl), dtype)
 
 
 def kernel_backend(impl: str) -> str:
@@ -211,7 +226,7 @@ def grouped_matmul(
   if group_offset is not None and not isinstance(group_offset, jax.Array):
     group_offset = jnp.asarray(group_offset)
   check_grouped_matmul_args(lhs, rhs, group_sizes, group_offset, preferred_element_type)
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, jnp.result_type(lhs, rhs))
   out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs, rhs))
   precision = full_precision(precision, lhs, rhs)
   group_sizes = group_sizes.astype(jnp.int32)

@@ -29,9 +29,13 @@ from jax._src import core as jax_core
 from jax._src import state
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith
-from jax._src.lib.triton import dialect as tt_dialect
-from jax._src.pallas.triton import lowering as triton_lowering
 from jax._src.state import discharge as state_discharge
+
+try:  # absent from a jax without Pallas' Triton backend (kernels.pallas_triton_available): no lowering to add then
+  from jax._src.lib.triton import dialect as tt_dialect
+  from jax._src.pallas.triton import lowering as triton_lowering
+except ImportError:
+  tt_dialect = triton_lowering = None
 
 from sparsejax.kernels import gpu_compute_capability as _compute_capability
 
@@ -52,7 +56,6 @@ def _abstract_eval(ref):
   return [], {state.WriteEffect(0)}
 
 
-@triton_lowering.register_lowering(launch_dependents_p)
 def _lowering(ctx, ref):
   del ctx, ref
   # Triton's inline assembly wants a tensor operand and result: a dummy, never read (pure=False keeps the op).
@@ -62,6 +65,10 @@ def _lowering(ctx, ref):
   tt_dialect.elementwise_inline_asm([vec], "griddepcontrol.launch_dependents;\n\tmov.b32 $0, $1;",
                                     constraints="=r,r", pure=False, packed_element=1, args=[zeros])
   return []
+
+
+if triton_lowering is not None:
+  triton_lowering.register_lowering(launch_dependents_p)(_lowering)
 
 
 @state_discharge.register_discharge_rule(launch_dependents_p)

@@ -4,7 +4,8 @@
             start[b] <= j <= index, or j == index (inference.kv_cache.mask's rule)
 The query sits in slot `index` (already written into the cache). Backends: "triton" (triton.py; off the
 GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a GPU when dh is a power of two
->= 16 and the cache has >= 16 slots. Differentiable: the cotangents are the reference's.
+>= 16 and the cache has >= 16 slots, where this jax has Pallas' Triton backend. Differentiable: the
+cotangents are the reference's.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
+from sparsejax.kernels import auto_takes_triton, require_triton
 from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_attention import triton
 from sparsejax.kernels.decode_attention.reference import decode_attention_reference
@@ -28,6 +30,8 @@ def _kernel_fits(dh: int, slots: int) -> bool:
 def _check(q, k_cache, v_cache, start, index, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  if impl == "triton":
+    require_triton("decode_attention(impl='triton')")
   _checks.check_rank("q", q, 3, "[batch, heads, head_dim]")
   _checks.check_rank("k_cache", k_cache, 4, "[batch, slots, heads, head_dim]")
   _checks.check_floating("q", q)
@@ -76,6 +80,6 @@ def decode_attention(
   index = jnp.asarray(index)
   _check(q, k_cache, v_cache, start, index, impl)
   fits = _kernel_fits(q.shape[-1], k_cache.shape[1])
-  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits):
+  if impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and fits and auto_takes_triton()):
     return with_reference_vjp(_kernel, decode_attention_reference, q, k_cache, v_cache, start, index)
   return decode_attention_reference(q, k_cache, v_cache, start, index)

@@ -5,7 +5,8 @@
 with i = min(index, slots - 1): RoPE as sparsejax.rope.rotary, the write as inference.kv_cache.write (one
 new token a row; its dynamic_update_slice clamps a write past the end onto the last slot). Backends:
 "triton" (triton.py; off the GPU in interpret mode) and "xla" (reference.py); "auto" takes triton on a
-GPU when dh / 2 is a power of two. Differentiable: the cotangents are the reference's.
+GPU when dh / 2 is a power of two, where this jax has Pallas' Triton backend. Differentiable: the
+cotangents are the reference's.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax.kernels import auto_takes_triton, require_triton
 from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_qkv import triton
 from sparsejax.kernels.decode_qkv.reference import decode_qkv_reference
@@ -29,13 +31,16 @@ def _kernel_fits(dh: int) -> bool:
 
 def runs_kernel(dh: int, impl: str = "auto") -> bool:
   """Whether decode_qkv runs the Pallas kernel (else XLA's kernels): impl "triton", or "auto" on a GPU
-  for a head_dim whose halves are powers of two (Triton's vectors)."""
-  return impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and _kernel_fits(dh))
+  for a head_dim whose halves are powers of two (Triton's vectors), where this jax has Pallas' Triton backend."""
+  return impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and _kernel_fits(dh)
+                              and auto_takes_triton())
 
 
 def _check(parts, k_cache, v_cache, index, start, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  if impl == "triton":
+    require_triton("decode_qkv(impl='triton')")
   _checks.check_rank("parts", parts, 3, "[splits, rows, 3 * heads * head_dim]")
   _checks.check_floating("parts", parts)
   _checks.check_rank("k_cache", k_cache, 4, "[batch, slots, heads, head_dim]")

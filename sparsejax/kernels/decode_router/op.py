@@ -10,8 +10,8 @@ taken from the logits, by comparisons only, so that every kernel selecting from 
 Backends: "triton" (triton.py; off the GPU in interpret mode)
 and "xla" (reference.py); "auto" takes triton on a GPU for at most MAX_TOKENS tokens when the kernel
 fits (kernel_fits) and W_r splits over several programs or is one tile (the one-program form of a
-longer W_r is not measured faster than XLA). Differentiable in x and W_r through the weights: the
-cotangents are the reference's.
+longer W_r is not measured faster than XLA), where this jax has Pallas' Triton backend.
+Differentiable in x and W_r through the weights: the cotangents are the reference's.
 norm = (g, eps) routes rms_norm(x, g, eps) (sparsejax.norm) instead of x: a decode step's RMSNorm
 then runs inside the kernel's programs (triton.norm_fits) instead of as XLA kernels of its own.
 NaN logits are not supported: their order is unspecified.
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax.kernels import auto_takes_triton, require_triton
 from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_router import triton
 from sparsejax.kernels.decode_router.reference import (decode_router_reference, logit_parts_reference,
@@ -46,6 +47,8 @@ def kernel_fits(d_model: int, num_experts: int, k: int) -> bool:
 def _check(x, w_router, k, impl, norm):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  if impl == "triton":
+    require_triton("decode_router(impl='triton')")
   _checks.check_router(x, w_router)
   if norm is not None:
     _checks.check_floating("norm scale", norm[0])
@@ -85,14 +88,15 @@ _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 def runs_kernel(num_tokens: int, d_model: int, num_experts: int, k: int, impl: str = "auto") -> bool:
   """Whether decode_router runs the Pallas kernels for these shapes (else the reference): impl
   "triton", or "auto" on a GPU for 1..MAX_TOKENS tokens when the kernel fits and W_r splits over
-  several programs or is one tile."""
+  several programs or is one tile, where this jax has Pallas' Triton backend."""
   if num_tokens == 0:  # no programs to launch; the reference returns the empty answer
     return False
   if impl == "triton":
     return True
   cfg = triton.default_config(d_model, num_experts)
   return (impl == "auto" and jax.default_backend() == "gpu" and num_tokens <= MAX_TOKENS
-          and kernel_fits(d_model, num_experts, k) and (cfg.splits > 1 or cfg.block_k == d_model))
+          and kernel_fits(d_model, num_experts, k) and (cfg.splits > 1 or cfg.block_k == d_model)
+          and auto_takes_triton())
 
 
 def decode_router(
@@ -139,6 +143,7 @@ def router_logit_parts(
   is (parts, h): the add runs in the router's programs instead of as an XLA kernel before them (it needs norm, with
   triton.norm_fits, else XLA adds first). Only where splits_logits holds (or off the GPU, in interpret mode).
   Differentiable: the reference's cotangents."""
+  require_triton("router_logit_parts", "it only where decode_router.splits_logits holds")
   _check(x, w_router, 1, "triton", norm)
   cfg = triton.default_config(x.shape[1], w_router.shape[1])
   if cfg.splits < 2:
@@ -175,15 +180,16 @@ def select_logit_parts(
     renormalize: bool | None = None,
 ) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
   """decode_router's second kernel alone: (ids, weights) of router_logit_parts' partial logits, decode_router's
-  rule (reference.select_from_parts). renormalize=None means "k > 1". A kernel on a GPU (interpret mode off it);
-  differentiable through the weights: the reference's cotangents."""
+  rule (reference.select_from_parts). renormalize=None means "k > 1". A kernel on a GPU (interpret mode off it;
+  the reference where the kernel does not fit or this jax has no Pallas Triton backend); differentiable through
+  the weights: the reference's cotangents."""
   _checks.check_floating("parts", parts)
   if parts.ndim != 3:
     raise ValueError(f"parts must be [tokens, splits, experts] (router_logit_parts'); got shape {parts.shape}.")
   _checks.check_top_k(k, parts.shape[2])
   renormalize = k > 1 if renormalize is None else bool(renormalize)
   t, splits, e = parts.shape
-  if t == 0 or splits & (splits - 1) or e & (e - 1) or k > MAX_PASSES_K:
+  if t == 0 or splits & (splits - 1) or e & (e - 1) or k > MAX_PASSES_K or not auto_takes_triton():
     return select_from_parts(parts, k, renormalize)
   kernel = lambda p: triton.select(p, k, renormalize, interpret=jax.default_backend() != "gpu")
   return with_reference_vjp(kernel, lambda p: select_from_parts(p, k, renormalize), parts)

@@ -9,36 +9,86 @@ are unspecified: the Hopper kernels leave them unwritten, because every consumer
 only (permute gathers by placement, and the kernels run zero steps on inactive blocks).
 Backends: "triton" (triton.py, any CUDA GPU) and "mosaic" (mosaic.py, Hopper: TMA + wgmma,
 warp-specialized, persistent); "auto" takes mosaic on sm_90.
-Off the GPU both run in Pallas' interpret mode. The reference is reference.py.
+Off the GPU both run in Pallas' interpret mode. The reference is reference.py. "xla" is XLA's
+ragged_dot over the padded groups: where this jax has no Pallas Triton backend, what would run
+Triton kernels runs it instead (resolve_backend).
 """
 from __future__ import annotations
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from sparsejax.kernels import gpu_compute_capability as _gpu_compute_capability
+from sparsejax._precision import dot_precision
+from sparsejax.kernels import auto_takes_triton, gpu_compute_capability as _gpu_compute_capability, require_triton
+from sparsejax.kernels.gmm.reference import real_rows
 from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
 
-BACKENDS = ("auto", "triton", "mosaic")
+BACKENDS = ("auto", "triton", "mosaic", "xla")
 
 
-def resolve_backend(backend: str) -> str:
-  """"auto": Mosaic GPU on Hopper (sm_90), Triton on other GPUs and (interpret mode) off the GPU."""
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
-  if backend != "auto":
-    return backend
+def _auto() -> str:
+  """The Pallas backend for this device: Mosaic GPU on Hopper (sm_90), else Triton."""
   cc = _gpu_compute_capability()
   return "mosaic" if cc is not None and str(cc).startswith("9") else "triton"
+
+
+def runs_triton(backend: str, dtype=None) -> bool:
+  """Whether backend ("auto": the one it picks here) runs Pallas Triton kernels for operands of dtype: "triton"
+  always, "mosaic" for float32, which it hands to Triton (dtype None: not float32)."""
+  backend = _auto() if backend == "auto" else backend
+  return backend == "triton" or (backend == "mosaic" and dtype is not None and jnp.dtype(dtype) == jnp.float32)
+
+
+def resolve_backend(backend: str, dtype=None) -> str:
+  """"auto": Mosaic GPU on Hopper (sm_90), Triton on other GPUs and (interpret mode) off the GPU. Where this jax
+  has no Pallas Triton backend, "xla" wherever that would run Triton kernels for dtype (runs_triton), and an
+  explicit "triton" raises."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
+  if backend == "triton":
+    require_triton("gmm(backend='triton')", "backend='auto' or backend='xla'")
+  resolved = _auto() if backend == "auto" else backend
+  return "xla" if runs_triton(resolved, dtype) and not auto_takes_triton() else resolved
+
+
+def _xla_group_rows(topo):
+  """Rows of each expert's blocks: the padded groups, in order, as ragged_dot takes them."""
+  return (jnp.diff(topo.expert_block_offsets) * topo.block_size).astype(jnp.int32)
+
+
+def _xla_gmm(lhs, rhs, topo, transpose_rhs, out_dtype):
+  """gmm by ragged_dot over the padded groups; rows that hold no token are zeroed (the kernels' contract)."""
+  w = jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+  out = jax.lax.ragged_dot(lhs, w, _xla_group_rows(topo), precision=dot_precision(lhs.dtype),
+                           preferred_element_type=jnp.float32)
+  return jnp.where(real_rows(topo)[:, None], out, 0.0).astype(out_dtype)
+
+
+def _xla_tgmm(lhs, dout, topo, out_dtype):
+  """tgmm as ragged_dot_general with the rows (contracted) ragged: out[e] = lhs_e^T dout_e. dout's rows that
+  hold no token may hold anything (tgmm's contract), so they are zeroed first."""
+  dout = jnp.where(real_rows(topo)[:, None], dout, jnp.zeros((), dout.dtype))
+  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                           rhs_group_dimensions=[])
+  out = jax.lax.ragged_dot_general(lhs, dout, _xla_group_rows(topo), dims, precision=dot_precision(lhs.dtype),
+                                   preferred_element_type=jnp.float32)
+  return out.astype(out_dtype)
+
+
+# The "xla" backend in the kernel modules' form (their gmm and tgmm), so the custom_vjp below serves it too.
+_XLA = types.SimpleNamespace(gmm=_xla_gmm, tgmm=_xla_tgmm)
 
 
 def _impl(backend: str):
   if backend == "mosaic":
     from sparsejax.kernels.gmm import mosaic
     return mosaic
+  if backend == "xla":
+    return _XLA
   from sparsejax.kernels.gmm import triton
   return triton
 
@@ -90,7 +140,7 @@ def gmm(
   other rows of active blocks, unspecified in inactive blocks; float32 accumulation, out_dtype
   (default lhs.dtype) output; differentiable in lhs and rhs."""
   _check(lhs, rhs, topo)
-  return _gmm(lhs, rhs, topo, transpose_rhs, resolve_backend(backend),
+  return _gmm(lhs, rhs, topo, transpose_rhs, resolve_backend(backend, lhs.dtype),
               jnp.dtype(out_dtype or lhs.dtype))
 
 
@@ -108,7 +158,7 @@ def tgmm(
   if lhs.shape[0] != dout.shape[0]:
     raise ValueError(f"lhs has {lhs.shape[0]} rows but dout has {dout.shape[0]}.")
   _check(lhs, jnp.zeros((topo.num_experts,)), topo)
-  return _impl(resolve_backend(backend)).tgmm(lhs, dout, topo, jnp.dtype(out_dtype or lhs.dtype))
+  return _impl(resolve_backend(backend, lhs.dtype)).tgmm(lhs, dout, topo, jnp.dtype(out_dtype or lhs.dtype))
 
 
 def grouped_matmul_padded(

@@ -2,9 +2,10 @@
 
 src holds indices in [0, n], n = len(x) meaning "no row" (a padding row of the expert buffer).
 Backends: "triton" (triton.py; off the GPU in interpret mode) and "xla" (reference.py); "auto" takes
-triton on a GPU when the kernel takes the width (triton.block_d_for). Differentiable in x: the
-cotangent is the transpose of the gather, dx[t] = sum over r with src[r] = t of dout[r] (a
-segment sum; permute.gather_rows has a cheaper one that knows each token's rows).
+triton on a GPU when the kernel takes the width (triton.block_d_for), where this jax has Pallas'
+Triton backend. Differentiable in x: the cotangent is the transpose of the gather, dx[t] = sum over r
+with src[r] = t of dout[r] (a segment sum; permute.gather_rows has a cheaper one that knows each
+token's rows).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
+from sparsejax.kernels import auto_takes_triton, require_triton
 from sparsejax.kernels.row_moves import triton
 from sparsejax.kernels.row_moves.reference import gather_rows_reference
 
@@ -21,15 +23,17 @@ IMPLS = ("auto", "triton", "xla")
 
 def runs_kernel(d: int, impl: str = "auto") -> bool:
   """Whether gather_rows runs the Pallas kernel for rows of width d: impl "triton", or "auto" on a
-  GPU when the kernel takes the width."""
+  GPU when the kernel takes the width and this jax has Pallas' Triton backend."""
   if impl == "triton":
     return True
-  return impl == "auto" and jax.default_backend() == "gpu" and triton.block_d_for(d) is not None
+  return impl == "auto" and jax.default_backend() == "gpu" and triton.block_d_for(d) is not None and auto_takes_triton()
 
 
 def _check(x, src, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
+  if impl == "triton":
+    require_triton("gather_rows(impl='triton')")
   _checks.check_rank("x", x, 2, "[n, d]")
   _checks.check_rank("src", src, 1, "[rows]")
   _checks.check_integer("src", src)

@@ -12,8 +12,8 @@ norm = (g, eps) puts sparsejax.norm.rms_norm(x, g, eps) in x's place (a shared x
 step's RMSNorm then runs inside the product's programs (folds_norm) instead of as kernels of its
 own, within x's dtype rounding of the reference (which rounds the normalized x; the kernel x * g).
 Backends: "triton" (triton.py; off the GPU in interpret mode) and "xla" (reference.py, an einsum);
-"auto" takes triton on a GPU when m <= MAX_ROWS and k, n are multiples of 16. Differentiable: the
-cotangents are the reference's.
+"auto" takes triton on a GPU when m <= MAX_ROWS and k, n are multiples of 16, where this jax has
+Pallas' Triton backend. Differentiable: the cotangents are the reference's.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int, Num
 from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.activations import PLAIN
+from sparsejax.kernels import auto_takes_triton, require_triton
 from sparsejax.kernels._reference_vjp import with_reference_vjp
 from sparsejax.kernels.decode_router.reference import select_from_parts
 from sparsejax.kernels.skinny_matmul import triton, triton_row_ffn
@@ -79,6 +80,7 @@ def _check(x, w, experts, scale, norm, impl):
     if norm[0].shape != (k,):
       raise ValueError(f"the norm's scale must have shape ({k},) (one per column of x); got {norm[0].shape}.")
   if impl == "triton":
+    require_triton("skinny_matmul(impl='triton')")
     m = x.size // x.shape[-1] if w.ndim == 2 else x.shape[-2]
     if m > MAX_ROWS:
       raise ValueError(f"impl='triton' takes at most {MAX_ROWS} rows; got m={m} (use impl='auto').")
@@ -121,9 +123,10 @@ def _kernel_product(x, w3, ids, norm):
 
 def runs_kernel(m: int, k: int, n: int, impl: str = "auto") -> bool:
   """Whether skinny_matmul of m rows by a [k, n] weight runs the Pallas kernel (else XLA): impl
-  "triton", or "auto" on a GPU for at most MAX_ROWS rows when the kernel has tiles for k and n."""
+  "triton", or "auto" on a GPU for at most MAX_ROWS rows when the kernel has tiles for k and n, where this
+  jax has Pallas' Triton backend. The fused forms below (folds_norm, fuses_hidden, ...) all start from it."""
   return impl == "triton" or (impl == "auto" and jax.default_backend() == "gpu" and m <= MAX_ROWS
-                              and triton.default_config(m, k, n) is not None)
+                              and triton.default_config(m, k, n) is not None and auto_takes_triton())
 
 
 def folds_norm(m: int, k: int, n: int, impl: str = "auto") -> bool:
