@@ -4,8 +4,8 @@ At decode time T (tokens in the step) times k is tiny next to E * 128, the rows 
 layer pads to. The layer is then bound by the bytes of expert weights it reads, so this path
 takes the (at most min(T k, E)) distinct chosen experts and runs every token of the step through
 each of them in one small batched product (skinny_matmul, which reads each chosen expert in place);
-the combine matrix keeps only the chosen (token, expert) pairs. What it reads grows with T k, never
-with E.
+the combine matrix keeps only the chosen (token, expert) pairs. Above ROW_GROUP tokens each expert
+takes only its own tokens instead, ROW_GROUP rows a group. What it reads grows with T k, never with E.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from sparsejax.moe import MoEStats, moe_mlp
 from sparsejax.norm import rms_norm
 
 # MoE.__call__(decode=True) takes this path when T * k is at most this (a static shape decision).
-# Every token runs through every gathered expert: T * n expert FFNs for n = min(T k, E) experts read,
-# i.e. T FLOPs per weight byte-pair. Up to T = 64 that is still below an H100's ~300 FLOPs per byte
-# of bandwidth, so the step stays bound by the bytes of the experts it reads.
+# Even with every token through every gathered expert (T * n expert FFNs for n = min(T k, E) experts read, T FLOPs
+# per weight byte-pair), up to T = 64 that is below an H100's ~300 FLOPs per byte of bandwidth, so the step stays
+# bound by the bytes of the experts it reads (int8's conversion aside: COMPACT_ROWS).
 SMALL_BATCH_MAX_ASSIGNMENTS = 64
 # A decode step at one token lets the experts' row kernel and its epilogue select the token's experts from the
 # router's partial logits (selects_in_experts), so the router's select kernel does not run. Read where the layer
