@@ -146,7 +146,7 @@ def moe_mlp(
   num_experts = w_in.shape[0]
 
   if capacity_factor is None:
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, jnp.result_type(x, w_in))
     blocked = impl in BLOCK_IMPLS
     block = BLOCK_SIZE if blocked else 1
     placement = permute.dropless_placement(expert_ids, num_experts, block_size=block)

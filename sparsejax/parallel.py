@@ -447,7 +447,8 @@ def expert_parallel_moe_mlp(
   elif x.shape[0] // shards % parallel.token_chunks:
     raise ValueError(f"{x.shape[0] // shards} tokens per device do not split into "
                      f"token_chunks={parallel.token_chunks} equal chunks.")
-  st = _Static(layout, parallel, num_experts, activation, capacity_factor, resolve_impl(impl),
+  st = _Static(layout, parallel, num_experts, activation, capacity_factor,
+               resolve_impl(impl, jnp.result_type(x, w_in)),
                precision, resolve_exchange(parallel.exchange, parallel.hierarchical, num_peers=layout.num_peers,
                                            platform=exchange_platform(layout)))
   tok = layout.tokens

@@ -47,7 +47,30 @@ def _gpu_decisions(monkeypatch_setattr, hopper: bool) -> dict:
       "gmm_auto": gmm_op.resolve_backend("auto"),
       "gmm_auto_f32": gmm_op.resolve_backend("auto", f32),
       "gmm_mosaic_f32": gmm_op.resolve_backend("mosaic", f32),
+      "moe_f32": _moe_impl(monkeypatch_setattr, f32),
+      "moe_bf16": _moe_impl(monkeypatch_setattr, bf16),
   }
+
+
+class _Resolved(Exception):
+  pass
+
+
+def _moe_impl(monkeypatch_setattr, dtype) -> str:
+  """The impl moe_mlp's dropless layer resolves "auto" to for rows and weights of dtype (the call stops there)."""
+  from sparsejax import moe
+  from sparsejax.grouped_matmul import resolve_impl
+
+  def stop(*args):
+    raise _Resolved(resolve_impl(*args))
+
+  monkeypatch_setattr(moe, "resolve_impl", stop)
+  x, w_in, w_out = jnp.ones((4, 16), dtype), jnp.ones((2, 16, 32), dtype), jnp.ones((2, 32, 16), dtype)
+  try:
+    moe.moe_mlp(x, jnp.zeros((4, 1), jnp.int32), jnp.ones((4, 1), dtype), w_in, w_out)
+  except _Resolved as e:
+    return e.args[0]
+  raise AssertionError("moe_mlp did not resolve its impl")
 
 
 def _attention(q, k, v, start, index):
@@ -176,9 +199,11 @@ def test_the_backend_is_there_and_auto_takes_its_kernels_on_a_gpu(monkeypatch):
                                      "folds_norm", "fuses_hidden", "runs_row_ffn", "fuses_residual",
                                      "decode_attention")}
   assert gpu == dict(kernels, impl_auto="pallas", impl_auto_f32="pallas", impl_auto_bf16="pallas",
-                     gmm_auto="triton", gmm_auto_f32="triton", gmm_mosaic_f32="mosaic")
+                     gmm_auto="triton", gmm_auto_f32="triton", gmm_mosaic_f32="mosaic", moe_f32="pallas",
+                     moe_bf16="pallas")
   assert hopper == dict(kernels, impl_auto="pallas", impl_auto_f32="pallas", impl_auto_bf16="pallas",
-                        gmm_auto="mosaic", gmm_auto_f32="mosaic", gmm_mosaic_f32="mosaic")
+                        gmm_auto="mosaic", gmm_auto_f32="mosaic", gmm_mosaic_f32="mosaic", moe_f32="pallas",
+                        moe_bf16="pallas")
 
 
 def test_without_the_backend_auto_takes_xla_and_triton_is_a_one_line_error():
@@ -192,11 +217,13 @@ def test_without_the_backend_auto_takes_xla_and_triton_is_a_one_line_error():
                                          "skinny_matmul", "folds_norm", "fuses_hidden", "runs_row_ffn",
                                          "fuses_residual", "decode_attention")}
   # Off Hopper every Pallas choice is Triton's: XLA. On Hopper bf16 keeps Mosaic; float32, which Mosaic hands to
-  # Triton, takes XLA (dtype unknown, resolve_impl keeps "pallas" and gmm decides per dtype).
+  # Triton, takes XLA: the MoE layer ragged_dot (it resolves with its dtype), a direct gmm call the padded "xla".
   assert got["gpu"] == dict(no_kernels, impl_auto="ragged_dot", impl_auto_f32="ragged_dot",
-                            impl_auto_bf16="ragged_dot", gmm_auto="xla", gmm_auto_f32="xla", gmm_mosaic_f32="xla")
+                            impl_auto_bf16="ragged_dot", gmm_auto="xla", gmm_auto_f32="xla", gmm_mosaic_f32="xla",
+                            moe_f32="ragged_dot", moe_bf16="ragged_dot")
   assert got["hopper"] == dict(no_kernels, impl_auto="pallas", impl_auto_f32="ragged_dot", impl_auto_bf16="pallas",
-                               gmm_auto="mosaic", gmm_auto_f32="xla", gmm_mosaic_f32="xla")
+                               gmm_auto="mosaic", gmm_auto_f32="xla", gmm_mosaic_f32="xla", moe_f32="ragged_dot",
+                               moe_bf16="pallas")
   assert got["warnings_on_cpu"] == 0 and got["warnings_on_gpu"] == 1
 
 
