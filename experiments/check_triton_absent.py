@@ -55,12 +55,12 @@ for dt in (jnp.bfloat16, jnp.float32):
   f = jax.jit(lambda l, r, s: grouped_matmul(l, r, s))
   res[f"grouped_matmul_{jnp.dtype(dt).name}"] = (resolve_impl("auto", dt), pallas(f, lhs, rhs, sizes),
                                                  gap(f(lhs, rhs, sizes), grouped_matmul_reference(lhs, rhs, sizes)))
-  # The MoE layer (resolve_impl without a dtype): forward and backward, against impl="ragged_dot".
+  # The MoE layer: forward and backward, against impl="ragged_dot"; the impl it resolves with its dtype.
   xm, e, c = d(256, 256, dt=dt), jnp.asarray(rng.integers(0, 8, (256, 2)), jnp.int32), jnp.full((256, 2), 0.5)
   wi, wo = d(8, 256, 512, dt=dt) * 0.05, d(8, 512, 256, dt=dt) * 0.05
   loss = lambda impl: jax.jit(jax.value_and_grad(lambda x, a, b: jnp.sum(moe_mlp(x, e, c, a, b, impl=impl)[0].astype(jnp.float32) ** 2), (0, 1, 2)))
   (va, ga), (vb, gb) = loss("auto")(xm, wi, wo), loss("ragged_dot")(xm, wi, wo)
-  res[f"moe_{jnp.dtype(dt).name}"] = (resolve_impl("auto"), gmm_op.resolve_backend("auto", dt), pallas(loss("auto"), xm, wi, wo),
+  res[f"moe_{jnp.dtype(dt).name}"] = (resolve_impl("auto", dt), gmm_op.resolve_backend("auto", dt), pallas(loss("auto"), xm, wi, wo),
                                       float(abs(va - vb) / abs(vb)), max(gap(a, b) / float(jnp.max(jnp.abs(b.astype(jnp.float32)))) for a, b in zip(ga, gb)))
 for k, v in res.items():
   print(k, v)
