@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from sparsejax.kernels.decode_attention import decode_attention, decode_attention_reference
+from sparsejax.kernels.decode_attention import op as attention_op, triton as attention_triton
 from sparsejax.inference import kv_cache
 from tests.moe_testing import seed_of
 
@@ -56,6 +57,39 @@ def test_kernel_equals_oracle(name, dtype):
   ref = jax.jit(decode_attention_reference)(q, k, v, start, jnp.int32(index))
   np.testing.assert_allclose(np.asarray(ref, np.float32), want, **TOL[dtype])
 
+
+
+# Kernel configs the default does not pick at these sizes: one split normalizing in the kernel (the many-row
+# case), splits sharing chunks strided, several steps of small chunks, and the loop bounded by the visible chunks.
+CONFIGS = {
+    "one_split": attention_triton.Config(chunk=64, splits=1),
+    "one_split_chunks_of_16": attention_triton.Config(chunk=16, splits=1),
+    "two_splits_chunks_of_32": attention_triton.Config(chunk=32, splits=2),
+    "dynamic_loop_three_splits": attention_triton.Config(chunk=16, splits=3, dynamic_loop=True),
+    "dynamic_loop_one_split": attention_triton.Config(chunk=64, splits=1, dynamic_loop=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", ["several_chunks_padded_rows", "last_partial_chunk", "padding_query_sees_itself"])
+def test_kernel_configs_equal_the_oracle(name, config, dtype):
+  b, s, h, dh, start, index = CASES[name]
+  q, k, v = _case(b, s, h, dh, dtype, seed_of(name, config, str(dtype)))
+  start = jnp.asarray(start, jnp.int32)
+  cfg = CONFIGS[config]
+  cfg = attention_triton.Config(**{**cfg.__dict__, "chunk": attention_triton.chunk_size(s, cfg.chunk)})
+  got = jax.jit(lambda q, k, v, i: attention_op._split_kernel(q, k, v, start, i, cfg))(q, k, v, jnp.int32(index))
+  assert got.dtype == dtype and got.shape == (b, h, dh)
+  np.testing.assert_allclose(np.asarray(got, np.float32), _oracle(q, k, v, np.asarray(start), index), **TOL[dtype])
+
+
+def test_default_config_gives_each_row_and_head_enough_splits():
+  """Few rows and heads split the cache up to a chunk a program; many take one split, normalized in the kernel."""
+  assert attention_triton.default_config(1, 16, 587).splits == 10
+  assert (attention_triton.default_config(1, 16, 40).chunk, attention_triton.default_config(1, 16, 40).splits) == (32, 2)
+  assert attention_triton.default_config(32, 16, 587).splits == 2
+  assert attention_triton.default_config(64, 16, 587).splits == 1
 
 def test_reference_matches_the_cache_mask_of_dot_product_attention():
   """The reference's visibility is kv_cache.mask's, so the kernel can replace the masked XLA attention."""

@@ -124,8 +124,10 @@ def test_decode_qkv_lowers():
           ((), jnp.int32), ((1,), jnp.int32))
 
 
-def test_decode_attention_lowers():
-  fn = lambda q, k, v, s, i: attention.chunk_attention(q, k, v, s, i, interpret=False)
+@pytest.mark.parametrize("splits,dynamic", [(3, False), (1, False), (1, True)])
+def test_decode_attention_lowers(splits, dynamic):
+  cfg = attention.Config(chunk=64, splits=splits, dynamic_loop=dynamic)
+  fn = lambda q, k, v, s, i: attention.split_attention(q, k, v, s, i, cfg, interpret=False)
   _lowers(fn, ((2, 16, 64), bf16), ((2, 160, 16, 64), bf16), ((2, 160, 16, 64), bf16), ((2,), jnp.int32),
           ((), jnp.int32))
 

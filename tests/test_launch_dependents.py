@@ -44,7 +44,8 @@ def test_the_switch_reaches_a_kernel_already_lowered(monkeypatch):
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
 
   def triggers():
-    fn = lambda q, k, v, s, i: attention.chunk_attention(q, k, v, s, i, interpret=False)  # a new outer trace
+    cfg = attention.default_config(1, 16, 160)
+    fn = lambda q, k, v, s, i: attention.split_attention(q, k, v, s, i, cfg, interpret=False)  # a new outer trace
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(TRIGGER)
 
   assert triggers() == 1  # the default: the attention is one of the small kernels that trigger

@@ -61,10 +61,14 @@ def _merge(part, stats, dtype):
   return (o / jnp.sum(w * l, axis=-1)[..., None]).astype(dtype)
 
 
+def _split_kernel(q, k_cache, v_cache, start, index, cfg: triton.Config):
+  out = triton.split_attention(q, k_cache, v_cache, start, index, cfg, interpret=jax.default_backend() != "gpu")
+  return out if cfg.splits == 1 else _merge(*out, q.dtype)
+
+
 def _kernel(q, k_cache, v_cache, start, index):
-  part, stats = triton.chunk_attention(q, k_cache, v_cache, start, index,
-                                       interpret=jax.default_backend() != "gpu")
-  return _merge(part, stats, q.dtype)
+  b, slots, h, _ = k_cache.shape
+  return _split_kernel(q, k_cache, v_cache, start, index, triton.default_config(b, h, slots))
 
 
 def decode_attention(
