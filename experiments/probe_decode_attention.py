@@ -81,6 +81,7 @@ def main(argv=None):
   on_gpu = jax.default_backend() == "gpu"
   dtype = jnp.bfloat16 if on_gpu else jnp.float32
   rng = np.random.default_rng(0)
+  report = {}
   print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; slots {args.slots}, query in slot {args.index}")
   for preset, b in itertools.product(args.presets.split(","), map(int, args.batches.split(","))):
     cfg = PRESETS[preset]
@@ -129,6 +130,8 @@ def main(argv=None):
             f"{t / base:.3f}x {'old' if 'old' in times else 'library'}, max err {errs[n]:.2g}")
     worst = max(errs.values())
     print(f"  every config's largest error: {worst:.2g} ({len(errs)} variants)")
+    report[f"{preset}_b{b}"] = dict(errs=errs, us={n: float(np.median(t)) for n, t in times.items()}, megabytes=mb)
+  return report
 
 
 if __name__ == "__main__":

@@ -243,6 +243,15 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
 
 
+def test_decode_attention_probe_checks_every_config_against_the_reference():
+  import probe_decode_attention
+  report = probe_decode_attention.main(["--smoke", "--focused"])
+  assert set(report) == {"tiny-moe_b1", "tiny-moe_b8"}
+  for case in report.values():
+    assert "library" in case["us"] and len(case["errs"]) >= 5
+    assert max(case["errs"].values()) < 1e-5  # float32 on the CPU
+
+
 @pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
   """probe_pdl's kernels, lowered for CUDA: the wait forms carry griddepcontrol.wait, the plain one none, the
