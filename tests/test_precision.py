@@ -140,14 +140,15 @@ def test_decoding(moe_every, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_decode_attention_kernel_merge(dtype):
-  """The kernel's float32 partials are merged by a dot: HIGHEST for a float32 q, unset for bf16 (the
-  kernel body itself has no dot)."""
+  """Two splits' float32 partials are merged by a dot: HIGHEST for a float32 q, unset for bf16 (the
+  kernel body itself has no dot); a cache of one chunk is one split, normalized in the kernel, with no dot."""
   dt = jnp.dtype(dtype)
-  q, cache = jnp.ones((2, 2, 16), dt), jnp.ones((2, 32, 2, 16), dt)
-  start, index = jnp.zeros((2,), jnp.int32), jnp.int32(20)
+  q, cache = jnp.ones((2, 2, 16), dt), jnp.ones((2, 128, 2, 16), dt)  # two 64-slot chunks, so two splits
+  start, index = jnp.zeros((2,), jnp.int32), jnp.int32(100)
   found = dot_precisions(lambda q: decode_attention(q, cache, cache, start, index, impl="triton"), q)
   assert len(found) == 1 and found[0][2] == ("float32", "float32"), found
   assert is_highest(found[0][1]) if dtype == "float32" else found[0][1] is None
+  assert dot_precisions(lambda q: decode_attention(q, cache[:, :32], cache[:, :32], start, 20, impl="triton"), q) == []
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
