@@ -118,6 +118,16 @@ def test_skinny_matmul_plain_rows_lower(m):
     _lowers(fn, (shape, bf16), ((4, 1024, 1024), bf16), ((2,), jnp.int32), triggers=0)
 
 
+@pytest.mark.parametrize("w_dtype", [jnp.int8, jnp.bfloat16])
+def test_skinny_matmul_epilogue_lowers(w_dtype):
+  """W_in's kernel writing the hidden layer (medium-moe's batch-32 groups: 16 rows through 32 experts' 1,024 x 4,096)."""
+  cfg = skinny.default_config(16, 1024, 4096, 32)
+  act = skinny.Activated(activation=PLAIN[jax.nn.gelu], dtype=jnp.dtype(bf16), scaled=w_dtype == jnp.int8)
+  shape = (64, 4096, 1024) if w_dtype == jnp.int8 else (64, 1024, 4096)
+  fn = lambda x, w, ids, s: skinny.skinny_matmul_parts((x,), skinny.Plain(True), w, ids, 16, bf16, cfg, epilogue=act,
+                                                       epilogue_operands=(s,) if act.scaled else (), interpret=False)
+  _lowers(fn, ((32, 16, 1024), bf16), (shape, w_dtype), ((32,), jnp.int32), ((64, 4096), jnp.float32), triggers=0)
+
 def test_decode_qkv_lowers():
   fn = lambda p, k, v, i, s: qkv.decode_qkv(p, k, v, i, s, inverse_frequencies(64, 1e4), bf16, interpret=False)
   _lowers(fn, ((8, 1, 3 * 16 * 64), jnp.float32), ((1, 160, 16, 64), bf16), ((1, 160, 16, 64), bf16),

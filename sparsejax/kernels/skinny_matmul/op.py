@@ -36,6 +36,9 @@ from sparsejax.norm import rms_norm
 IMPLS = ("auto", "triton", "xla")
 # Rows the kernel takes: it pads them to a power of two >= 16, one tensor-core tile of rows at most 64.
 MAX_ROWS = 64
+# Where fuses_hidden does not hold but W_in's programs each take all of K, W_in's kernel writes h itself
+# (activates_in_first); False keeps the two-call form there (an A-B switch, read where skinny_ffn is traced).
+HIDDEN_EPILOGUE = True
 
 
 def _check(x, w, experts, scale, norm, impl):
@@ -208,6 +211,19 @@ def fuses_hidden(m: int, d: int, f: int, activation, impl: str = "auto", slots: 
   return triton.hidden_fits(parts_rows, d // cfg_in.rows_per_program, m, f, d, slots)
 
 
+def activates_in_first(m: int, d: int, f: int, activation, impl: str = "auto", slots: int = 1,
+                       gated: bool = False) -> bool:
+  """Whether skinny_ffn's W_in kernel computes the hidden layer in its epilogue (triton.Activated) where
+  fuses_hidden does not hold: both products on the kernel, a plain activation, no gate, and W_in's programs
+  each taking all of K (one split), so each holds its columns' whole sum. Then no XLA kernel runs between the
+  products, and W_out reads h in x's dtype instead of a float32 product."""
+  if not (HIDDEN_EPILOGUE and not gated and runs_kernel(m, d, f, impl) and runs_kernel(m, f, d, impl)
+          and activation in PLAIN):
+    return False
+  cfg_in = triton.default_config(m, d, f, slots)
+  return cfg_in is not None and cfg_in.rows_per_program == d
+
+
 def runs_row_ffn(m: int, d: int, f: int, activation, impl: str = "auto", w_dtype=jnp.bfloat16,
                  gated: bool = False, slots: int = 1) -> bool:
   """Whether skinny_ffn runs as one kernel whose programs each take a slab of the hidden layer through
@@ -259,7 +275,8 @@ def skinny_ffn(
   runs it all: program j takes hidden columns F_j through both products and the caller's sum over j
   is the product. Else where the kernels run (fuses_hidden), W_in's (and W_gate's) split-K partials
   are left unsummed and W_out's programs sum them, scale, round and apply the activation as they
-  load their slab of h: no kernel of its own for the hidden layer. Differentiable: the cotangents
+  load their slab of h: no kernel of its own for the hidden layer. Where they do not, but W_in's programs
+  each take all of K (activates_in_first), W_in's kernel writes h itself. Differentiable: the cotangents
   are the two-call form's.
   """
   _check_ffn(x, w_in, w_out, experts, w_gate, w_in_scale, w_gate_scale, w_out_scale, norm, impl)
@@ -283,7 +300,9 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
   slots = 1 if dense else experts.shape[0]
   gated = w_gate is not None
   row = _one_width(w_in, w_gate, w_out) and runs_row_ffn(m, d, f, activation, impl, w_in.dtype, gated, slots)
-  if not row and not fuses_hidden(m, d, f, activation, impl, slots):
+  fused = row or fuses_hidden(m, d, f, activation, impl, slots)
+  epilogued = not fused and activates_in_first(m, d, f, activation, impl, slots, gated)
+  if not fused and not epilogued:
     first = lambda w, s: skinny_matmul(x, w, experts=experts, scale=s, norm=norm, impl=impl)
     return skinny_matmul(_hidden(first(w_in, w_in_scale), None if w_gate is None else first(w_gate, w_gate_scale),
                                  activation, dt), w_out, experts=experts, scale=w_out_scale, impl=impl)
@@ -301,6 +320,17 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
       if epi:  # (combine, residual, s_out): the sum, the combine and the residual add as one more kernel
         return triton_row_ffn.residual_epilogue(parts, *epi, ids, dt, w_out3.shape[0], interpret=_interpret())
       return parts.sum(axis=1)[:, None, :]
+  elif epilogued:  # two kernels: W_in's programs write h, W_out's read it
+    cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
+    activated = triton.Activated(activation=PLAIN[activation], dtype=jnp.dtype(dt), scaled=s_in is not None)
+
+    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+      h = triton.skinny_matmul_parts((x,) if ns is None else (x, ns), source, w_in3, ids, m, dt, cfg_in,
+                                     epilogue=activated, epilogue_operands=() if s_in is None else (s_in,),
+                                     interpret=_interpret())[:, 0]  # [slots, padded rows, f]
+      parts = triton.skinny_matmul_parts((h,), triton.Plain(per_slot=True), w_out3, ids, h.shape[1], dt, cfg_out,
+                                         interpret=_interpret())
+      return parts.sum(axis=1)[:, :m]
   else:  # two kernels: W_out's programs sum W_in's split-K parts as they load h
     cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
     hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,

@@ -10,7 +10,8 @@ consumes it). Many small programs (the K dimension split into slabs) keep every 
 What a program multiplies, its rows of x, comes from one of three sources: x as given, x RMS-normalized
 (Normed: the norm's per-row factor applied after the loop), or the hidden layer of a feed-forward
 (Hidden: act(sum of the first product's partials) [* the gate's], rounded to x's dtype), so that
-neither the norm nor the first product's sum and activation runs as a kernel of its own.
+neither the norm nor the first product's sum and activation runs as a kernel of its own. Where a program takes all
+of K (one split) it may instead finish as that hidden layer itself (Activated: scaled, activated, in x's dtype).
 int8 weights come k-major ([.., n, k], k_major): a program reads the same slab, each column's K rows contiguous.
 Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
 """
@@ -192,8 +193,24 @@ class Hidden:
     return h
 
 
-def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
-  x_refs, (w_ref, out_ref) = refs[:source.operands], refs[source.operands:]
+@dataclasses.dataclass(frozen=True)
+class Activated:
+  """An epilogue for a program that holds its columns' whole sum (one split): it writes the feed-forward's
+  hidden layer h = act(round(acc * scale[e_s])) rounded to dtype, as Hidden and the two-call form round it,
+  so the second product reads h in dtype and no kernel of its own computes it. Operands: the scale, if scaled."""
+  activation: Callable
+  dtype: jnp.dtype
+  scaled: bool
+
+  def finish(self, refs, expert, cols, acc):
+    if self.scaled:
+      acc = acc * refs[0][expert, cols].astype(jnp.float32)[None, :]
+    return self.activation(acc.astype(self.dtype).astype(jnp.float32)).astype(self.dtype)
+
+
+def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision, epilogue: Activated | None = None):
+  x_refs, w_ref, out_ref = refs[:source.operands], refs[source.operands], refs[-1]
+  epilogue_refs = refs[source.operands + 1:-1]
   s, j, p = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   # A slot whose id is outside [0, E) holds no expert (the op's contract): it skips the loop, so it reads no
   # weight, and writes zeros. decode_moe pads its distinct experts with such slots, two in three
@@ -231,14 +248,15 @@ def _kernel(experts_ref, *refs, source, cfg: Config, steps: int, precision):
                     axis=1)[None]
     else:
       acc = jax.lax.fori_loop(0, steps, step, zeros)
-    return source.finish(x_refs, acc) if isinstance(source, Normed) else acc
+    acc = source.finish(x_refs, acc) if isinstance(source, Normed) else acc
+    return acc if epilogue is None else epilogue.finish(epilogue_refs, expert, cols, acc)
 
   # A branch, not a trip count of zero: Pallas Triton lowers a loop with a traced bound to an scf.while
   # that Triton failed to compile (H100, jax 0.11.2).
-  out_ref[...] = jax.lax.cond(present, product, lambda _: zeros, None)
+  out_ref[...] = jax.lax.cond(present, product, lambda _: zeros.astype(out_ref.dtype), None)
 
 
-@shared_lowering("source", "m", "dtype", "cfg")
+@shared_lowering("source", "m", "dtype", "cfg", "epilogue")
 def skinny_matmul_parts(
     x_operands: tuple,
     source,
@@ -249,12 +267,17 @@ def skinny_matmul_parts(
     cfg: Config,
     *,
     interpret: bool,
+    epilogue: Activated | None = None,
+    epilogue_operands: tuple = (),
 ) -> Float[Array, "slots splits rows n"]:
   """The split-K partials: y[s] = sum_p parts[s, p, :m] (rows past m are padding), float32, unscaled.
+  With an epilogue (one split only) the one part is its result, in the epilogue's dtype.
 
   x_operands are what `source` reads: (x,) for Plain (x padded here), (x, g) for Normed, the parts and
   scales for Hidden. m is x's row count and dtype its dtype (Hidden's rounding)."""
   k, n = kn(w)
+  if epilogue is not None and k != cfg.rows_per_program:
+    raise ValueError(f"an epilogue needs one split: rows_per_program {cfg.rows_per_program} != k {k}.")
   slots = experts.shape[0]
   mp = padded_rows(m, cfg.use_dot)
   if not isinstance(source, Hidden) and mp != m:
@@ -262,7 +285,7 @@ def skinny_matmul_parts(
     x_operands = (jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, mp - m), (0, 0)]),) + tuple(x_operands[1:])
   splits = k // cfg.rows_per_program
   kernel = functools.partial(_kernel, source=source, cfg=cfg, steps=cfg.rows_per_program // cfg.block_k,
-                             precision=dot_precision(dtype))
+                             precision=dot_precision(dtype), epilogue=epilogue)
   params = None
   if not interpret:
     from jax.experimental.pallas import triton as plt
@@ -270,10 +293,10 @@ def skinny_matmul_parts(
   return launch_dependents.pallas_call(
       kernel,
       grid=(slots, n // cfg.block_n, splits),
-      in_specs=[pl.no_block_spec] * (2 + len(x_operands)),
+      in_specs=[pl.no_block_spec] * (2 + len(x_operands) + len(epilogue_operands)),
       out_specs=pl.BlockSpec((None, None, mp, cfg.block_n), lambda s, j, p: (s, p, 0, j)),
-      out_shape=jax.ShapeDtypeStruct((slots, splits, mp, n), jnp.float32),
+      out_shape=jax.ShapeDtypeStruct((slots, splits, mp, n), jnp.float32 if epilogue is None else epilogue.dtype),
       interpret=interpret,
       compiler_params=params,
       name="sparsejax_skinny_matmul",
-  )(experts.astype(jnp.int32), *x_operands, w)
+  )(experts.astype(jnp.int32), *x_operands, w, *epilogue_operands)
