@@ -1,4 +1,4 @@
-"""decode_attention's kernel configs at batch 1 and 32, against the kernel before (--old), chained over a model's layers.
+"""decode_attention's kernel configs at batch 1 and 32 against the kernel before (--old), chained over a model's layers.
 
 At batch 32 the medium-MoE step's attention took 25.6 us a layer on an H200 and the merge after it 7.7, for about 58 MB
 of cache a layer (14 us at the copy bandwidth; results/decode_H200_s44_b32_trace_stdout.log). The kernel gave each

@@ -120,7 +120,7 @@ def test_skinny_matmul_plain_rows_lower(m):
 
 @pytest.mark.parametrize("w_dtype", [jnp.int8, jnp.bfloat16])
 def test_skinny_matmul_epilogue_lowers(w_dtype):
-  """W_in's kernel writing the hidden layer (medium-moe's batch-32 groups: 16 rows through 32 experts' 1,024 x 4,096)."""
+  """W_in's kernel writing the hidden layer (medium-moe's batch-32 groups: 16 rows through 32 experts' W_in)."""
   cfg = skinny.default_config(16, 1024, 4096, 32)
   act = skinny.Activated(activation=PLAIN[jax.nn.gelu], dtype=jnp.dtype(bf16), scaled=w_dtype == jnp.int8)
   shape = (64, 4096, 1024) if w_dtype == jnp.int8 else (64, 1024, 4096)

@@ -519,6 +519,12 @@ def test_ffn_dense_weights_and_the_unfused_cases():
   assert _form(16, 1024, 4096, w_dtype=jnp.int8, slots=32, gated=True) == "two_calls"  # no gate in an epilogue
   assert _form(32, 1024, 4096, w_dtype=jnp.bfloat16) == "two_calls"  # one weight: four splits of 256 rows
   assert not fuses_hidden(1, 1024, 4096, jax.nn.gelu, "xla")
+  # One dense weight whose W_in programs take all of d = 256 at 32 rows: h from W_in's epilogue
+  x32, w_in2, w_out2 = _draw(34, (32, 256), jnp.float32), _draw(35, (256, 512), jnp.float32), _draw(36, (512, 256),
+                                                                                                   jnp.float32)
+  assert _form(32, 256, 512) == "epilogue"
+  np.testing.assert_allclose(np.asarray(skinny_ffn(x32, w_in2, w_out2, impl="triton")),
+                             np.asarray(skinny_ffn(x32, w_in2, w_out2, impl="xla")), **TOL[jnp.float32])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])

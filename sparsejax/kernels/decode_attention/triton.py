@@ -86,9 +86,9 @@ def _kernel(index_ref, start_ref, q_ref, k_ref, v_ref, *out_refs, cfg: Config, s
   if cfg.dynamic_loop:
     m, l, acc = jax.lax.fori_loop(0, count, step, init)
   else:
-    bound = -(-(-(-slots // chunk)) // splits)  # a split's most chunks
+    most = -(-(-(-slots // chunk)) // splits)  # ceil(chunks / splits): a split's most chunks
     m, l, acc = jax.lax.fori_loop(
-        0, bound, lambda i, c: jax.lax.cond(i < count, lambda c: step(i, c), lambda c: c, c), init)
+        0, most, lambda i, c: jax.lax.cond(i < count, lambda c: step(i, c), lambda c: c, c), init)
   if splits == 1:
     (o_ref,) = out_refs
     o_ref[...] = (acc / l).astype(o_ref.dtype)

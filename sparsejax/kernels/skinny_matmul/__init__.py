@@ -9,11 +9,12 @@ skinny_ffn runs a feed-forward's two products as that one kernel at one row, els
 layer inside the second's kernel, or in the first's epilogue where its programs take all of K;
 split_k_parts leaves a product unsummed for a kernel that sums it as it loads it.
 """
-from sparsejax.kernels.skinny_matmul.op import (IMPLS, MAX_ROWS, activates_in_first, folds_norm, fuses_hidden, fuses_residual, fuses_routing,
-                                                routed_ffn_residual, runs_kernel, runs_row_ffn, skinny_ffn,
-                                                skinny_ffn_residual, skinny_matmul, split_k_parts)
+from sparsejax.kernels.skinny_matmul.op import (IMPLS, MAX_ROWS, activates_in_first, folds_norm, fuses_hidden,
+                                                fuses_residual, fuses_routing, routed_ffn_residual, runs_kernel,
+                                                runs_row_ffn, skinny_ffn, skinny_ffn_residual, skinny_matmul,
+                                                split_k_parts)
 from sparsejax.kernels.skinny_matmul.reference import skinny_matmul_reference
 
-__all__ = ["IMPLS", "MAX_ROWS", "activates_in_first", "folds_norm", "fuses_hidden", "fuses_residual", "fuses_routing", "routed_ffn_residual",
-           "runs_kernel", "runs_row_ffn", "skinny_ffn", "skinny_ffn_residual", "skinny_matmul", "skinny_matmul_reference",
-           "split_k_parts"]
+__all__ = ["IMPLS", "MAX_ROWS", "activates_in_first", "folds_norm", "fuses_hidden", "fuses_residual", "fuses_routing",
+           "routed_ffn_residual", "runs_kernel", "runs_row_ffn", "skinny_ffn", "skinny_ffn_residual", "skinny_matmul",
+           "skinny_matmul_reference", "split_k_parts"]
