@@ -192,7 +192,9 @@ def _as3(w, scale):
 def _hidden(up, gate, activation, dtype):
   """h = act(g) * u, or act(u), rounded to dtype, from the float32 products: u and g are rounded to dtype
   first and the activation runs in float32 (as the kernel's Hidden source does), so the two-call and
-  fused forms round alike. (In dtype's own arithmetic a bf16 GELU is off by a few ulps of h.)"""
+  fused forms round alike. (In dtype's own arithmetic a bf16 GELU is off by a few ulps of h.) On a GPU, XLA may
+  keep u in float32 all the same (xla_allow_excess_precision, on by default): there the two-call form departs
+  from the kernels' rounding by up to a bf16 ulp of h (experiments/notes_decode.md, forty-eighth session)."""
   f32 = lambda v: v.astype(dtype).astype(jnp.float32)
   h = activation(f32(up)) if gate is None else activation(f32(gate)) * f32(up)
   return h.astype(dtype)
@@ -312,38 +314,39 @@ def _skinny_ffn(x, w_in, w_out, experts, w_gate, activation, w_in_scale, w_gate_
   (w_in3, s_in), (w_gate3, s_gate), (w_out3, s_out) = (
       _as3(w_in, w_in_scale), _as3(w_gate, w_gate_scale), _as3(w_out, w_out_scale))
   source, eps = _source(x, norm), None if norm is None else float(norm[1])
+  x_operands = lambda x, ns: (x,) if ns is None else (x, ns)  # what source reads
 
   if row:  # one kernel: each program takes a slab of h through both products
     def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, *epi):
-      parts = triton_row_ffn.row_ffn_parts((x,) if ns is None else (x, ns), source, w_in3, w_gate3, w_out3, s_in,
-                                           s_gate, ids, PLAIN[activation], dt, interpret=_interpret())
+      parts = triton_row_ffn.row_ffn_parts(x_operands(x, ns), source, w_in3, w_gate3, w_out3, s_in, s_gate, ids,
+                                           PLAIN[activation], dt, interpret=_interpret())
       if epi:  # (combine, residual, s_out): the sum, the combine and the residual add as one more kernel
         return triton_row_ffn.residual_epilogue(parts, *epi, ids, dt, w_out3.shape[0], interpret=_interpret())
       return parts.sum(axis=1)[:, None, :]
-  elif epilogued:  # two kernels: W_in's programs write h, W_out's read it
+  else:  # two kernels
     cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
-    activated = triton.Activated(activation=PLAIN[activation], dtype=jnp.dtype(dt), scaled=s_in is not None)
+    if epilogued:  # W_in's programs write h, W_out's read it
+      activated = triton.Activated(activation=PLAIN[activation], dtype=jnp.dtype(dt), scaled=s_in is not None)
 
-    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
-      h = triton.skinny_matmul_parts((x,) if ns is None else (x, ns), source, w_in3, ids, m, dt, cfg_in,
-                                     epilogue=activated, epilogue_operands=() if s_in is None else (s_in,),
-                                     interpret=_interpret())[:, 0]  # [slots, padded rows, f]
-      parts = triton.skinny_matmul_parts((h,), triton.Plain(per_slot=True), w_out3, ids, h.shape[1], dt, cfg_out,
-                                         interpret=_interpret())
-      return parts.sum(axis=1)[:, :m]
-  else:  # two kernels: W_out's programs sum W_in's split-K parts as they load h
-    cfg_in, cfg_out = triton.default_config(m, d, f, slots), triton.default_config(m, f, d, slots)
-    hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,
-                           up_scaled=s_in is not None, gated=gated, gate_scaled=s_gate is not None)
+      def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+        h = triton.skinny_matmul_parts(x_operands(x, ns), source, w_in3, ids, m, dt, cfg_in, epilogue=activated,
+                                       epilogue_operands=() if s_in is None else (s_in,),
+                                       interpret=_interpret())[:, 0]  # [slots, padded rows, f]
+        parts = triton.skinny_matmul_parts((h,), triton.Plain(per_slot=True), w_out3, ids, h.shape[1], dt, cfg_out,
+                                           interpret=_interpret())
+        return parts.sum(axis=1)[:, :m]
+    else:  # W_out's programs sum W_in's split-K parts as they load h
+      hidden = triton.Hidden(activation=PLAIN[activation], dtype=jnp.dtype(dt), splits=d // cfg_in.rows_per_program,
+                             up_scaled=s_in is not None, gated=gated, gate_scaled=s_gate is not None)
 
-    def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
-      first = lambda w: triton.skinny_matmul_parts((x,) if ns is None else (x, ns), source, w, ids, m, dt, cfg_in,
-                                                   interpret=_interpret())
-      operands = (first(w_in3),) + (() if s_in is None else (s_in,))
-      if w_gate3 is not None:
-        operands += (first(w_gate3),) + (() if s_gate is None else (s_gate,))
-      parts = triton.skinny_matmul_parts(operands, hidden, w_out3, ids, m, dt, cfg_out, interpret=_interpret())
-      return parts.sum(axis=1)[:, :m]
+      def kernel(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids):
+        first = lambda w: triton.skinny_matmul_parts(x_operands(x, ns), source, w, ids, m, dt, cfg_in,
+                                                     interpret=_interpret())
+        operands = (first(w_in3),) + (() if s_in is None else (s_in,))
+        if w_gate3 is not None:
+          operands += (first(w_gate3),) + (() if s_gate is None else (s_gate,))
+        parts = triton.skinny_matmul_parts(operands, hidden, w_out3, ids, m, dt, cfg_out, interpret=_interpret())
+        return parts.sum(axis=1)[:, :m]
 
   def reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, *epi):
     y = _ffn_reference(x, w_in3, w_gate3, w_out3, s_in, s_gate, ns, ids, eps, activation, dt)
