@@ -14,6 +14,7 @@ from sparsejax.activations import PLAIN
 from sparsejax.kernels.decode_attention import triton as attention
 from sparsejax.kernels.decode_qkv import triton as qkv
 from sparsejax.kernels.decode_router import triton as router
+from sparsejax.kernels.group_rows import triton as group_rows
 from sparsejax.kernels.row_moves import triton as row_moves
 from sparsejax.kernels.skinny_matmul import triton as skinny
 from sparsejax.kernels.skinny_matmul import triton_row_ffn as row_ffn
@@ -158,6 +159,11 @@ def test_router_logit_parts_lower():
   fn = lambda x, w, g, p: router.logit_parts(x, w, cfg, interpret=False, norm=(g, 1e-6), pending=p)
   _lowers(fn, ((1, 1024), bf16), ((1024, 64), jnp.float32), ((1024,), jnp.float32), ((8, 1, 1024), jnp.float32))
   _lowers(lambda p: router.select(p, 2, True, interpret=False), ((1, 4, 64), jnp.float32))
+
+
+@pytest.mark.parametrize("t,k,e,d", [(32, 1, 64, 1024), (20, 3, 6, 64)])
+def test_group_rows_lowers(t, k, e, d):
+  _lowers(lambda x, ids: group_rows.group_rows(x, ids, e, 16, interpret=False), ((t, d), bf16), ((t * k,), jnp.int32))
 
 
 def test_row_gather_lowers():

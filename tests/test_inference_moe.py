@@ -68,6 +68,25 @@ def test_equals_moe_mlp(name, dtype):
   assert int(stats.num_dropped) == 0
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith("grouped")])
+def test_grouped_rows_placed_by_the_kernel(name, dtype, monkeypatch):
+  """The grouped cases with the groups placed by kernels.group_rows' Pallas kernel (interpret mode here), as a
+  GPU places them: equal to moe_mlp, and to the XLA placement exactly."""
+  from sparsejax.inference import decode_moe
+  t, e, k, glu, ids = CASES[name]
+  x, ids, cw, w = _case(t, e, k, dtype=dtype, glu=glu, ids=ids, seed=seed_of("placed", name, str(dtype)))
+  run = lambda: jax.jit(lambda x, cw, w: decode_moe_mlp(x, ids, cw, w["w_in"], w["w_out"],
+                                                        w_gate=w.get("w_gate"))[0])(x, cw, w)
+  monkeypatch.setattr(decode_moe, "GROUP_ROWS_IMPL", "xla")
+  xla = run()
+  monkeypatch.setattr(decode_moe, "GROUP_ROWS_IMPL", "triton")
+  got = run()
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(xla, np.float32))
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(_moe_mlp(x, ids, cw, w), np.float32),
+                             **TOL[dtype])
+
+
 def test_padding_slots_hold_no_expert(monkeypatch):
   """The static min(T k, E) slots hold each distinct chosen expert once and pad with E (no expert, which
   the kernels neither read nor compute), not with a repeat of an expert: a repeat ran its FFN again."""

@@ -19,6 +19,8 @@ from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.kernels.decode_router import router_logit_parts, splits_logits
 from sparsejax.kernels.decode_router.triton import default_config as router_config
+from sparsejax.kernels.group_rows import group_rows
+from sparsejax.kernels.group_rows import row_groups as group_rows_bound
 from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual, skinny_ffn, skinny_ffn_residual
 from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 from sparsejax.moe import MoEStats, moe_mlp
@@ -39,6 +41,9 @@ SELECTS_IN_EXPERTS = True
 # 64; bf16 222, 235-240; experiments/notes_decode.md, forty-seventh session). Read at trace time; an A-B sets it False.
 COMPACT_ROWS = True
 ROW_GROUP = 16
+# The placement of those groups (kernels.group_rows): "auto" runs its one kernel on a GPU, where XLA ran seven.
+# Read at trace time; an A-B sets it "xla".
+GROUP_ROWS_IMPL = "auto"
 # At one token the block hands the MoE layer its attention's W_o product as split-K parts and the router's logits
 # kernel adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace
 # time; an A-B sets it False.
@@ -156,7 +161,7 @@ def decode_moe_mlp(
   if COMPACT_ROWS and num_tokens > ROW_GROUP:
     if norm is not None:  # a norm folds into a kernel over a shared x only; at these rows it would not fold anyway
       x = rms_norm(x, *norm)
-    y = _grouped_rows_ffn(x, key, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
+    y = _grouped_rows_ffn(x, ids, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
     return (y if residual is None else residual + y.astype(residual.dtype)), stats
   if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
     uniq, slot, picked = ids, jnp.arange(k), valid  # -1 (NO_EXPERT) is a slot with no expert: zero, unread
@@ -187,34 +192,24 @@ def decode_moe_mlp(
 def row_groups(num_assignments: int, num_experts: int, group: int = ROW_GROUP) -> int:
   """Static bound on the groups of `group` rows that num_assignments (token, expert) pairs fill, each group one
   expert's: sum_e ceil(c_e / group) <= a + floor((num_assignments - a) / group), a = min(num_assignments, E)."""
-  a = min(num_assignments, num_experts)
-  return a + (num_assignments - a) // group
+  return group_rows_bound(num_assignments, num_experts, group)
 
 
-def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], key: Int[Array, "tk"], c: Float[Array, "tk"],
+def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], ids: Int[Array, "tk"], c: Float[Array, "tk"],
                       w_in: Num[Array, "experts ..."], w_out: Num[Array, "experts ..."], ffn: dict,
                       precision) -> Float[Array, "tokens d_model"]:
   """y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]) with each expert's tokens in groups of ROW_GROUP rows.
 
-  Pair a = (t, j) (key[a] = e[t, j], or E where it has no expert) is row r_a % G of group g_a = start[e] + r_a // G,
-  r_a its rank among e's pairs and start[e] = sum_{e' < e} ceil(c_e' / G). Group g reads expert u_g's weights
-  (u_g = E, no expert, for a group no pair fills: it reads and computes nothing); an expert with more than G
-  tokens is read once a group."""
+  kernels.group_rows places pair a = (t, j) (ids[a] = e[t, j]; outside [0, E): no expert) in row r_a % G of group
+  g_a = start[e] + r_a // G, r_a its rank among e's pairs and start[e] = sum_{e' < e} ceil(c_e' / G). Group g reads
+  expert u_g's weights (u_g = E, no expert, for a group no pair fills: it reads and computes nothing); an expert
+  with more than G tokens is read once a group. Pair a's row comes back from slot[a] = g_a G + r_a % G."""
   num_tokens, d = x.shape
-  tk, num_experts = key.shape[0], w_in.shape[0]
-  groups = row_groups(tk, num_experts)
-  valid = key < num_experts
-  onehot = jax.nn.one_hot(jnp.where(valid, key, num_experts), num_experts, dtype=jnp.int32)  # [tk, E]
-  rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-  per_expert = -(-jnp.sum(onehot, axis=0) // ROW_GROUP)
-  start = jnp.cumsum(per_expert) - per_expert
-  group = jnp.where(valid, jnp.take(start, jnp.minimum(key, num_experts - 1)) + rank // ROW_GROUP, groups)
-  row = rank % ROW_GROUP
-  experts = jnp.full((groups,), num_experts, jnp.int32).at[group].set(key, mode="drop")
-  token = jnp.arange(tk) // (tk // num_tokens)
-  xs = jnp.zeros((groups, ROW_GROUP, d), x.dtype).at[group, row].set(x[token], mode="drop")
+  num_experts = w_in.shape[0]
+  xs, experts, slot = group_rows(x, ids, num_experts, group=ROW_GROUP, impl=GROUP_ROWS_IMPL)
   out = skinny_ffn(xs, w_in, w_out, experts=experts, **ffn).astype(x.dtype)  # rounded like moe_mlp's expert rows
-  picked = out.at[jnp.minimum(group, groups - 1), row].get().astype(jnp.float32)  # [tk, d]
+  picked = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0).astype(jnp.float32)  # [tk, d]
+  valid = (ids >= 0) & (ids < num_experts)
   c = jnp.where(valid, c.astype(jnp.float32), 0.0)  # a pair with no expert fills no row and adds nothing
   y = jnp.einsum("tj,tjd->td", c.reshape(num_tokens, -1), picked.reshape(num_tokens, -1, d), precision=precision)
   return y.astype(x.dtype)

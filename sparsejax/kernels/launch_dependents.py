@@ -43,7 +43,7 @@ from sparsejax.kernels import gpu_compute_capability as _compute_capability
 # for a GPU (the A-B switch). The products (sparsejax_skinny_matmul, sparsejax_row_ffn) measured slower with it.
 EARLY: bool | tuple[str, ...] = ("sparsejax_decode_qkv", "sparsejax_decode_attention", "sparsejax_decode_router",
                                   "sparsejax_decode_router_select", "sparsejax_decode_router_logits",
-                                  "sparsejax_row_ffn_epilogue")
+                                  "sparsejax_row_ffn_epilogue", "sparsejax_group_rows")
 
 launch_dependents_p = jax_core.Primitive("sparsejax_launch_dependents")
 launch_dependents_p.multiple_results = True
