@@ -24,7 +24,7 @@ NO_TRITON = "no Pallas Triton backend"
 def _gpu_decisions(monkeypatch_setattr, hopper: bool) -> dict:
   """The GPU's "auto" choices for shapes every kernel takes, with jax.default_backend() "gpu" (and sm_90 or not)."""
   from sparsejax.grouped_matmul import resolve_impl
-  from sparsejax.kernels import decode_qkv, decode_router, row_moves, skinny_matmul
+  from sparsejax.kernels import decode_qkv, decode_router, group_rows, row_moves, skinny_matmul
   from sparsejax.kernels.gmm import op as gmm_op
 
   monkeypatch_setattr(jax, "default_backend", lambda: "gpu")
@@ -33,6 +33,7 @@ def _gpu_decisions(monkeypatch_setattr, hopper: bool) -> dict:
   return {
       "decode_qkv": decode_qkv.runs_kernel(64),
       "row_moves": row_moves.runs_kernel(1024),
+      "group_rows": group_rows.runs_kernel(32, 64, 1024),
       "decode_router": decode_router.runs_kernel(1, 1024, 64, 2),
       "splits_logits": decode_router.splits_logits(1, 1024, 64, 2),
       "skinny_matmul": skinny_matmul.runs_kernel(1, 1024, 4096),
@@ -195,8 +196,8 @@ def test_the_backend_is_there_and_auto_takes_its_kernels_on_a_gpu(monkeypatch):
     warnings.simplefilter("error", RuntimeWarning)  # no fallback warning where the kernels run
     gpu = _gpu_decisions(monkeypatch.setattr, hopper=False)
     hopper = _gpu_decisions(monkeypatch.setattr, hopper=True)
-  kernels = {name: True for name in ("decode_qkv", "row_moves", "decode_router", "splits_logits", "skinny_matmul",
-                                     "folds_norm", "fuses_hidden", "runs_row_ffn", "fuses_residual",
+  kernels = {name: True for name in ("decode_qkv", "row_moves", "group_rows", "decode_router", "splits_logits",
+                                     "skinny_matmul", "folds_norm", "fuses_hidden", "runs_row_ffn", "fuses_residual",
                                      "decode_attention")}
   assert gpu == dict(kernels, impl_auto="pallas", impl_auto_f32="pallas", impl_auto_bf16="pallas",
                      gmm_auto="triton", gmm_auto_f32="triton", gmm_mosaic_f32="mosaic", moe_f32="pallas",
@@ -213,7 +214,7 @@ def test_without_the_backend_auto_takes_xla_and_triton_is_a_one_line_error():
     assert gap < 1e-4, (op, gap)
   for op, err in got["errors"].items():
     assert err is not None and err.startswith("RuntimeError: ") and NO_TRITON in err and "\n" not in err, (op, err)
-  no_kernels = {name: False for name in ("decode_qkv", "row_moves", "decode_router", "splits_logits",
+  no_kernels = {name: False for name in ("decode_qkv", "row_moves", "group_rows", "decode_router", "splits_logits",
                                          "skinny_matmul", "folds_norm", "fuses_hidden", "runs_row_ffn",
                                          "fuses_residual", "decode_attention")}
   # Off Hopper every Pallas choice is Triton's: XLA. On Hopper bf16 keeps Mosaic; float32, which Mosaic hands to
