@@ -117,3 +117,69 @@ def test_dispatch_and_errors():
   # "auto" where the kernel does not take the shape: the reference, same answer
   for got, want in zip(gr.group_rows(x[:, :48], ids, e), gr.group_rows_reference(x[:, :48], ids, e, G)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# (tokens, splits, experts, k, renormalize, d): the routed form, the router's partial logits in place of ids
+ROUTED = {
+    "medium_b32": (32, 8, 64, 1, False, 512),
+    "top2_renormalized": (24, 2, 8, 2, True, 64),
+    "k_equals_E": (17, 4, 4, 4, True, 64),
+    "one_expert": (20, 1, 1, 1, False, 32),
+    "top3_of_16": (19, 2, 16, 3, False, 128),  # 57 pairs
+}
+
+
+def _routed_case(name, dtype=jnp.float32, ties=False):
+  t, s, e, k, renorm, d = ROUTED[name]
+  rng = np.random.default_rng(seed_of("routed", name, str(dtype), ties))
+  x = jnp.asarray(rng.standard_normal((t, d)), dtype)
+  parts = rng.standard_normal((t, s, e)).astype(np.float32)
+  if ties:  # equal summed logits (the lower expert first), and -inf ones (still taken in turn)
+    parts[:, :, :] = np.round(parts * 2) / 2
+    parts[0, :, :] = 0.0
+    parts[1, 0, :] = -np.inf
+  return x, jnp.asarray(parts), k, renorm
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["random", "ties"])
+@pytest.mark.parametrize("name", list(ROUTED))
+def test_routed_kernel_selects_as_the_router_and_places_as_group_rows(name, ties):
+  from sparsejax.kernels.decode_router import select_from_parts
+  x, parts, k, renorm = _routed_case(name, ties=ties)
+  got = jax.jit(lambda x, p: gr.route_group_rows(x, p, k, renormalize=renorm, impl="triton"))(x, parts)
+  ids, wts = select_from_parts(parts, k, renorm)
+  np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(ids))
+  np.testing.assert_allclose(np.asarray(got[4]), np.asarray(wts), rtol=1e-6, atol=1e-7)
+  assert got[3].shape == got[4].shape == (x.shape[0], k) and got[4].dtype == jnp.float32
+  for g, want in zip(got[:3], gr.group_rows_reference(x, ids.reshape(-1), parts.shape[2], G)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(want))
+
+
+def test_routed_gradient_is_the_reference_one():
+  x, parts, k, renorm = _routed_case("top2_renormalized")
+  rng = np.random.default_rng(3)
+  cx, cw = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((gr.row_groups(48, 8, G), G, 64), (24, 2)))
+  loss = lambda impl: lambda x, p: (lambda o: jnp.sum(o[0] * cx) + jnp.sum(o[4] * cw))(
+      gr.route_group_rows(x, p, k, renormalize=renorm, impl=impl))
+  got = jax.grad(loss("triton"), argnums=(0, 1))(x, parts)
+  want = jax.grad(loss("xla"), argnums=(0, 1))(x, parts)
+  assert float(jnp.max(jnp.abs(got[1]))) > 0  # the weights carry a gradient to the logits
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_routed_dispatch_and_errors():
+  x, parts, k, _ = _routed_case("top2_renormalized")
+  assert gr.routes_kernel(24, 8, 2, 64) == (jax.default_backend() == "gpu")
+  assert not gr.routes_kernel(24, 6, 2, 64)  # the logits' blocks need a power-of-two expert count
+  with pytest.raises(ValueError, match=r"parts must be \[tokens, splits, experts\]"):
+    gr.route_group_rows(x, parts[:5], k)
+  with pytest.raises(TypeError, match="parts must be a floating"):
+    gr.route_group_rows(x, parts.astype(jnp.int32), k)
+  with pytest.raises(ValueError, match="k=9 exceeds the number of experts"):
+    gr.route_group_rows(x, parts, 9)
+  with pytest.raises(ValueError, match=r"impl='triton' needs .* got d=64, 6 experts"):
+    gr.route_group_rows(x, parts[:, :, :6], k, impl="triton")
+  # "auto" where the kernel does not take the shape: the reference
+  got = gr.route_group_rows(x, parts[:, :, :6], k)
+  assert got[0].shape == (gr.row_groups(48, 6, G), G, 64)
