@@ -144,7 +144,7 @@ class MoE(nnx.Module):
       w = decode_moe.expert_weights(self, c.dtype, quantized=False)
       w_in, w_gate, w_out = w["w_in"], w["w_gate"], w["w_out"]
     act = c.activation_fn
-    routed = placed = False
+    routed = False
     if c.router == "expert_choice":
       r = routing.expert_choice_routing(logits, c.capacity_factor)
       y, stats = expert_choice_mlp(x2, r, w_in, w_out, w_gate=w_gate, activation=act)
@@ -157,9 +157,7 @@ class MoE(nnx.Module):
           from sparsejax.inference import decode_moe
           # One token: the experts' kernels select from the router's partial logits (routed_decode_layer).
           routed = res is not None and decode_moe.selects_in_experts(self, x_in, act)
-          # Above a row group: the placement's kernel selects from the router's parts (placed_decode_layer).
-          placed = not routed and router_parts is None and decode_moe.places_routing(self, x_in)
-          if not (routed or placed):
+          if not routed:
             # A decode step's few tokens: ids and weights from two kernels instead of XLA's six. The
             # probabilities and logits above then feed only the layer's losses, which XLA drops unless used.
             # (Where the kernels do not run, r already is what decode_router's reference would compute.)
@@ -175,9 +173,6 @@ class MoE(nnx.Module):
       if routed:  # the block's residual is added in the experts' last kernel
         y, stats, ids = decode_moe.routed_decode_layer(self, x_in, activation=act, norm=folded, residual=res,
                                                        router_parts=router_parts)
-        r, res = r.replace(expert_ids=ids), None
-      elif placed:
-        y, stats, ids = decode_moe.placed_decode_layer(self, x_in, activation=act, norm=folded, residual=res)
         r, res = r.replace(expert_ids=ids), None
       else:
         layer = moe_mlp

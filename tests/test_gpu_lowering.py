@@ -166,12 +166,6 @@ def test_group_rows_lowers(t, k, e, d):
   _lowers(lambda x, ids: group_rows.group_rows(x, ids, e, 16, interpret=False), ((t, d), bf16), ((t * k,), jnp.int32))
 
 
-@pytest.mark.parametrize("t,splits,e,k,d", [(32, 8, 64, 1, 1024), (20, 2, 8, 3, 64)])
-def test_routed_group_rows_lowers(t, splits, e, k, d):
-  _lowers(lambda x, p: group_rows.route_group_rows(x, p, k, True, 16, interpret=False), ((t, d), bf16),
-          ((t, splits, e), jnp.float32))
-
-
 def test_row_gather_lowers():
   _lowers(lambda x, src: row_moves.gather_rows(x, src, interpret=False), ((512, 256), bf16), ((640,), jnp.int32),
           triggers=0)

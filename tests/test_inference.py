@@ -96,30 +96,14 @@ def test_greedy_cached_decoding_equals_full_forward(variant):
   assert not jax.tree.leaves(nnx.state(model, nnx.Cache))  # the caller's model gets no cache
 
 
-@pytest.mark.parametrize("variant", ["moe", "moe_int8", "moe_placed", "moe_int8_placed"])
+@pytest.mark.parametrize("variant", ["moe", "moe_int8"])
 def test_greedy_decoding_above_a_row_group_equals_full_forward(monkeypatch, variant):
   """At 18 rows (above decode_moe.ROW_GROUP) each expert takes its own tokens in groups of 16 rows: four experts,
-  top-2, so an expert holds more than 16 tokens (two groups) in most steps. *_placed: the router's two kernels
-  forced (W_r over two programs) and group_rows' routed kernel selecting from their parts and placing the rows
-  (decode_moe.placed_decode_layer; interpret mode here, "auto" takes it on a GPU)."""
+  top-2, so an expert holds more than 16 tokens (two groups) in most steps."""
   from sparsejax.inference import decode_moe
   groups = []
-  if variant.endswith("_placed"):
-    from sparsejax import modules
-    from sparsejax.kernels.decode_router import runs_kernel, splits_logits
-    from sparsejax.kernels.decode_router import triton as router_triton
-    generate_module = importlib.import_module("sparsejax.inference.generate")
-    monkeypatch.setattr(router_triton, "TILE_NUMBERS", 64)  # [16, 4] tiles: d_model 32 is two, one a program
-    monkeypatch.setattr(modules, "runs_kernel", lambda *shape: runs_kernel(*shape, impl="triton"))
-    monkeypatch.setattr(decode_moe, "splits_logits", lambda *shape: splits_logits(*shape, impl="triton"))
-    monkeypatch.setattr(decode_moe, "GROUP_ROWS_IMPL", "triton")
-    generate_module._compiled_step.cache_clear()  # the flags act where the step is traced
-    generate_module._compiled_loop.cache_clear()
-    real = decode_moe.placed_decode_layer
-    monkeypatch.setattr(decode_moe, "placed_decode_layer", lambda *a, **k: groups.append(1) or real(*a, **k))
-  else:
-    real = decode_moe._grouped_rows_ffn
-    monkeypatch.setattr(decode_moe, "_grouped_rows_ffn", lambda *a: groups.append(1) or real(*a))
+  real = decode_moe._grouped_rows_ffn
+  monkeypatch.setattr(decode_moe, "_grouped_rows_ffn", lambda *a: groups.append(1) or real(*a))
   model = reference = _model(1)
   if variant == "moe_int8":
     model = quantize_model(model)

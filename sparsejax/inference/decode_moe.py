@@ -19,7 +19,7 @@ from sparsejax import _checks
 from sparsejax._precision import dot_precision
 from sparsejax.kernels.decode_router import router_logit_parts, splits_logits
 from sparsejax.kernels.decode_router.triton import default_config as router_config
-from sparsejax.kernels.group_rows import group_rows, route_group_rows, routes_kernel
+from sparsejax.kernels.group_rows import group_rows
 from sparsejax.kernels.group_rows import row_groups as group_rows_bound
 from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual, skinny_ffn, skinny_ffn_residual
 from sparsejax.kernels.skinny_matmul.reference import k_major, kn
@@ -44,10 +44,6 @@ ROW_GROUP = 16
 # The placement of those groups (kernels.group_rows): "auto" runs its one kernel on a GPU, where XLA ran seven.
 # Read at trace time; an A-B sets it "xla".
 GROUP_ROWS_IMPL = "auto"
-# Above ROW_GROUP tokens, where the router runs its two kernels, group_rows' routed kernel selects from the router's
-# partial logits itself, so the router's select kernel does not run (places_routing). Read at trace time; an A-B
-# sets it False.
-PLACES_ROUTING = True
 # At one token the block hands the MoE layer its attention's W_o product as split-K parts and the router's logits
 # kernel adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace
 # time; an A-B sets it False.
@@ -208,63 +204,15 @@ def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], ids: Int[Array, "tk"], 
   g_a = start[e] + r_a // G, r_a its rank among e's pairs and start[e] = sum_{e' < e} ceil(c_e' / G). Group g reads
   expert u_g's weights (u_g = E, no expert, for a group no pair fills: it reads and computes nothing); an expert
   with more than G tokens is read once a group. Pair a's row comes back from slot[a] = g_a G + r_a % G."""
-  placed = group_rows(x, ids, w_in.shape[0], group=ROW_GROUP, impl=GROUP_ROWS_IMPL)
-  return _placed_ffn(x, *placed, ids, c, w_in, w_out, ffn, precision)
-
-
-def _placed_ffn(x: Float[Array, "tokens d_model"], xs: Float[Array, "groups g d_model"], experts: Int[Array, "groups"],
-                slot: Int[Array, "tk"], ids: Int[Array, "tk"], c: Float[Array, "tk"], w_in: Num[Array, "experts ..."],
-                w_out: Num[Array, "experts ..."], ffn: dict, precision) -> Float[Array, "tokens d_model"]:
-  """y[t] = sum_j c[t, j] out[slot[t k + j]], out = every group's rows through its expert (group_rows' placement)."""
   num_tokens, d = x.shape
+  num_experts = w_in.shape[0]
+  xs, experts, slot = group_rows(x, ids, num_experts, group=ROW_GROUP, impl=GROUP_ROWS_IMPL)
   out = skinny_ffn(xs, w_in, w_out, experts=experts, **ffn).astype(x.dtype)  # rounded like moe_mlp's expert rows
   picked = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0).astype(jnp.float32)  # [tk, d]
-  valid = (ids >= 0) & (ids < w_in.shape[0])
+  valid = (ids >= 0) & (ids < num_experts)
   c = jnp.where(valid, c.astype(jnp.float32), 0.0)  # a pair with no expert fills no row and adds nothing
   y = jnp.einsum("tj,tjd->td", c.reshape(num_tokens, -1), picked.reshape(num_tokens, -1, d), precision=precision)
   return y.astype(x.dtype)
-
-
-def places_routing(moe, x: Float[Array, "tokens d_model"]) -> bool:
-  """Whether the MoE module's decode step at these tokens takes placed_decode_layer: each expert's own tokens in
-  groups (COMPACT_ROWS, above ROW_GROUP tokens, within SMALL_BATCH_MAX_ASSIGNMENTS pairs), the router's two-kernel
-  form (decode_router.splits_logits) and group_rows' routed kernel, which selects from the router's parts itself."""
-  c = moe.config
-  t = x.shape[0]
-  if not (PLACES_ROUTING and COMPACT_ROWS and ROW_GROUP < t and t * c.top_k <= SMALL_BATCH_MAX_ASSIGNMENTS
-          and getattr(moe, "mesh", None) is None and GROUP_ROWS_IMPL != "xla"):
-    return False
-  return (splits_logits(t, c.d_model, c.num_experts, c.top_k)
-          and routes_kernel(t, c.num_experts, c.top_k, c.d_model, GROUP_ROWS_IMPL))
-
-
-def placed_decode_layer(
-    moe,
-    x: Float[Array, "tokens d_model"],
-    *,
-    activation: Callable,
-    norm: tuple[Float[Array, "d_model"], float] | None,
-    residual: Float[Array, "tokens d_model"] | None,
-) -> tuple[Float[Array, "tokens d_model"], MoEStats, Int[Array, "tokens k"]]:
-  """(y, stats, ids), y = residual + the layer (or the layer alone with residual None): the MoE layer above ROW_GROUP
-  tokens as decode_router then decode_moe_mlp compute it, with the router's select inside the placement's kernel:
-  the router's partial logits (decode_router.router_logit_parts), then group_rows' routed kernel (the select and
-  the placement), then the experts' products. norm = (g, eps): the layer's input is rms_norm(x, g, eps)."""
-  c = moe.config
-  renormalize = c.top_k > 1 if c.renormalize is None else bool(c.renormalize)
-  parts = router_logit_parts(x, moe.router.w[...], norm=norm)
-  if norm is not None:
-    x = rms_norm(x, *norm)
-  xs, experts, slot, ids, weights = route_group_rows(x, parts, c.top_k, renormalize=renormalize, group=ROW_GROUP,
-                                                     impl=GROUP_ROWS_IMPL)
-  w = expert_weights(moe, x.dtype, quantized=True)
-  ffn = dict(w_gate=w["w_gate"], activation=activation, w_in_scale=w.get("w_in_scale"),
-             w_gate_scale=w.get("w_gate_scale"), w_out_scale=w.get("w_out_scale"))
-  flat = ids.reshape(-1)
-  y = _placed_ffn(x, xs, experts, slot, flat, weights.reshape(-1), w["w_in"], w["w_out"], ffn, dot_precision(x.dtype))
-  if residual is not None:
-    y = residual + y.astype(residual.dtype)
-  return y, _stats(flat, c.num_experts), ids
 
 
 def selects_in_experts(moe, x: Float[Array, "tokens d_model"], activation: Callable) -> bool:
