@@ -41,7 +41,7 @@ SELECTS_IN_EXPERTS = True
 # 64; bf16 222, 235-240; experiments/notes_decode.md, forty-seventh session). Read at trace time; an A-B sets it False.
 COMPACT_ROWS = True
 ROW_GROUP = 16
-# The placement of those groups (kernels.group_rows): "auto" runs its one kernel on a GPU, where XLA ran seven.
+# The placement of those groups (kernels.group_rows): "auto" runs its one kernel on a GPU, where XLA ran five or six.
 # Read at trace time; an A-B sets it "xla".
 GROUP_ROWS_IMPL = "auto"
 # At one token the block hands the MoE layer its attention's W_o product as split-K parts and the router's logits
