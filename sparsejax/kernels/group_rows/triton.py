@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.group_rows.reference import row_groups
+from sparsejax.kernels.row_moves.triton import block_d_for  # the row gather's rule, at this kernel's block_d
 from sparsejax.kernels.shared_lowering import shared_lowering
 
 
@@ -34,17 +35,11 @@ class Config:
 MAX_PAIRS_X_EXPERTS = 16384
 
 
-def block_d_for(d: int, cfg: Config = Config()) -> int | None:
-  """The column block for width d: cfg.block_d, or d itself when smaller and a power of two; None when neither
-  divides d."""
-  bd = min(cfg.block_d, d)
-  return bd if bd & (bd - 1) == 0 and d % bd == 0 else None
-
-
 def fits(num_pairs: int, num_experts: int, d: int) -> bool:
-  """Whether the kernel takes these shapes: its comparisons fit (MAX_PAIRS_X_EXPERTS) and block_d_for(d) exists."""
+  """Whether the kernel takes these shapes: its comparisons fit (MAX_PAIRS_X_EXPERTS) and d has a column block
+  (block_d_for)."""
   p, e = pl.next_power_of_2(num_pairs), pl.next_power_of_2(num_experts)
-  return num_pairs > 0 and p * max(p, e) <= MAX_PAIRS_X_EXPERTS and block_d_for(d) is not None
+  return num_pairs > 0 and p * max(p, e) <= MAX_PAIRS_X_EXPERTS and block_d_for(d, Config()) is not None
 
 
 def _placement(ids_ref, *, num_experts: int, group: int, groups: int):

@@ -32,8 +32,9 @@ class Config:
 
 
 def block_d_for(d: int, cfg: Config = Config()) -> int | None:
-  """The column block for width d: block_d, or d itself when smaller and a power of two; None when
-  neither divides d (the kernel does not take that width)."""
+  """The column block for width d: cfg.block_d, or d itself when smaller and a power of two; None when
+  neither divides d (the kernel does not take that width). group_rows' kernel takes its columns by the same
+  rule, with its own config's block_d."""
   bd = min(cfg.block_d, d)
   return bd if bd & (bd - 1) == 0 and d % bd == 0 else None
 
