@@ -57,12 +57,14 @@ def _placement_loop(ids, tokens, num_experts):
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_equals_the_reference_and_the_loop(name, dtype):
   x, ids, e = _case(name, dtype)
-  xs, experts, slot = jax.jit(lambda x, i: gr.group_rows(x, i, e, impl="triton"))(x, ids)
+  xs, experts, slot, counts = jax.jit(lambda x, i: gr.group_rows(x, i, e, impl="triton"))(x, ids)
   groups = gr.row_groups(ids.shape[0], e, G)
   assert xs.shape == (groups, G, x.shape[1]) and xs.dtype == x.dtype
-  assert experts.dtype == slot.dtype == jnp.int32 and slot.shape == ids.shape
-  for got, want in zip((xs, experts, slot), gr.group_rows_reference(x, ids, e, G)):
+  assert experts.dtype == slot.dtype == counts.dtype == jnp.int32 and slot.shape == ids.shape
+  for got, want in zip((xs, experts, slot, counts), gr.group_rows_reference(x, ids, e, G)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # integers and moved rows: bit-exact
+  i = np.asarray(ids)
+  np.testing.assert_array_equal(np.asarray(counts), np.bincount(i[(i >= 0) & (i < e)], minlength=e))
   want_experts, rows, want_slot = _placement_loop(np.asarray(ids), x.shape[0], e)
   np.testing.assert_array_equal(np.asarray(experts), want_experts)
   np.testing.assert_array_equal(np.asarray(slot), want_slot)
@@ -73,8 +75,8 @@ def test_kernel_equals_the_reference_and_the_loop(name, dtype):
 
 def test_every_pair_without_an_expert():
   x = jnp.ones((18, 64), jnp.float32)
-  xs, experts, slot = gr.group_rows(x, jnp.full((18,), -1, jnp.int32), 8, impl="triton")
-  assert not np.any(np.asarray(xs))
+  xs, experts, slot, counts = gr.group_rows(x, jnp.full((18,), -1, jnp.int32), 8, impl="triton")
+  assert not np.any(np.asarray(xs)) and not np.any(np.asarray(counts))
   np.testing.assert_array_equal(np.asarray(experts), 8)
   np.testing.assert_array_equal(np.asarray(slot), xs.shape[0] * G)
 

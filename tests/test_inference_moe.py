@@ -77,12 +77,16 @@ def test_grouped_rows_placed_by_the_kernel(name, dtype, monkeypatch):
   t, e, k, glu, ids = CASES[name]
   x, ids, cw, w = _case(t, e, k, dtype=dtype, glu=glu, ids=ids, seed=seed_of("placed", name, str(dtype)))
   run = lambda: jax.jit(lambda x, cw, w: decode_moe_mlp(x, ids, cw, w["w_in"], w["w_out"],
-                                                        w_gate=w.get("w_gate"))[0])(x, cw, w)
+                                                        w_gate=w.get("w_gate")))(x, cw, w)
   monkeypatch.setattr(decode_moe, "GROUP_ROWS_IMPL", "xla")
-  xla = run()
+  xla, xla_stats = run()
   monkeypatch.setattr(decode_moe, "GROUP_ROWS_IMPL", "triton")
-  got = run()
+  got, stats = run()
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(xla, np.float32))
+  # the layer's tokens_per_expert, the kernel's own counts: moe_mlp's
+  np.testing.assert_array_equal(stats.tokens_per_expert, xla_stats.tokens_per_expert)
+  np.testing.assert_array_equal(stats.tokens_per_expert, moe_mlp(x, ids, cw, w["w_in"], w["w_out"],
+                                                                 w_gate=w.get("w_gate"))[1].tokens_per_expert)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(_moe_mlp(x, ids, cw, w), np.float32),
                              **TOL[dtype])
 

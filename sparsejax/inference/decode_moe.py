@@ -161,7 +161,9 @@ def decode_moe_mlp(
   if COMPACT_ROWS and num_tokens > ROW_GROUP:
     if norm is not None:  # a norm folds into a kernel over a shared x only; at these rows it would not fold anyway
       x = rms_norm(x, *norm)
-    y = _grouped_rows_ffn(x, ids, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
+    y, counts = _grouped_rows_ffn(x, ids, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
+    # the placement's own counts: on a GPU its kernel writes them, and no XLA kernel counts the ids again
+    stats = stats.replace(tokens_per_expert=counts)
     return (y if residual is None else residual + y.astype(residual.dtype)), stats
   if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
     uniq, slot, picked = ids, jnp.arange(k), valid  # -1 (NO_EXPERT) is a slot with no expert: zero, unread
@@ -197,8 +199,9 @@ def row_groups(num_assignments: int, num_experts: int, group: int = ROW_GROUP) -
 
 def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], ids: Int[Array, "tk"], c: Float[Array, "tk"],
                       w_in: Num[Array, "experts ..."], w_out: Num[Array, "experts ..."], ffn: dict,
-                      precision) -> Float[Array, "tokens d_model"]:
-  """y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]) with each expert's tokens in groups of ROW_GROUP rows.
+                      precision) -> tuple[Float[Array, "tokens d_model"], Int[Array, "experts"]]:
+  """(y, counts): y[t] = sum_j c[t, j] FFN_{e[t, j]}(x[t]) with each expert's tokens in groups of ROW_GROUP rows,
+  and counts[e] the pairs on expert e (group_rows').
 
   kernels.group_rows places pair a = (t, j) (ids[a] = e[t, j]; outside [0, E): no expert) in row r_a % G of group
   g_a = start[e] + r_a // G, r_a its rank among e's pairs and start[e] = sum_{e' < e} ceil(c_e' / G). Group g reads
@@ -206,13 +209,13 @@ def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], ids: Int[Array, "tk"], 
   with more than G tokens is read once a group. Pair a's row comes back from slot[a] = g_a G + r_a % G."""
   num_tokens, d = x.shape
   num_experts = w_in.shape[0]
-  xs, experts, slot = group_rows(x, ids, num_experts, group=ROW_GROUP, impl=GROUP_ROWS_IMPL)
+  xs, experts, slot, counts = group_rows(x, ids, num_experts, group=ROW_GROUP, impl=GROUP_ROWS_IMPL)
   out = skinny_ffn(xs, w_in, w_out, experts=experts, **ffn).astype(x.dtype)  # rounded like moe_mlp's expert rows
   picked = jnp.take(out.reshape(-1, d), slot, axis=0, mode="fill", fill_value=0).astype(jnp.float32)  # [tk, d]
   valid = (ids >= 0) & (ids < num_experts)
   c = jnp.where(valid, c.astype(jnp.float32), 0.0)  # a pair with no expert fills no row and adds nothing
   y = jnp.einsum("tj,tjd->td", c.reshape(num_tokens, -1), picked.reshape(num_tokens, -1, d), precision=precision)
-  return y.astype(x.dtype)
+  return y.astype(x.dtype), counts
 
 
 def selects_in_experts(moe, x: Float[Array, "tokens d_model"], activation: Callable) -> bool:

@@ -3,7 +3,8 @@
   pair a = (t, j) of ids [T k] (ids[a] = e[t, j]; one outside [0, E) holds no expert) sits in row r_a % G of
   group g_a = start[e] + r_a // G, r_a = #{b < a: e_b = e_a}, start[e] = sum_{e' < e} ceil(c_e' / G);
   xs[g_a, r_a % G] = x[t] (every other row 0), experts[g] = the expert of group g's pairs (E for a group no pair
-  fills), slot[a] = g_a G + r_a % G (groups G where a holds no expert).
+  fills), slot[a] = g_a G + r_a % G (groups G where a holds no expert), counts[e] = c_e (the layer's
+  tokens_per_expert).
 groups = reference.row_groups(T k, E, G), a static bound, so one compile serves every routing; an expert with more
 than G tokens fills several groups. The decode MoE layer (inference.decode_moe) runs each group's rows through its
 expert (skinny_matmul) and gathers the pairs' rows back by slot.
@@ -54,8 +55,8 @@ def _check(x, ids, num_experts, group, impl):
 
 def group_rows(
     x: Float[Array, "tokens d"], ids: Int[Array, "pairs"], num_experts: int, *, group: int = 16, impl: str = "auto"
-) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"]]:
-  """(xs, experts, slot): each expert's tokens in groups of `group` rows (module doc)."""
+) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"], Int[Array, "experts"]]:
+  """(xs, experts, slot, counts): each expert's tokens in groups of `group` rows (module doc)."""
   _check(x, ids, num_experts, group, impl)
   if group & (group - 1) == 0 and runs_kernel(ids.shape[0], num_experts, x.shape[1], impl):
     interpret = jax.default_backend() != "gpu"

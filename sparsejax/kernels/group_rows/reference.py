@@ -15,15 +15,17 @@ def row_groups(num_pairs: int, num_experts: int, group: int) -> int:
 
 def group_rows_reference(
     x: Float[Array, "tokens d"], ids: Int[Array, "pairs"], num_experts: int, group: int
-) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"]]:
-  """(xs, experts, slot) of op.group_rows, in XLA ops: one-hot counts and ranks, then a scatter of x's rows."""
+) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"], Int[Array, "experts"]]:
+  """(xs, experts, slot, counts) of op.group_rows, in XLA ops: one-hot counts and ranks, then a scatter of x's
+  rows."""
   num_pairs, d = ids.shape[0], x.shape[1]
   groups = row_groups(num_pairs, num_experts, group)
   key = ids.astype(jnp.int32)
   valid = (key >= 0) & (key < num_experts)
   onehot = jax.nn.one_hot(jnp.where(valid, key, num_experts), num_experts, dtype=jnp.int32)  # [P, E]
   rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)
-  per_expert = -(-jnp.sum(onehot, axis=0) // group)
+  counts = jnp.sum(onehot, axis=0)
+  per_expert = -(-counts // group)
   start = jnp.cumsum(per_expert) - per_expert
   g = jnp.where(valid, jnp.take(start, jnp.clip(key, 0, num_experts - 1)) + rank // group, groups)
   row = rank % group
@@ -31,4 +33,4 @@ def group_rows_reference(
   token = jnp.arange(num_pairs) // (num_pairs // x.shape[0])
   xs = jnp.zeros((groups, group, d), x.dtype).at[g, row].set(x[token], mode="drop")
   slot = jnp.where(valid, g * group + row, groups * group).astype(jnp.int32)
-  return xs, experts, slot
+  return xs, experts, slot, counts

@@ -6,7 +6,8 @@ and the first expert product took 9.8 us a layer of medium-moe's step, against 4
 one reduce that stays before it (experiments/notes_decode.md, forty-ninth session). The placement is a few hundred
 integers, so here every program computes all of it in registers ([P, P] and [P, E] comparisons of the pairs' ids, P
 and E at most a few dozen) and then moves its [group, block_d] tile of rows; program (0, 0) also writes the groups'
-experts and the pairs' slots. Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
+experts, the pairs' slots and the experts' counts (the layer's tokens_per_expert, which XLA otherwise counts in a
+kernel of its own). Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
 """
 from __future__ import annotations
 
@@ -60,13 +61,13 @@ def _placement(ids_ref, *, num_experts: int, group: int, groups: int):
   start = jnp.sum(jnp.where(e < key[:, None], per_expert[None, :], 0), axis=1)  # [Pp]
   grp = jnp.where(valid, start + jax.lax.div(rank, group), groups)
   row = jax.lax.rem(rank, group)
-  return a, key, valid, grp, row
+  return a, key, valid, grp, row, counts
 
 
-def _kernel(ids_ref, x_ref, xs_ref, experts_ref, slot_ref, *, num_experts: int, group: int, groups: int,
+def _kernel(ids_ref, x_ref, xs_ref, experts_ref, slot_ref, counts_ref, *, num_experts: int, group: int, groups: int,
             per_token: int, block_d: int):
   from jax.experimental.pallas import triton as plt
-  a, key, valid, grp, row = _placement(ids_ref, num_experts=num_experts, group=group, groups=groups)
+  a, key, valid, grp, row, counts = _placement(ids_ref, num_experts=num_experts, group=group, groups=groups)
   g, j = pl.program_id(0), pl.program_id(1)
   r = jax.lax.broadcasted_iota(jnp.int32, (group, 1), 0)
   match = (grp[None, :] == g) & (row[None, :] == r)  # [G, Pp]: the pair in row r of group g, if any
@@ -87,14 +88,16 @@ def _kernel(ids_ref, x_ref, xs_ref, experts_ref, slot_ref, *, num_experts: int, 
     gv = gi[:, 0]
     plt.store(experts_ref.at[gv], jnp.where(ex < 0, num_experts, ex), mask=gv < groups)
     plt.store(slot_ref.at[a], jnp.where(valid, grp * group + row, groups * group), mask=a < n)
+    e = jax.lax.broadcasted_iota(jnp.int32, counts.shape, 0)
+    plt.store(counts_ref.at[e], counts, mask=e < num_experts)
 
 
 @shared_lowering("num_experts", "group", "cfg")
 def group_rows(
     x: Float[Array, "tokens d"], ids: Int[Array, "pairs"], num_experts: int, group: int, cfg: Config = Config(),
     *, interpret: bool = False
-) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"]]:
-  """(xs, experts, slot) of op.group_rows; fits(len(ids), num_experts, d) holds."""
+) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"], Int[Array, "experts"]]:
+  """(xs, experts, slot, counts) of op.group_rows; fits(len(ids), num_experts, d) holds."""
   (t, d), n = x.shape, ids.shape[0]
   groups, bd = row_groups(n, num_experts, group), block_d_for(d, cfg)
   params = None
@@ -105,8 +108,8 @@ def group_rows(
       functools.partial(_kernel, num_experts=num_experts, group=group, groups=groups, per_token=n // t, block_d=bd),
       grid=(groups, d // bd),
       in_specs=[pl.no_block_spec, pl.no_block_spec],
-      out_specs=[pl.BlockSpec((1, group, bd), lambda g, j: (g, 0, j)), pl.no_block_spec, pl.no_block_spec],
+      out_specs=[pl.BlockSpec((1, group, bd), lambda g, j: (g, 0, j))] + [pl.no_block_spec] * 3,
       out_shape=[jax.ShapeDtypeStruct((groups, group, d), x.dtype), jax.ShapeDtypeStruct((groups,), jnp.int32),
-                 jax.ShapeDtypeStruct((n,), jnp.int32)],
+                 jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((num_experts,), jnp.int32)],
       interpret=interpret, compiler_params=params, name="sparsejax_group_rows",
   )(ids.astype(jnp.int32), x)
