@@ -44,6 +44,9 @@ ROW_GROUP = 16
 # The placement of those groups (kernels.group_rows): "auto" runs its one kernel on a GPU, where XLA ran five or six.
 # Read at trace time; an A-B sets it "xla".
 GROUP_ROWS_IMPL = "auto"
+# The layer's tokens_per_expert above ROW_GROUP tokens: the placement's counts (True) or XLA's own count of the ids.
+# Read at trace time; an A-B sets it False.
+PLACEMENT_COUNTS = True
 # At one token the block hands the MoE layer its attention's W_o product as split-K parts and the router's logits
 # kernel adds them to the residual stream (MoE.takes_pending), so no XLA kernel runs for that add. Read at trace
 # time; an A-B sets it False.
@@ -162,8 +165,8 @@ def decode_moe_mlp(
     if norm is not None:  # a norm folds into a kernel over a shared x only; at these rows it would not fold anyway
       x = rms_norm(x, *norm)
     y, counts = _grouped_rows_ffn(x, ids, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
-    # the placement's own counts: on a GPU its kernel writes them, and no XLA kernel counts the ids again
-    stats = stats.replace(tokens_per_expert=counts)
+    if PLACEMENT_COUNTS:  # the placement's own counts: on a GPU its kernel writes them, no XLA kernel counts again
+      stats = stats.replace(tokens_per_expert=counts)
     return (y if residual is None else residual + y.astype(residual.dtype)), stats
   if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
     uniq, slot, picked = ids, jnp.arange(k), valid  # -1 (NO_EXPERT) is a slot with no expert: zero, unread
