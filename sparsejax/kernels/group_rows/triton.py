@@ -1,13 +1,14 @@
 """group_rows as one Pallas Triton kernel: a decode step's placement of each expert's tokens in groups.
 
 At batch 32 XLA ran the placement as five or six kernels a layer (the one-hot counts, ranks and starts, then
-scatters of the rows and of the groups' experts): traced on an H200, the XLA kernels between the router's select
-and the first expert product took 9.8 us a layer of medium-moe's step, against 4.1 with this kernel (2.5) and the
-one reduce that stays before it (experiments/notes_decode.md, forty-ninth session). The placement is a few hundred
-integers, so here every program computes all of it in registers ([P, P] and [P, E] comparisons of the pairs' ids, P
-and E at most a few dozen) and then moves its [group, block_d] tile of rows; program (0, 0) also writes the groups'
-experts, the pairs' slots and the experts' counts (the layer's tokens_per_expert, which XLA otherwise counts in a
-kernel of its own). Reference: reference.py. Off the GPU the kernel runs in Pallas' interpret mode (tests).
+scatters of the rows and of the groups' experts): traced on an H200, the XLA kernels between the router's select and
+the first expert product took 9.8 us a layer of medium-moe's step, against 4.1 with this kernel (2.5) and XLA's
+count of tokens_per_expert, which the kernel now writes too, so nothing else runs there (notes_decode.md,
+forty-ninth and fiftieth sessions). The placement is a few hundred integers, so here every program computes all of
+it in registers ([P, P] and [P, E] comparisons of the pairs' ids, P and E at most a few dozen) and then moves its
+[group, block_d] tile of rows; program (0, 0) also writes the groups' experts, the pairs' slots and the experts'
+counts (the layer's tokens_per_expert, which XLA otherwise counts in a kernel of its own). Reference: reference.py.
+Off the GPU the kernel runs in Pallas' interpret mode (tests).
 """
 from __future__ import annotations
 
