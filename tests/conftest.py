@@ -46,12 +46,13 @@ if _worker.startswith("gw") and _workers > 1 and hasattr(os, "sched_setaffinity"
 gc.set_threshold(20000, 20, 20)
 
 
-# The suite is written for the CPU (eight host devices, interpret mode), and CI runs it there, where neither marker
+# The suite is written for the CPU (eight host devices, interpret mode), and CI runs it there, where none of the markers
 # below ever skips. Run on a GPU (JAX_PLATFORMS=cuda, which also compiles the kernels' tests), the tests that cannot
 # hold there say why in one line instead of failing: a skip names what the test needs, so every failure left is news.
 def pytest_configure(config):
   config.addinivalue_line("markers", "devices(n): needs n devices of the backend under test (the CPU suite has 8)")
   config.addinivalue_line("markers", "cpu_suite(reason): holds only on the CPU backend, for the reason given")
+  config.addinivalue_line("markers", "host_callbacks: runs kernels in Pallas' interpret mode, which needs a CPU device")
 
 
 def pytest_runtest_setup(item):
@@ -65,3 +66,14 @@ def pytest_runtest_setup(item):
   for mark in item.iter_markers("cpu_suite"):
     if jax.default_backend() != "cpu":
       pytest.skip(f"written for the CPU backend: {mark.args[0]}")
+  if item.get_closest_marker("host_callbacks") and not _has_cpu_device(jax):
+    # interpret mode runs each kernel through io_callback on a CPU device; JAX_PLATFORMS=cuda starts none
+    pytest.skip("runs kernels in Pallas' interpret mode, whose callbacks need a CPU device "
+                "(JAX_PLATFORMS=cuda,cpu runs it on a GPU machine)")
+
+
+def _has_cpu_device(jax) -> bool:
+  try:
+    return bool(jax.devices("cpu"))
+  except RuntimeError:
+    return False

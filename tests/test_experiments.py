@@ -465,6 +465,7 @@ def test_gmm_wave_model_counts_the_busiest_sm_and_light_tiles():
   assert list(w.reversed_waves(jnp.arange(8), 3)) == [0, 1, 2, 5, 4, 3, 6, 7]  # full waves only
 
 
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_paired_tile_probe_matches_its_reference_in_every_mode_and_lowers(monkeypatch):
   """probe_paired_tile interpreted: full, light and paired tiles against reference(), where a light tile's
   second half is zero and a pair's multiplies the next expert's weights (so the wrong form reads far off);
@@ -629,6 +630,7 @@ def test_sustained_ab_compares_real_rows_and_refuses_bad_arguments(capsys):
     assert "error:" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+@pytest.mark.cpu_suite("interpreted, the probe returns errors only; on a GPU it times the variants too")
 def test_slab_ffn_probe_matches_its_reference_and_lowers():
   """probe_slab_ffn in interpret mode: every one-kernel variant (each program a hidden-layer slab through both
   products) equals the reference within a bf16 ulp, the read-only ones their slabs' sums; the kernel lowers for
@@ -645,6 +647,7 @@ def test_slab_ffn_probe_matches_its_reference_and_lowers():
   assert text.count("xla.gpu.triton") == 1
 
 
+@pytest.mark.host_callbacks
 def test_tma_read_probe_tokens_equal_what_each_band_holds():
   """probe_tma_read in interpret mode: the TMA kernel's token is its band's first rows after the whole band
   arrived, the Triton kernel's its band's column sums; the TMA kernel lowers for CUDA at 16 MB."""
@@ -659,6 +662,7 @@ def test_tma_read_probe_tokens_equal_what_each_band_holds():
   assert "mosaic_gpu" in text
 
 
+@pytest.mark.host_callbacks
 def test_pdl_mosaic_probe_token_holds_band_and_previous_output_and_every_form_lowers():
   """probe_pdl_mosaic: the plain kernel's token in interpret mode is its band's first rows, then the previous
   kernel's token (interpret mode has no griddepcontrol); every form, with its grid-dependency calls, lowers for CUDA."""
@@ -674,6 +678,7 @@ def test_pdl_mosaic_probe_token_holds_band_and_previous_output_and_every_form_lo
     assert "mosaic_gpu" in text, form
 
 
+@pytest.mark.cpu_suite("interpreted, the probe returns errors only; on a GPU it times the variants too")
 def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
   """probe_overlap_phases in interpret mode: the three-kernel chain and every one-grid variant equal the reference
   over three calls on one counter and one across its int32 wrap, and each call leaves the count the next waits
@@ -691,6 +696,7 @@ def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
   assert text.count("xla.gpu.triton") == 1
 
 
+@pytest.mark.cpu_suite("interpreted, the probe returns errors only; on a GPU it times the variants too")
 def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_the_kernel():
   """probe_persistent_layer in interpret mode at one program (each barrier then waits for the program itself):
   the kernel-per-phase chain and every persistent variant equal the float64 oracle over three calls on one counter
@@ -715,6 +721,7 @@ def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_th
     assert text.count("xla.gpu.triton") == 1, name
 
 
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
   """probe_persistent_layer_mgpu's grid barriers cannot run in interpret mode (blocks run one after another, and it
   has no global semaphores): on the CPU the probe refuses in one line, the variant without grid barriers is
@@ -863,6 +870,7 @@ def test_ab_decode_traces_b_under_its_patch_and_a_without(capsys):
     ab_decode.main(["--preset", "tiny-dense", "--int8", "--prompt-len", "8", "--steps", "2", "--rounds", "2"])
 
 
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_row_moves_probe_checks_every_gather_variant_and_keeps_the_unmasked_peer_off_the_cpu(tmp_path):
   """probe_row_moves interpreted on its tiny shape: each gather variant, repeated, bit-equal to XLA's; the
   pre-883519e kernel (a timing peer that only a GPU runs) refused in one line off the GPU."""
@@ -931,6 +939,7 @@ def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
     assert "probe_megakernel_skeleton" in text, name
 
 
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
 def test_int8_weight_layout_probe_matches_the_product_in_every_form_and_lowers():
   """probe_int8_weight_layout interpreted: each layout and conversion equals the float32 product (a k-major read of
   an n-major weight does not), every variant of the timed run passes its check, the kernels lower for CUDA at the
