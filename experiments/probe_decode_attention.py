@@ -10,6 +10,8 @@ bench_decode's timed steps do on average (585 slots, 441 filled).
 
   python experiments/probe_decode_attention.py --old path/to/old_triton.py      # GPU
   python experiments/probe_decode_attention.py --smoke                         # any backend: a small case
+  python experiments/probe_decode_attention.py --focused --presets medium-moe --batches 32 --slots 4096 \
+      --index 3500 --stages 1,2,3                                             # GPU: the chunk loop pipelined
 """
 from __future__ import annotations
 
@@ -38,29 +40,30 @@ def load_old(path: str):
   return lambda q, k, v, s, i: op._merge(*mod.chunk_attention(q, k, v, s, i, interpret=False), q.dtype)
 
 
-def focused(b: int, h: int, slots: int) -> dict[str, triton.Config]:
-  """The default config, and it with half and twice the splits, 2 and 4 warps, the static loop."""
+def _name(c: triton.Config) -> str:
+  return (f"c{c.chunk}_s{c.splits}_w{c.num_warps}" + ("_dyn" if c.dynamic_loop else "")
+          + (f"_st{c.num_stages}" if c.num_stages != 1 else ""))
+
+
+def focused(b: int, h: int, slots: int, stages=(1,)) -> dict[str, triton.Config]:
+  """The default config, and it with half and twice the splits, 2 and 4 warps, the static loop, each of stages."""
   d = triton.default_config(b, h, slots)
   chunks = -(-slots // d.chunk)
-  out = {}
-  for splits, warps, dynamic in itertools.product(sorted({max(1, d.splits // 2), d.splits, min(chunks, 2 * d.splits)}),
-                                                  (2, 4), (False, True)):
-    out[f"c{d.chunk}_s{splits}_w{warps}" + ("_dyn" if dynamic else "")] = dataclasses.replace(
-        d, splits=splits, num_warps=warps, dynamic_loop=dynamic)
-  return out
+  out = [dataclasses.replace(d, splits=splits, num_warps=warps, dynamic_loop=dynamic, num_stages=st)
+         for splits, warps, dynamic, st in itertools.product(
+             sorted({max(1, d.splits // 2), d.splits, min(chunks, 2 * d.splits)}), (2, 4), (False, True), stages)]
+  return {_name(c): c for c in out}
 
 
-def configs(b: int, h: int, slots: int) -> dict[str, triton.Config]:
+def configs(b: int, h: int, slots: int, stages=(1,)) -> dict[str, triton.Config]:
   chunks64 = -(-slots // 64)
-  out = {}
+  out = []
   splits_set = sorted({1, 2, 4, chunks64} if b * h >= 128 else {chunks64, max(1, chunks64 // 2), 2 * chunks64})
-  for chunk, splits, warps, dynamic in itertools.product((32, 64, 128), splits_set, (2, 4), (False, True)):
+  for chunk, splits, warps, dynamic, st in itertools.product((32, 64, 128), splits_set, (2, 4), (False, True), stages):
     chunk = triton.chunk_size(slots, chunk)
-    if splits > -(-slots // chunk):
-      continue
-    name = f"c{chunk}_s{splits}_w{warps}" + ("_dyn" if dynamic else "")
-    out[name] = triton.Config(chunk=chunk, splits=splits, num_warps=warps, dynamic_loop=dynamic)
-  return out
+    if splits <= -(-slots // chunk):
+      out.append(triton.Config(chunk=chunk, splits=splits, num_warps=warps, dynamic_loop=dynamic, num_stages=st))
+  return {_name(c): c for c in out}
 
 
 def main(argv=None):
@@ -74,8 +77,16 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--top", type=int, default=8, help="configs printed per case, fastest first")
   ap.add_argument("--focused", action="store_true", help="only the default config and its neighbours")
+  ap.add_argument("--stages", default="1", help="Triton pipeline stages to try, e.g. 1,2,3 (num_stages of the "
+                  "chunk loop; 2 or more has Triton load the next chunk while this one is reduced)")
   ap.add_argument("--smoke", action="store_true")
   args = ap.parse_args(argv)
+  try:
+    stages = tuple(int(n) for n in args.stages.split(","))
+  except ValueError:
+    stages = ()
+  if not stages or min(stages) < 1:
+    raise SystemExit(f"--stages {args.stages!r}: expected positive integers, e.g. 1,2,3")
   if args.smoke:
     args.presets, args.batches, args.slots, args.index, args.steps, args.rounds = "tiny-moe", "1,8", 100, 70, 1, 1
   on_gpu = jax.default_backend() == "gpu"
@@ -96,7 +107,7 @@ def main(argv=None):
     fns = {"library": op._kernel}
     if args.old:
       fns["old"] = load_old(args.old)
-    for name, c in (focused if args.focused else configs)(b, h, args.slots).items():
+    for name, c in (focused if args.focused else configs)(b, h, args.slots, stages).items():
       fns[name] = lambda q, k, v, s, i, c=c: op._split_kernel(q, k, v, s, i, c)
     want = np.asarray(decode_attention_reference(q0, ks[0], vs[0], start, index), np.float32)
     chains, errs = {}, {}

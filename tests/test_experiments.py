@@ -245,11 +245,14 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
 
 def test_decode_attention_probe_checks_every_config_against_the_reference():
   import probe_decode_attention
-  report = probe_decode_attention.main(["--smoke", "--focused"])
+  report = probe_decode_attention.main(["--smoke", "--focused", "--stages", "1,2"])
   assert set(report) == {"tiny-moe_b1", "tiny-moe_b8"}
   for case in report.values():
-    assert "library" in case["us"] and len(case["errs"]) >= 5
+    assert "library" in case["us"] and len(case["errs"]) >= 9
+    assert any(n.endswith("_st2") for n in case["errs"]) and any("_st" not in n for n in case["errs"] if n != "library")
     assert max(case["errs"].values()) < 1e-5  # float32 on the CPU
+  with pytest.raises(SystemExit, match="--stages"):
+    probe_decode_attention.main(["--smoke", "--stages", "0"])
 
 
 @pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
