@@ -66,13 +66,15 @@ def pytest_runtest_setup(item):
   for mark in item.iter_markers("cpu_suite"):
     if jax.default_backend() != "cpu":
       pytest.skip(f"written for the CPU backend: {mark.args[0]}")
-  if item.get_closest_marker("host_callbacks") and not _has_cpu_device(jax):
+  if item.get_closest_marker("host_callbacks") and not _has_cpu_device():
     # interpret mode runs each kernel through io_callback on a CPU device; JAX_PLATFORMS=cuda starts none
     pytest.skip("runs kernels in Pallas' interpret mode, whose callbacks need a CPU device "
                 "(JAX_PLATFORMS=cuda,cpu runs it on a GPU machine)")
 
 
-def _has_cpu_device(jax) -> bool:
+def _has_cpu_device() -> bool:
+  import jax
+
   try:
     return bool(jax.devices("cpu"))
   except RuntimeError:

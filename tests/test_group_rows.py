@@ -97,6 +97,16 @@ def test_gradient_is_the_reference_one():
   np.testing.assert_allclose(np.asarray(got), oracle, rtol=1e-6, atol=1e-6)
 
 
+def test_row_groups_bounds_every_routing():
+  rng = np.random.default_rng(5)
+  for _ in range(200):
+    tk, e = int(rng.integers(1, 65)), int(rng.integers(1, 70))
+    counts = np.bincount(rng.integers(0, e, tk) if rng.random() < 0.7 else np.zeros(tk, int), minlength=e)
+    assert np.sum(-(-counts // G)) <= gr.row_groups(tk, e, G)
+  assert (gr.row_groups(51, 3, G) == 6 and gr.row_groups(48, 3, G) == 5 and gr.row_groups(33, 1, G) == 3
+          and gr.row_groups(64, 64, G) == 64)
+
+
 def test_dispatch_and_errors():
   x, ids, e = _case("top2_of_8", jnp.float32)
   assert gr.runs_kernel(48, 8, 64) == (jax.default_backend() == "gpu")  # "auto": the kernel on a GPU only

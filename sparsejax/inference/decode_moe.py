@@ -20,7 +20,6 @@ from sparsejax._precision import dot_precision
 from sparsejax.kernels.decode_router import router_logit_parts, splits_logits
 from sparsejax.kernels.decode_router.triton import default_config as router_config
 from sparsejax.kernels.group_rows import group_rows
-from sparsejax.kernels.group_rows import row_groups as group_rows_bound
 from sparsejax.kernels.skinny_matmul import fuses_routing, routed_ffn_residual, skinny_ffn, skinny_ffn_residual
 from sparsejax.kernels.skinny_matmul.reference import k_major, kn
 from sparsejax.moe import MoEStats, moe_mlp
@@ -100,9 +99,10 @@ def _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales):
                        f"got {s.shape}.")
 
 
-def _stats(ids: Int[Array, "n"], num_experts: int) -> MoEStats:
-  """Dropless stats of the flat expert ids (NO_EXPERT, -1, counts nowhere)."""
-  counts = jnp.sum(jax.nn.one_hot(jnp.where(ids >= 0, ids, -1), num_experts, dtype=jnp.int32), axis=0)
+def _stats(ids: Int[Array, "n"], num_experts: int, counts: Int[Array, "experts"] | None = None) -> MoEStats:
+  """Dropless stats of the flat expert ids (NO_EXPERT, -1, counts nowhere); counts, where given, are theirs."""
+  if counts is None:
+    counts = jnp.sum(jax.nn.one_hot(jnp.where(ids >= 0, ids, -1), num_experts, dtype=jnp.int32), axis=0)
   zero = jnp.zeros((), jnp.int32)
   return MoEStats(tokens_per_expert=counts, num_dropped=zero, dropped_fraction=zero.astype(jnp.float32))
 
@@ -160,14 +160,14 @@ def decode_moe_mlp(
   key = jnp.where(valid, ids, num_experts)
   ffn = dict(w_gate=w_gate, activation=activation, w_in_scale=scales.get("w_in"), w_gate_scale=scales.get("w_gate"),
              w_out_scale=scales.get("w_out"))
-  stats = _stats(ids, num_experts)
   if COMPACT_ROWS and num_tokens > ROW_GROUP:
     if norm is not None:  # a norm folds into a kernel over a shared x only; at these rows it would not fold anyway
       x = rms_norm(x, *norm)
     y, counts = _grouped_rows_ffn(x, ids, combine_weights.reshape(-1), w_in, w_out, ffn, hi)
-    if PLACEMENT_COUNTS:  # the placement's own counts: on a GPU its kernel writes them, no XLA kernel counts again
-      stats = stats.replace(tokens_per_expert=counts)
+    # the placement's own counts: on a GPU its kernel writes them, no XLA kernel counts again
+    stats = _stats(ids, num_experts, counts if PLACEMENT_COUNTS else None)
     return (y if residual is None else residual + y.astype(residual.dtype)), stats
+  stats = _stats(ids, num_experts)
   if num_tokens == 1:  # one token's k ids are distinct already: no dedup, no sort (batch-1 decoding)
     uniq, slot, picked = ids, jnp.arange(k), valid  # -1 (NO_EXPERT) is a slot with no expert: zero, unread
   else:
@@ -192,12 +192,6 @@ def decode_moe_mlp(
   out = skinny_ffn(x, w_in, w_out, **ffn).astype(dt)  # rounded like moe_mlp's expert rows
   y = jnp.einsum("tn,ntd->td", combine, out.astype(jnp.float32), precision=hi).astype(dt)
   return (y if residual is None else residual + y.astype(residual.dtype)), stats
-
-
-def row_groups(num_assignments: int, num_experts: int, group: int = ROW_GROUP) -> int:
-  """Static bound on the groups of `group` rows that num_assignments (token, expert) pairs fill, each group one
-  expert's: sum_e ceil(c_e / group) <= a + floor((num_assignments - a) / group), a = min(num_assignments, E)."""
-  return group_rows_bound(num_assignments, num_experts, group)
 
 
 def _grouped_rows_ffn(x: Float[Array, "tokens d_model"], ids: Int[Array, "tk"], c: Float[Array, "tk"],
