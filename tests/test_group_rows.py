@@ -112,6 +112,7 @@ def test_dispatch_and_errors():
   assert gr.runs_kernel(48, 8, 64) == (jax.default_backend() == "gpu")  # "auto": the kernel on a GPU only
   assert not gr.runs_kernel(48, 8, 48)  # a width no block divides
   assert gr.runs_kernel(48, 8, 64, "triton")
+  assert not gr.runs_kernel(48, 8, 64, group=12)  # a group no power of two: never the kernel under "auto"
   with pytest.raises(ValueError, match="impl must be one of"):
     gr.group_rows(x, ids, e, impl="cuda")
   with pytest.raises(ValueError, match="x must have rank 2"):
@@ -126,6 +127,10 @@ def test_dispatch_and_errors():
     gr.group_rows(x, ids, 0)
   with pytest.raises(ValueError, match=r"impl='triton' needs d a multiple of 256 .* got d=48"):
     gr.group_rows(x[:, :48], ids, e, impl="triton")
+  with pytest.raises(ValueError, match=r"a power-of-two group .* group=12"):
+    gr.group_rows(x, ids, e, group=12, impl="triton")
+  for got, want in zip(gr.group_rows(x, ids, e, group=12), gr.group_rows_reference(x, ids, e, 12)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   # "auto" where the kernel does not take the shape: the reference, same answer
   for got, want in zip(gr.group_rows(x[:, :48], ids, e), gr.group_rows_reference(x[:, :48], ids, e, G)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -24,14 +24,15 @@ from sparsejax.kernels.group_rows import triton
 from sparsejax.kernels.group_rows.reference import group_rows_reference
 
 IMPLS = ("auto", "triton", "xla")
+GROUP = 16  # rows a group, by default
 
 
-def runs_kernel(num_pairs: int, num_experts: int, d: int, impl: str = "auto") -> bool:
+def runs_kernel(num_pairs: int, num_experts: int, d: int, impl: str = "auto", group: int = GROUP) -> bool:
   """Whether group_rows runs the Pallas kernel: impl "triton", or "auto" on a GPU where triton.fits holds and
   this jax has Pallas' Triton backend."""
   if impl == "triton":
     return True
-  return (impl == "auto" and jax.default_backend() == "gpu" and triton.fits(num_pairs, num_experts, d)
+  return (impl == "auto" and jax.default_backend() == "gpu" and triton.fits(num_pairs, num_experts, d, group)
           and auto_takes_triton())
 
 
@@ -47,18 +48,18 @@ def _check(x, ids, num_experts, group, impl):
     raise ValueError(f"num_experts and group must be positive; got {num_experts} and {group}.")
   if impl == "triton":
     require_triton("group_rows(impl='triton')")
-    if not triton.fits(ids.shape[0], num_experts, x.shape[1]) or group & (group - 1):
+    if not triton.fits(ids.shape[0], num_experts, x.shape[1], group):
       raise ValueError(f"impl='triton' needs d a multiple of {triton.Config().block_d} or a smaller power of two, "
                        f"a power-of-two group and (pairs x experts) within its registers; got d={x.shape[1]}, "
                        f"group={group}, {ids.shape[0]} pairs, {num_experts} experts (use impl='auto').")
 
 
 def group_rows(
-    x: Float[Array, "tokens d"], ids: Int[Array, "pairs"], num_experts: int, *, group: int = 16, impl: str = "auto"
+    x: Float[Array, "tokens d"], ids: Int[Array, "pairs"], num_experts: int, *, group: int = GROUP, impl: str = "auto"
 ) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"], Int[Array, "experts"]]:
   """(xs, experts, slot, counts): each expert's tokens in groups of `group` rows (module doc)."""
   _check(x, ids, num_experts, group, impl)
-  if group & (group - 1) == 0 and runs_kernel(ids.shape[0], num_experts, x.shape[1], impl):
+  if runs_kernel(ids.shape[0], num_experts, x.shape[1], impl, group):
     interpret = jax.default_backend() != "gpu"
     kernel = lambda x, ids: triton.group_rows(x, ids, num_experts, group, interpret=interpret)
     reference = lambda x, ids: group_rows_reference(x, ids, num_experts, group)

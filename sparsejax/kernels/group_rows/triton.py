@@ -37,11 +37,12 @@ class Config:
 MAX_PAIRS_X_EXPERTS = 16384
 
 
-def fits(num_pairs: int, num_experts: int, d: int) -> bool:
-  """Whether the kernel takes these shapes: its comparisons fit (MAX_PAIRS_X_EXPERTS) and d has a column block
-  (block_d_for)."""
+def fits(num_pairs: int, num_experts: int, d: int, group: int) -> bool:
+  """Whether the kernel takes these shapes: its comparisons fit (MAX_PAIRS_X_EXPERTS), d has a column block
+  (block_d_for) and group is a power of two (a block's rows)."""
   p, e = pl.next_power_of_2(num_pairs), pl.next_power_of_2(num_experts)
-  return num_pairs > 0 and p * max(p, e) <= MAX_PAIRS_X_EXPERTS and block_d_for(d, Config()) is not None
+  return (num_pairs > 0 and p * max(p, e) <= MAX_PAIRS_X_EXPERTS and block_d_for(d, Config()) is not None
+          and group > 0 and group & (group - 1) == 0)
 
 
 def _placement(ids_ref, *, num_experts: int, group: int, groups: int):
@@ -98,7 +99,7 @@ def group_rows(
     x: Float[Array, "tokens d"], ids: Int[Array, "pairs"], num_experts: int, group: int, cfg: Config = Config(),
     *, interpret: bool = False
 ) -> tuple[Float[Array, "groups group d"], Int[Array, "groups"], Int[Array, "pairs"], Int[Array, "experts"]]:
-  """(xs, experts, slot, counts) of op.group_rows; fits(len(ids), num_experts, d) holds."""
+  """(xs, experts, slot, counts) of op.group_rows; fits(len(ids), num_experts, d, group) holds."""
   (t, d), n = x.shape, ids.shape[0]
   groups, bd = row_groups(n, num_experts, group), block_d_for(d, cfg)
   params = None
