@@ -457,6 +457,14 @@ def test_cli_generates_from_a_trained_run(trained_run, capsys):
   assert out.count("--- sample") == 2 and "tokens/s" in out
 
 
+def test_cli_help_states_every_default_in_words():
+  from sparsejax.inference import cli
+  for action in cli.build_parser()._actions:
+    if action.option_strings != ["-h", "--help"]:
+      assert ("(default: " in action.help) != action.required, action.option_strings
+      assert "None" not in action.help, action.option_strings
+
+
 @pytest.mark.parametrize("args,msg,code", [
     (["--run", "{missing}"], "no run folder at", 1),
     (["--run", "{empty}"], "no checkpoint in", 1),

@@ -19,21 +19,28 @@ class _Parser(argparse.ArgumentParser):
     sys.exit(2)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = _Parser(prog=PROG, description=__doc__.splitlines()[0],
-              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--run", required=True, help="run folder of sparsejax-train (holds checkpoints/)")
-  p.add_argument("--prompt", default="\n", help="text to continue (UTF-8 bytes are the tokens)")
-  p.add_argument("--max-new-tokens", type=int, default=200)
-  p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-  p.add_argument("--top-k", type=int, default=None)
-  p.add_argument("--top-p", type=float, default=None)
-  p.add_argument("--num-samples", type=int, default=1, help="samples of the prompt, decoded as one batch")
-  p.add_argument("--seed", type=int, default=0)
+def build_parser() -> argparse.ArgumentParser:
+  # Each help states its default in words: argparse's own formatter prints "(default: None)".
+  p = _Parser(prog=PROG, description=__doc__.splitlines()[0])
+  p.add_argument("--run", required=True, help="run folder of sparsejax-train (holds checkpoints/); required")
+  p.add_argument("--prompt", default="\n", help="text to continue, its UTF-8 bytes the tokens (default: a newline)")
+  p.add_argument("--max-new-tokens", type=int, default=200, help="tokens sampled after the prompt (default: 200)")
+  p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 = greedy (default: 0.8)")
+  p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+  p.add_argument("--top-p", type=float, default=None,
+                 help="sample among the likeliest tokens holding this probability (default: 1, all)")
+  p.add_argument("--num-samples", type=int, default=1,
+                 help="samples of the prompt, decoded as one batch (default: 1)")
+  p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
-  p.add_argument("--int8", action="store_true", help="int8 weight-only experts (MoE models)")
+  p.add_argument("--int8", action="store_true", help="int8 weight-only experts (MoE models) (default: off)")
   p.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                  help="compute dtype (default: the run's)")
+  return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = build_parser()
   a = p.parse_args(argv)
   if a.max_new_tokens < 1:
     p.error(f"--max-new-tokens must be >= 1; got {a.max_new_tokens}.")
