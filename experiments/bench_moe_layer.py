@@ -285,6 +285,8 @@ def markdown(results: dict) -> str:
                else None)
       impl = r.get("impl", "") + (f" ({r['backend']})" if r.get("backend") else "")
       note = r.get("error", "")[:80] + ("" if r.get("check_ok", True) else " CHECK FAILED")
+      if "added_fraction" in r:
+        note += f" rounding added {r['added_fraction']:.3f}"
       lines.append(
           f"| {r['shape']} | {r['variant']} | {impl} | {_fmt(r.get('fwdbwd_ms'), '.3f')} "
           f"| {_fmt(r.get('fwd_ms'), '.3f')} | {_fmt(r.get('tokens_per_s'), '.3g')} "
@@ -382,7 +384,7 @@ def parse_args(argv):
   ap.add_argument("--variants", default="", help="comma-separated expert-MLP variants (default: all)")
   ap.add_argument("--capacity-factors", default=",".join(map(str, CAPACITY_FACTORS)))
   ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS),
-                  help="dropless, dropless_<impl>, capacity_<cf>; empty for none")
+                  help="dropless, dropless_<impl>, capacity_<cf>, rounded (token rounding); empty for none")
   ap.add_argument("--mgpu-configs", default="",
                   help="ragged_dot_mgpu configs 'bm,bn,bk,steps,gbn;...' (default: peers/ragged_dot_mgpu.py)")
   ap.add_argument("--no-torch", action="store_true")

@@ -27,6 +27,7 @@ _EXPORTS = {
         "NO_EXPERT", "ExpertChoiceRouting", "TokenChoiceRouting", "dense_to_sparse_routing",
         "dts_temperature_schedule", "expert_choice_routing", "router_logits", "top_k_routing",
     ],
+    "sparsejax.token_rounding": ["round_to_blocks", "rounded_moe_mlp"],
     "sparsejax.top_k": ["top_k_small"],
     # Language models built on the layers above. Training, checkpoints and upcycling live in
     # sparsejax.train / .checkpoint / .upcycle, imported on use (orbax, tqdm).

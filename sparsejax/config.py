@@ -20,6 +20,9 @@ class MoEConfig:
   capacity_factor=None is dropless; a float gives the Switch/GShard capacity layer (or, with
   router="expert_choice", the expert-choice capacity). Aux losses are added into MoEStats.aux_loss
   with their weights. The router always runs in float32; dtype is the expert compute dtype.
+  token_rounding=True: calls with an rng (training) round each expert's assignments to whole 128-row
+  blocks (sparsejax.token_rounding, SonicMoE): no padding rows, some assignments moved, so not
+  dropless; calls without one (evaluation, generation) run plain top-k. Top-k router, dropless only.
   """
   d_model: int
   d_ff: int
@@ -33,6 +36,7 @@ class MoEConfig:
   load_balancing_weight: float = 1e-2
   z_loss_weight: float = 1e-3
   jitter_eps: float = 0.0
+  token_rounding: bool = False
   dts_threshold: float = 1e-3
   dts_max_k: int | None = None
   dtype: Any = jnp.float32
@@ -55,6 +59,11 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None; got {self.capacity_factor}.")
     if self.router == "expert_choice" and self.capacity_factor is None:
       raise ValueError("router='expert_choice' needs a capacity_factor (tokens per expert = cf * T / E).")
+    if not isinstance(self.token_rounding, bool):
+      raise ValueError(f"MoEConfig.token_rounding must be True or False; got {self.token_rounding!r}.")
+    if self.token_rounding and (self.router != "top_k" or self.capacity_factor is not None):
+      raise ValueError("MoEConfig.token_rounding rounds the dropless top-k layer: it needs router='top_k' and "
+                       f"capacity_factor=None; got router={self.router!r}, capacity_factor={self.capacity_factor}.")
     if self.impl not in IMPLS:
       raise ValueError(f"MoEConfig.impl must be one of {IMPLS}; got {self.impl!r}.")
     if not self.jitter_eps >= 0:

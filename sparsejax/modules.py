@@ -13,7 +13,7 @@ import flax.struct
 from flax import nnx
 from jaxtyping import Array, Float
 
-from sparsejax import losses, parallel, routing
+from sparsejax import losses, parallel, routing, token_rounding
 from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
@@ -80,6 +80,8 @@ class MoE(nnx.Module):
     self.mesh, self.parallel = mesh, parallel
     if mesh is not None and c.router == "expert_choice":
       raise NotImplementedError("expert parallelism supports the token-choice routers only.")
+    if mesh is not None and c.token_rounding:
+      raise NotImplementedError("token_rounding runs on one device: it is not built for expert parallelism.")
     # ---
     self.router = Router(c.d_model, c.num_experts, jitter_eps=c.jitter_eps,
                          param_dtype=c.param_dtype, rngs=rngs)
@@ -183,10 +185,14 @@ class MoE(nnx.Module):
           from sparsejax.inference import decode_moe
           layer = functools.partial(decode_moe.moe_decode_layer, self, norm=folded, residual=res)
           res = None
-        # The combine weights stay float32: the combine is float32, and bf16 would round them.
-        y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,
-                         w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
-                         impl=c.impl)
+        if c.token_rounding and rng is not None and not decode:  # training: whole blocks, no padding rows
+          y, stats = token_rounding.rounded_moe_mlp(x_in, r, w_in, w_out, w_gate=w_gate, activation=act,
+                                                    impl=c.impl)
+        else:
+          # The combine weights stay float32: the combine is float32, and bf16 would round them.
+          y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,
+                           w_gate=w_gate, activation=act, capacity_factor=c.capacity_factor,
+                           impl=c.impl)
       lb = losses.load_balancing_loss(r.router_probs, r.expert_ids)
     z = losses.router_z_loss(logits)
     layer_stats = MoELayerStats(

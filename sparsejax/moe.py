@@ -143,13 +143,22 @@ def moe_mlp(
   precision: see `expert_ffn` (None: full float32 precision for float32 inputs on every backend).
   """
   check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl)
+  return _moe_mlp(x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
+                  capacity_factor=capacity_factor, impl=impl, precision=precision)
+
+
+def _moe_mlp(x, expert_ids, combine_weights, w_in, w_out, *, w_gate, activation, capacity_factor, impl,
+             precision, num_assignments: int | None = None):
+  """moe_mlp after its checks. num_assignments: permute.dropless_placement's bound, which only a caller
+  that guarantees it passes (token_rounding.rounded_moe_mlp)."""
   num_experts = w_in.shape[0]
 
   if capacity_factor is None:
     impl = resolve_impl(impl, jnp.result_type(x, w_in))
     blocked = impl in BLOCK_IMPLS
     block = BLOCK_SIZE if blocked else 1
-    placement = permute.dropless_placement(expert_ids, num_experts, block_size=block)
+    placement = permute.dropless_placement(expert_ids, num_experts, block_size=block,
+                                           num_assignments=num_assignments)
     group_sizes = placement.group_sizes
     topology = (make_topology(group_sizes, placement.num_rows, block, placement.tokens_per_expert)
                 if blocked else None)

@@ -76,18 +76,24 @@ def dropless_num_rows(num_assignments: int, num_experts: int, block_size: int = 
 
 @jax.named_scope("placement")
 def dropless_placement(
-    expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1
+    expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1,
+    num_assignments: int | None = None,
 ) -> Placement:
-  """Rows sorted by expert, each expert's rows padded up to a multiple of block_size; none dropped."""
+  """Rows sorted by expert, each expert's rows padded up to a multiple of block_size; none dropped.
+
+  num_assignments: a static bound on the ids in [0, E) that sizes the buffer (default: all T k
+  slots). Only a caller that guarantees it may pass one (token rounding's extra column)."""
   rank, counts = _ranks(expert_ids, num_experts)
-  return _dropless_from_ranks(expert_ids, rank, counts, num_experts, block_size)
+  return _dropless_from_ranks(expert_ids, rank, counts, num_experts, block_size, num_assignments)
 
 
-def _dropless_from_ranks(expert_ids, rank, counts, num_experts: int, block_size: int) -> Placement:
+def _dropless_from_ranks(expert_ids, rank, counts, num_experts: int, block_size: int,
+                         num_assignments: int | None = None) -> Placement:
   """row = offset[e] + rank, offsets over the block-padded counts; ids outside [0, E) get no row."""
   padded = _round_up(counts, block_size)
   offsets = jnp.cumsum(padded) - padded
-  num_rows = dropless_num_rows(expert_ids.size, num_experts, block_size)
+  bound = expert_ids.size if num_assignments is None else min(num_assignments, expert_ids.size)
+  num_rows = dropless_num_rows(bound, num_experts, block_size)
   valid = (expert_ids >= 0) & (expert_ids < num_experts)
   rows = jnp.where(valid, offsets[jnp.clip(expert_ids, 0, num_experts - 1)] + rank, num_rows)
   return Placement(rows.astype(jnp.int32), padded, counts, jnp.zeros((), jnp.int32), num_rows)

@@ -101,9 +101,19 @@ def test_merge_keeps_unmeasured_shape_variant_pairs(tmp_path):
 
 
 @pytest.mark.parametrize("label,want", [("dropless", ("auto", None)), ("dropless_triton", ("triton", None)),
-                                        ("capacity_1.25", ("auto", 1.25))])
+                                        ("capacity_1.25", ("auto", 1.25)), ("rounded", ("auto", None))])
 def test_layer_variant_names(label, want):
   assert bench.layer.parse_variant(label) == want
+
+
+def test_the_rounded_layer_is_checked_against_the_reference_on_its_own_routing():
+  """The "rounded" layer (sj.rounded_moe_mlp) on the smoke shape: its check passes on the rounded ids and weights,
+  and its record counts what rounding moved."""
+  from peers.common import Timer
+  s = bench.SMOKE_SHAPES[0]
+  rec = bench.layer.bench(s, "rounded", Timer(min_repeat_s=1e-4, repeats=1, warmup=1))
+  assert rec["check_ok"] and rec["rel_err"] < 1e-2
+  assert 0 < rec["dropped_fraction"] < 0.5 and 0 <= rec["added_fraction"] < 0.5
 
 
 def test_kernel_timeline_counts_idle_time_once_and_lists_the_last_call():

@@ -1,8 +1,10 @@
 """The whole MoE layer through sparsejax.moe_mlp: routing, placement, experts, combine.
 
 Variants: "dropless" (impl="auto": the Pallas kernels on a GPU, ragged_dot elsewhere),
-"dropless_<impl>" for a named impl, and "capacity_<cf>" (the Switch/GShard layer with capacity
-factor cf, the batched-einsum experts). The router is a real, differentiated layer; fixed Gumbel
+"dropless_<impl>" for a named impl, "capacity_<cf>" (the Switch/GShard layer with capacity
+factor cf, the batched-einsum experts) and "rounded" (impl="auto" on the top-k routing after
+`sj.rounded_moe_mlp`: every expert a whole number of 128-row blocks, so not dropless; its
+`dropped_fraction` and `added_fraction` count the assignments rounding removed and added). The router is a real, differentiated layer; fixed Gumbel
 noise plus a log-prior on its logits makes the top-k choice a sample of the shape's routing
 distribution (uniform, or (i+1)^-0.5). Forward+backward: jax.value_and_grad of
 sum(tanh(y) * ct) + load-balancing loss in x, the router and both expert weights.
@@ -34,13 +36,13 @@ from peers.common import HIGHEST, OUT_TOL, Shape, mlp, rel_err
 
 def parse_variant(label: str) -> tuple[str, float | None]:
   """"dropless" -> ("auto", None); "dropless_triton" -> ("triton", None); "capacity_1.0" -> ("auto", 1.0)."""
-  if label == "dropless":
+  if label in ("dropless", "rounded"):
     return "auto", None
   if label.startswith("dropless_"):
     return label[len("dropless_"):], None
   if label.startswith("capacity_"):
     return "auto", float(label[len("capacity_"):])
-  raise ValueError(f"layer variant must be dropless, dropless_<impl> or capacity_<cf>; got {label!r}")
+  raise ValueError(f"layer variant must be dropless, dropless_<impl>, capacity_<cf> or rounded; got {label!r}")
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -58,13 +60,18 @@ def inputs(s: Shape, dtype=jnp.bfloat16) -> dict:
       ct=jax.random.normal(keys[4], (s.T, s.d), dtype))
 
 
-def functions(s: Shape, impl: str, cf: float | None):
+def functions(s: Shape, impl: str, cf: float | None, rounded: bool = False):
   """(routing, forward, forward+backward) of the layer, jitted; arguments (x, bias, w_r, w_in, w_out[, ct])."""
-  def routing(x, bias, w_r):
+  def top_k(x, bias, w_r):
     return sj.top_k_routing(sj.router_logits(x, w_r) + bias, s.k)
 
+  def routing(x, bias, w_r):  # what the layer computes: the check's reference takes its ids and weights
+    return sj.round_to_blocks(top_k(x, bias, w_r)) if rounded else top_k(x, bias, w_r)
+
   def layer(x, bias, w_r, w_in, w_out):
-    r = routing(x, bias, w_r)
+    r = top_k(x, bias, w_r)
+    if rounded:
+      return (*sj.rounded_moe_mlp(x, r, w_in, w_out, impl=impl), r)
     # Combine weights stay float32: the scatter accumulates in float32 (casting them to bf16
     # first would round them for nothing).
     y, stats = sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out, capacity_factor=cf,
@@ -90,6 +97,7 @@ def reference(x, expert_ids, combine_weights, w_in, w_out, capacity: int | None)
   ids = np.asarray(expert_ids).reshape(-1)
   keep = np.ones_like(ids, bool) if capacity is None else np.asarray(
       jax.jit(capacity_keep_mask_reference, static_argnums=(1, 2))(expert_ids, E, capacity)).reshape(-1)
+  keep = keep & (ids >= 0) & (ids < E)  # NO_EXPERT slots (token rounding's) are not assignments
   order = np.argsort(np.where(keep, ids, E), kind="stable")[: int(keep.sum())]
   counts = np.bincount(ids[order], minlength=E)
   cmax = max(1, int(counts.max()))
@@ -121,7 +129,8 @@ def bench(s: Shape, label: str, timer) -> dict:
   if resolved in BLOCK_IMPLS:
     rec["backend"] = resolve_backend("auto" if resolved == "pallas" else resolved)
   a = inputs(s)
-  routing, fwd, fwdbwd = functions(s, impl, cf)
+  rounded = label == "rounded"
+  routing, fwd, fwdbwd = functions(s, impl, cf, rounded)
   args = (a["x"], a["bias"], a["w_r"], a["w_in"], a["w_out"])
   y, stats = fwd(*args)
   r = routing(*args[:3])
@@ -130,10 +139,14 @@ def bench(s: Shape, label: str, timer) -> dict:
                                         a["w_out"], cap))
   rec["check_ok"] = bool(rec["rel_err"] < OUT_TOL)
   rec["dropped_fraction"] = float(stats.dropped_fraction)
+  if rounded:
+    ids = np.asarray(r.expert_ids)
+    rec["dropped_fraction"] = float(np.sum(ids[:, :s.k] < 0)) / s.N
+    rec["added_fraction"] = float(np.sum(ids[:, s.k] >= 0)) / s.N
   (_, _), grads = fwdbwd(*args, a["ct"])
   rec["grads_finite"] = bool(all(bool(jnp.all(jnp.isfinite(g))) for g in grads))
   rec["check_ok"] = rec["check_ok"] and rec["grads_finite"]
-  useful = s.N - int(stats.num_dropped)
+  useful = int(jnp.sum(stats.tokens_per_expert)) - int(stats.num_dropped)
   tf = timer(lambda: fwd(*args), jax.block_until_ready)
   tb = timer(lambda: fwdbwd(*args, a["ct"]), jax.block_until_ready)
   rec.update(useful_rows=useful,

@@ -42,6 +42,7 @@ class TransformerConfig:
   load_balancing_weight: float = 1e-2
   z_loss_weight: float = 1e-3
   jitter_eps: float = 0.0
+  token_rounding: bool = False  # MoEConfig.token_rounding
   moe_impl: str = "auto"
   dtype: str = "float32"
   param_dtype: str = "float32"
@@ -88,7 +89,7 @@ class TransformerConfig:
         d_model=self.d_model, d_ff=self.d_ff, num_experts=self.num_experts, top_k=self.top_k,
         capacity_factor=self.capacity_factor, glu=self.glu, activation=self.activation,
         renormalize=self.renormalize, load_balancing_weight=self.load_balancing_weight,
-        z_loss_weight=self.z_loss_weight, jitter_eps=self.jitter_eps,
+        z_loss_weight=self.z_loss_weight, jitter_eps=self.jitter_eps, token_rounding=self.token_rounding,
         dtype=self.compute_dtype, param_dtype=DTYPES[self.param_dtype], impl=self.moe_impl)
 
   def replace(self, **changes) -> "TransformerConfig":

@@ -1,0 +1,267 @@
+"""Token rounding (sparsejax.token_rounding) against a loop over experts, and inside moe_mlp."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import sparsejax as sj
+from moe_testing import IMPLS, assert_close, rand, seed_of
+from sparsejax.permute import dropless_placement
+
+
+def np_round_to_blocks(probs, ids, weights, b):
+  """The docstring's rule, one expert at a time: (ids, weights) of k + 1 columns."""
+  probs, ids, weights = (np.asarray(a, np.float64 if a.dtype.kind == "f" else a.dtype) for a in (probs, ids, weights))
+  T, E = probs.shape
+  k = ids.shape[1]
+  valid = (ids >= 0) & (ids < E)
+  out_ids = np.full((T, k + 1), -1, np.int64)
+  out_w = np.zeros((T, k + 1))
+  out_ids[:, :k] = np.where(valid, ids, -1)
+  out_w[:, :k] = np.where(valid, weights, 0.0)
+  nxt, scale = np.full(T, -1), np.ones(T)
+  for t in range(T):
+    mine = set(ids[t][valid[t]].tolist())
+    free = [e for e in range(E) if e not in mine]
+    if free:
+      nxt[t] = max(free, key=lambda e: (probs[t, e], -e))
+    p_sum = sum(probs[t, e] for e in ids[t][valid[t]])
+    if p_sum > 0:
+      scale[t] = weights[t][valid[t]].sum() / p_sum
+  for e in range(E):
+    mine = [(t, j) for t in range(T) for j in range(k) if valid[t, j] and ids[t, j] == e]
+    c, r = len(mine), len(mine) % b
+    if c < b or r == 0:
+      continue
+    pool = [t for t in range(T) if nxt[t] == e]
+    if 2 * r >= b and len(pool) >= b - r:
+      for t in sorted(pool, key=lambda t: (-probs[t, e], t))[:b - r]:
+        out_ids[t, k], out_w[t, k] = e, probs[t, e] * scale[t]
+    else:
+      for t, j in sorted(mine, key=lambda tj: (probs[tj[0], e], -(tj[0] * k + tj[1])))[:r]:
+        out_ids[t, j], out_w[t, j] = -1, 0.0
+  return out_ids, out_w
+
+
+def _routing(T, E, k, seed, scale=2.0):
+  logits = jnp.asarray(rand(np.random.default_rng(seed), (T, E), scale))
+  return sj.top_k_routing(logits, k)
+
+
+def _counts(ids, E):
+  ids = np.asarray(ids)
+  return np.bincount(ids[(ids >= 0) & (ids < E)], minlength=E)
+
+
+def _check(r, b):
+  out = jax.jit(sj.round_to_blocks, static_argnums=1)(r, b)
+  want_ids, want_w = np_round_to_blocks(r.router_probs, r.expert_ids, r.combine_weights, b)
+  np.testing.assert_array_equal(out.expert_ids, want_ids)
+  np.testing.assert_allclose(out.combine_weights, want_w, rtol=1e-6, atol=1e-7)
+  assert out.expert_ids.dtype == jnp.int32 and out.combine_weights.dtype == r.combine_weights.dtype
+  np.testing.assert_array_equal(out.router_probs, r.router_probs)
+  return out
+
+
+@pytest.mark.parametrize("T,E,k,b", [(1000, 8, 1, 32), (1000, 8, 2, 32), (700, 16, 2, 16), (2049, 8, 1, 128),
+                                     (300, 4, 3, 8)])
+def test_rounding_matches_the_loop_and_leaves_whole_blocks(T, E, k, b):
+  r = _routing(T, E, k, seed_of("round", T, E, k, b))
+  out = _check(r, b)
+  before, after = _counts(r.expert_ids, E), _counts(out.expert_ids, E)
+  assert np.all((after % b == 0) | (before < b)), (before, after)
+  assert np.all(np.abs(after - before) <= b // 2)
+  ids = np.asarray(out.expert_ids)
+  assert all(len(set(row[row >= 0].tolist())) == np.sum(row >= 0) for row in ids), "ids must stay distinct"
+  moved = np.sum(np.asarray(ids[:, :k]) < 0) + np.sum(ids[:, k] >= 0)
+  assert moved > 0  # these routings are not already whole blocks
+
+
+def test_both_directions_happen():
+  """Counts just past a block drop their tail; counts just short of one take the next choice's best."""
+  T, E, b = 512, 4, 64
+  probs = np.full((T, E), 0.1)
+  owner = np.repeat(np.arange(E), [130, 120, 130, 132])  # r = 2, 56, 2, 4
+  probs[np.arange(T), owner] = 0.7
+  probs[:, 1] += np.linspace(0, 0.05, T)  # expert 1's candidates ranked by p[t, 1]
+  probs /= probs.sum(1, keepdims=True)
+  p = jnp.asarray(probs, jnp.float32)
+  r = sj.TokenChoiceRouting(jnp.asarray(owner[:, None], jnp.int32), p[np.arange(T), owner][:, None], p, jnp.log(p))
+  out = _check(r, b)
+  np.testing.assert_array_equal(_counts(out.expert_ids, E), [128, 128, 128, 128])
+
+
+@pytest.mark.parametrize("case", ["one_expert", "k_equals_E", "all_on_one", "few_tokens", "no_expert_slots",
+                                  "already_whole"])
+def test_edge_cases(case):
+  rng = np.random.default_rng(seed_of("round_edge", case))
+  b = 16
+  if case == "one_expert":  # no next choice exists: round down only
+    r = _routing(40, 1, 1, 1)
+  elif case == "k_equals_E":
+    r = _routing(37, 3, 3, 2)
+  elif case == "all_on_one":
+    logits = rand(rng, (75, 6), 1.0)
+    logits[:, 2] += 20.0
+    r = sj.top_k_routing(jnp.asarray(logits), 1)
+  elif case == "few_tokens":  # every expert under a block: nothing moves
+    r = _routing(20, 4, 2, 3)
+  elif case == "no_expert_slots":  # the DTS gate's NO_EXPERT slots are not assignments
+    r = _routing(300, 4, 2, 4)
+    r = r.replace(expert_ids=r.expert_ids.at[::3, 1].set(sj.NO_EXPERT))
+  else:
+    r = _routing(64, 4, 1, 5)
+    r = r.replace(expert_ids=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[:, None])
+  out = _check(r, b)
+  before, after = _counts(r.expert_ids, r.router_probs.shape[1]), _counts(out.expert_ids, r.router_probs.shape[1])
+  assert np.all((after % b == 0) | (before < b))
+  if case in ("few_tokens", "already_whole"):
+    np.testing.assert_array_equal(out.expert_ids[:, :-1], r.expert_ids)
+    assert np.all(np.asarray(out.expert_ids[:, -1]) == sj.NO_EXPERT)
+  if case in ("one_expert", "k_equals_E"):
+    assert np.all(np.asarray(out.expert_ids[:, -1]) == sj.NO_EXPERT)
+
+
+def test_gradients_flow_through_kept_and_added_weights():
+  """d/d(probs, weights) of sum(c * rounded weights) is the loop's masks applied to the formula."""
+  T, E, k, b = 600, 8, 2, 32
+  r = _routing(T, E, k, 7)
+  c = jnp.asarray(rand(np.random.default_rng(8), (T, k + 1), 1.0))
+  want_ids, _ = np_round_to_blocks(r.router_probs, r.expert_ids, r.combine_weights, b)
+  keep, add = want_ids[:, :k] >= 0, want_ids[:, k] >= 0
+  nxt = np.maximum(want_ids[:, k], 0)
+
+  def formula(probs, weights):
+    picked = jnp.take_along_axis(probs, r.expert_ids, axis=1)
+    scale = jnp.sum(weights, 1) / jnp.sum(picked, 1)
+    added = jnp.where(add, probs[jnp.arange(T), nxt] * scale, 0.0)
+    return jnp.sum(c[:, :k] * jnp.where(keep, weights, 0.0)) + jnp.sum(c[:, k] * added)
+
+  def rounded(probs, weights):
+    out = sj.round_to_blocks(r.replace(router_probs=probs, combine_weights=weights), b)
+    return jnp.sum(c * out.combine_weights)
+
+  got = jax.grad(rounded, argnums=(0, 1))(r.router_probs, r.combine_weights)
+  want = jax.grad(formula, argnums=(0, 1))(r.router_probs, r.combine_weights)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+  assert np.any(np.asarray(got[0]) != 0) and np.any(np.asarray(got[1]) != 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_mlp_on_rounded_routing_has_no_padding_rows(dtype):
+  """With b = the kernels' block, the padded layout is all real rows, and the layer is the reference's."""
+  T, d, f, E, k = 1100, 16, 32, 4, 1
+  rng = np.random.default_rng(seed_of("round_mlp", str(dtype)))
+  x = jnp.asarray(rand(rng, (T, d)), dtype)
+  w_in = jnp.asarray(rand(rng, (E, d, f), d ** -0.5), dtype)
+  w_out = jnp.asarray(rand(rng, (E, f, d), f ** -0.5), dtype)
+  r = sj.round_to_blocks(_routing(T, E, k, 9, scale=0.5))
+  counts = _counts(r.expert_ids, E)
+  assert np.all(counts % 128 == 0) and counts.sum() != T
+  placement = dropless_placement(r.expert_ids, E, block_size=128)
+  np.testing.assert_array_equal(placement.group_sizes, placement.tokens_per_expert)
+  y, stats = sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out)
+  want = sj.moe_mlp_reference(x, r.expert_ids, r.combine_weights, w_in, w_out)
+  assert y.dtype == dtype
+  assert_close(y, want, 1e-5 if dtype == jnp.float32 else 1e-2, "y")
+  np.testing.assert_array_equal(stats.tokens_per_expert, counts)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("k", [1, 2])
+def test_rounded_moe_mlp_is_moe_mlp_on_the_rounded_columns_in_a_smaller_buffer(k, impl):
+  """Values and gradients (x, router logits, both weights) equal moe_mlp's on round_to_blocks' k + 1 columns."""
+  from sparsejax import token_rounding as tr
+  T, d, f, E = 1100, 16, 24, 4
+  rng = np.random.default_rng(seed_of("rounded_mlp", k, impl))
+  x = jnp.asarray(rand(rng, (T, d)), jnp.float32)
+  w_in = jnp.asarray(rand(rng, (E, d, f), d ** -0.5), jnp.float32)
+  w_out = jnp.asarray(rand(rng, (E, f, d), f ** -0.5), jnp.float32)
+  # Biased so that, at k = 1 and 2, some experts round up and some down.
+  logits = jnp.asarray(rand(np.random.default_rng(3), (T, E), 0.5)) + jnp.asarray([0.0, 0.35, -0.3, 0.1])
+  ct = jnp.asarray(rand(rng, (T, d)), jnp.float32)
+
+  def columns(x, logits, w_in, w_out):
+    r = sj.round_to_blocks(sj.top_k_routing(logits, k))
+    return sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out, impl=impl)[0]
+
+  def rounded(x, logits, w_in, w_out):
+    return tr.rounded_moe_mlp(x, sj.top_k_routing(logits, k), w_in, w_out, impl=impl)[0]
+
+  r = sj.top_k_routing(logits, k)
+  rr = sj.round_to_blocks(r)
+  assert int(jnp.sum(rr.expert_ids[:, k] >= 0)) > 0 and int(jnp.sum(rr.expert_ids[:, :k] < 0)) > 0
+  _, stats = tr.rounded_moe_mlp(x, r, w_in, w_out, impl=impl)
+  np.testing.assert_array_equal(stats.tokens_per_expert, _counts(rr.expert_ids, E))
+  assert int(stats.num_dropped) == int(jnp.sum(rr.expert_ids[:, :k] < 0))
+  np.testing.assert_allclose(stats.dropped_fraction, int(stats.num_dropped) / (T * k), rtol=1e-6)
+  small = dropless_placement(rr.expert_ids, E, block_size=128, num_assignments=T * k + tr.max_added(E))
+  assert small.num_rows < dropless_placement(rr.expert_ids, E, block_size=128).num_rows
+  assert int(jnp.max(jnp.where(small.rows < small.num_rows, small.rows, -1))) < small.num_rows
+  assert_close(rounded(x, logits, w_in, w_out), columns(x, logits, w_in, w_out), 1e-5, "y")
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)
+  got = jax.grad(loss(rounded), argnums=(0, 1, 2, 3))(x, logits, w_in, w_out)
+  want = jax.grad(loss(columns), argnums=(0, 1, 2, 3))(x, logits, w_in, w_out)
+  for g, w, what in zip(got, want, ("x", "logits", "w_in", "w_out")):
+    assert_close(g, w, 1e-5, what)
+
+
+@pytest.mark.parametrize("block_size,msg", [(0, "block_size must be a positive int"),
+                                            (True, "block_size must be a positive int"),
+                                            (2.0, "block_size must be a positive int")])
+def test_bad_block_size_is_one_line(block_size, msg):
+  with pytest.raises(ValueError, match=msg) as e:
+    sj.round_to_blocks(_routing(10, 4, 1, 0), block_size)
+  assert "\n" not in str(e.value)
+
+
+def test_mismatched_routing_is_one_line():
+  r = _routing(10, 4, 2, 0)
+  with pytest.raises(ValueError, match="must agree") as e:
+    sj.round_to_blocks(r.replace(combine_weights=r.combine_weights[:, :1]))
+  assert "\n" not in str(e.value)
+  x, w = jnp.zeros((10, 8)), jnp.ones((3, 8, 8))  # three experts' weights for a routing over four
+  with pytest.raises(ValueError, match=r"router_probs must be \[tokens, experts\] = \(10, 3\)") as e:
+    sj.rounded_moe_mlp(x, _routing(10, 4, 1, 0), w, w)
+  assert "\n" not in str(e.value)
+
+
+def test_moe_module_rounds_only_calls_with_an_rng():
+  """MoEConfig.token_rounding: training calls (an rng) are rounded_moe_mlp; evaluation calls plain top-k."""
+  from flax import nnx
+
+  from sparsejax import token_rounding as tr
+  cfg = sj.MoEConfig(d_model=16, d_ff=24, num_experts=4, token_rounding=True)
+  moe = sj.MoE(cfg, rngs=nnx.Rngs(0))
+  plain = sj.MoE(dataclasses.replace(cfg, token_rounding=False), rngs=nnx.Rngs(0))
+  x = jnp.asarray(rand(np.random.default_rng(11), (1100, 16)), jnp.float32)
+  r = sj.top_k_routing(moe.router(x), 1)
+  want, want_stats = tr.rounded_moe_mlp(x, r, moe.w_in[...], moe.w_out[...])
+  y, stats = moe(x, rng=jax.random.key(0))
+  assert_close(y, want, 1e-5, "y")
+  np.testing.assert_array_equal(stats.tokens_per_expert, want_stats.tokens_per_expert)
+  assert np.all(np.asarray(stats.tokens_per_expert) % 128 == 0) and int(stats.num_dropped) > 0
+  assert_close(moe(x)[0], plain(x)[0], 1e-5, "y without an rng")  # evaluation: plain top-k
+  _, plain_stats = plain(x, rng=jax.random.key(0))  # a training call without rounding stays dropless
+  np.testing.assert_array_equal(plain_stats.tokens_per_expert, _counts(r.expert_ids, 4))
+
+
+@pytest.mark.parametrize("bad,msg", [(dict(token_rounding=1), "token_rounding must be True or False"),
+                                     (dict(token_rounding=True, capacity_factor=1.25), "needs router='top_k'"),
+                                     (dict(token_rounding=True, router="dense_to_sparse"), "needs router='top_k'")])
+def test_token_rounding_config_errors_are_one_line(bad, msg):
+  with pytest.raises(ValueError, match=msg) as e:
+    sj.MoEConfig(d_model=16, d_ff=24, **bad)
+  assert "\n" not in str(e.value)
+
+
+def test_token_rounding_with_expert_parallelism_is_refused():
+  from flax import nnx
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+  with pytest.raises(NotImplementedError, match="not built for expert parallelism"):
+    sj.MoE(sj.MoEConfig(d_model=16, d_ff=24, num_experts=4, token_rounding=True), rngs=nnx.Rngs(0), mesh=mesh)
