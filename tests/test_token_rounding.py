@@ -265,3 +265,18 @@ def test_token_rounding_with_expert_parallelism_is_refused():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
   with pytest.raises(NotImplementedError, match="not built for expert parallelism"):
     sj.MoE(sj.MoEConfig(d_model=16, d_ff=24, num_experts=4, token_rounding=True), rngs=nnx.Rngs(0), mesh=mesh)
+
+
+def test_rounded_moe_mlp_with_gated_experts():
+  """SwiGLU experts (w_gate, silu) through rounded_moe_mlp equal moe_mlp on the rounded columns."""
+  T, d, f, E = 700, 16, 24, 4
+  rng = np.random.default_rng(seed_of("rounded_glu"))
+  x = jnp.asarray(rand(rng, (T, d)), jnp.float32)
+  w_in, w_gate = (jnp.asarray(rand(rng, (E, d, f), d ** -0.5), jnp.float32) for _ in range(2))
+  w_out = jnp.asarray(rand(rng, (E, f, d), f ** -0.5), jnp.float32)
+  r = sj.top_k_routing(jnp.asarray(rand(rng, (T, E), 0.5)) + jnp.asarray([0.0, 0.35, -0.3, 0.1]), 2)
+  rr = sj.round_to_blocks(r)
+  got = sj.rounded_moe_mlp(x, r, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0]
+  want = sj.moe_mlp(x, rr.expert_ids, rr.combine_weights, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0]
+  assert_close(got, want, 1e-5, "y")
+  assert not np.allclose(np.asarray(rr.expert_ids[:, :2]), np.asarray(r.expert_ids))  # rounding moved something
