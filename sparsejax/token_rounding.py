@@ -78,7 +78,9 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   keep_n = jnp.where(moves & ~up, counts - rem, counts)
   add_n = jnp.where(up, b - rem, 0)
 
-  picked_p = jnp.take_along_axis(p, jnp.minimum(e, num_experts - 1), axis=1)
+  # The picks' probabilities: with their gradient for the scale below, without it for the ranking.
+  picked = jnp.take_along_axis(probs.astype(jnp.float32), jnp.minimum(e, num_experts - 1), axis=1)
+  picked_p = jax.lax.stop_gradient(picked)
   # The assignments ranked within their expert and the candidates within theirs, in one sort.
   ranks = _ranks(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
                  jnp.concatenate([picked_p.reshape(-1), nxt_p]), 2 * num_experts + 2)
@@ -87,7 +89,6 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   add = (nxt < num_experts) & (add_rank < jnp.concatenate([add_n, jnp.zeros((1,), jnp.int32)])[nxt])
 
   w32 = weights.astype(jnp.float32)
-  picked = jnp.take_along_axis(probs.astype(jnp.float32), jnp.minimum(e, num_experts - 1), axis=1)
   w_sum = jnp.sum(jnp.where(valid, w32, 0.0), axis=1)
   p_sum = jnp.sum(jnp.where(valid, picked, 0.0), axis=1)
   scale = jnp.where(p_sum > 0, w_sum / jnp.where(p_sum > 0, p_sum, 1.0), 1.0)

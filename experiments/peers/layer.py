@@ -2,9 +2,9 @@
 
 Variants: "dropless" (impl="auto": the Pallas kernels on a GPU, ragged_dot elsewhere),
 "dropless_<impl>" for a named impl, "capacity_<cf>" (the Switch/GShard layer with capacity
-factor cf, the batched-einsum experts) and "rounded" (impl="auto" on the top-k routing after
-`sj.rounded_moe_mlp`: every expert a whole number of 128-row blocks, so not dropless; its
-`dropped_fraction` and `added_fraction` count the assignments rounding removed and added). The router is a real, differentiated layer; fixed Gumbel
+factor cf, the batched-einsum experts) and "rounded" (`sj.rounded_moe_mlp`, impl="auto": every
+expert a whole number of 128-row blocks, so not dropless; `dropped_fraction` and `added_fraction`
+count the assignments rounding removed and added). The router is a real, differentiated layer; fixed Gumbel
 noise plus a log-prior on its logits makes the top-k choice a sample of the shape's routing
 distribution (uniform, or (i+1)^-0.5). Forward+backward: jax.value_and_grad of
 sum(tanh(y) * ct) + load-balancing loss in x, the router and both expert weights.
@@ -139,10 +139,8 @@ def bench(s: Shape, label: str, timer) -> dict:
                                         a["w_out"], cap))
   rec["check_ok"] = bool(rec["rel_err"] < OUT_TOL)
   rec["dropped_fraction"] = float(stats.dropped_fraction)
-  if rounded:
-    ids = np.asarray(r.expert_ids)
-    rec["dropped_fraction"] = float(np.sum(ids[:, :s.k] < 0)) / s.N
-    rec["added_fraction"] = float(np.sum(ids[:, s.k] >= 0)) / s.N
+  if rounded:  # rounded_moe_mlp's dropped_fraction counts what rounding dropped
+    rec["added_fraction"] = float(np.sum(np.asarray(r.expert_ids)[:, s.k] >= 0)) / s.N
   (_, _), grads = fwdbwd(*args, a["ct"])
   rec["grads_finite"] = bool(all(bool(jnp.all(jnp.isfinite(g))) for g in grads))
   rec["check_ok"] = rec["check_ok"] and rec["grads_finite"]
