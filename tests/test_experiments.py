@@ -979,3 +979,16 @@ def test_int8_weight_layout_probe_matches_the_product_in_every_form_and_lowers()
           jax.ShapeDtypeStruct((32, pk), jnp.bfloat16), w, jax.ShapeDtypeStruct((22,), jnp.int32)).lower(
           lowering_platforms=("cuda",)).as_text()
       assert "probe_int8_weight_layout" in text, layout
+
+
+def test_cub_sorts_probe_checks_every_variant_equal_to_the_librarys(tmp_path):
+  """probe_cub_sorts on the CPU: each tried sort gives the library's ranks, rounding and layer outputs."""
+  import probe_cub_sorts
+  records = probe_cub_sorts.main(["--smoke", "--reps", "2", "--rounds", "1", "--out", str(tmp_path)])
+  parts = {r["part"] for r in records}
+  assert parts == {"ranks", "rounding", "layers"}
+  for r in records:
+    assert r.get("equal", True) and r.get("equal_to_first_of_kind", True), r
+    assert r.get("check_ok", True) and r.get("grads_finite", True), r
+  assert len([r for r in records if r["part"] == "layers"]) == len(probe_cub_sorts.LAYER_VARIANTS)
+  assert (tmp_path / f"cub_sorts_probe_{probe_cub_sorts.jax.devices()[0].device_kind.replace(' ', '_')}.json").exists()
