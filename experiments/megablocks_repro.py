@@ -3,7 +3,8 @@ capacity-factor MoE (which drops tokens) and than the dense model of the same pe
 
 Trains, each for the same training-time budget (compile and evaluation excluded), an MoE-XS-sized
 model (512 hidden, 8 layers, 64 experts top-1 in every layer, bf16) as
-  dropless (moe_impl auto: the library's fastest path), capacity factor 1.0 / 1.5 / 2.0,
+  dropless (moe_impl auto: the library's fastest path), capacity factor 1.0 / 1.5 / 2.0, token
+rounding (`rounded`: each expert's count rounded to whole 128-row blocks while training),
 the dense XS model (top-1 with d_ff-sized experts = the dense FLOPs) and the dense Small model
 (768 hidden, 12 layers: the larger dense model MegaBlocks compares against). Records tokens/s,
 MFU, dropped fraction and validation loss over wall time and tokens to
@@ -47,6 +48,7 @@ VARIANTS = {  # name: (preset, TransformerConfig overrides)
     "capacity 1.0": ("xs-moe", {"capacity_factor": 1.0}),
     "capacity 1.5": ("xs-moe", {"capacity_factor": 1.5}),
     "capacity 2.0": ("xs-moe", {"capacity_factor": 2.0}),
+    "rounded": ("xs-moe", {"token_rounding": True}),  # sparsejax.token_rounding: not dropless
     "dense": ("xs-dense", {}),
     "dense-small": ("small-dense", {}),
 }
