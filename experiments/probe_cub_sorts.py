@@ -40,6 +40,7 @@ from peers import common, layer  # noqa: E402
 from peers.common import OUT_TOL, rel_err  # noqa: E402
 from bench_moe_layer import SHAPES, SMOKE_SHAPES  # noqa: E402
 
+
 def unsigned_argsort_ranks(expert_ids, num_experts):
   """permute.rank_within_expert with its argsort's key as uint8/16/32 (tried: CUB's radix sort)."""
   flat = expert_ids.reshape(-1)
