@@ -49,6 +49,8 @@ VARIANTS = {  # name: (preset, TransformerConfig overrides)
     "capacity 1.5": ("xs-moe", {"capacity_factor": 1.5}),
     "capacity 2.0": ("xs-moe", {"capacity_factor": 2.0}),
     "rounded": ("xs-moe", {"token_rounding": True}),  # sparsejax.token_rounding: not dropless
+    "small dropless": ("small-moe", {}),  # rounding's gain grows with an expert's products: d 768, f 3072
+    "small rounded": ("small-moe", {"token_rounding": True}),
     "dense": ("xs-dense", {}),
     "dense-small": ("small-dense", {}),
 }
