@@ -20,6 +20,7 @@ the compiled program's CUB sorts and XLA sort ops.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -102,6 +103,18 @@ ROUNDING_RANKS = {"two_key_sort": token_rounding._ranks, "two_pass_uint": two_pa
                   "score_sort_hist": score_sort_histogram_ranks}
 
 
+@contextlib.contextmanager
+def library_ranks(placement=None, rounding=None):
+  """permute._ranks and token_rounding._ranks replaced while tracing (the library reads both then),
+  and restored however the block ends, so a failed variant leaves the library as it was."""
+  permute._ranks = placement or LIBRARY_RANKS["permute"]
+  token_rounding._ranks = rounding or LIBRARY_RANKS["rounding"]
+  try:
+    yield
+  finally:
+    permute._ranks, token_rounding._ranks = LIBRARY_RANKS["permute"], LIBRARY_RANKS["rounding"]
+
+
 def sorts_of(jitted, *args) -> str:
   """The compiled program's sorts: CUB custom calls (jax 0.11's XLA names them xla.gpu.ext.cub_sort_*;
   older ones __cub$DeviceRadixSort) and XLA's own sort ops."""
@@ -150,18 +163,17 @@ def part_rounding(shapes, timer, reps, log, out):
     routings = _id_stack(s, reps)
     ref = None
     for name, ranks in ROUNDING_RANKS.items():
-      token_rounding._ranks = ranks
       f = stacked(lambda r: sj.round_to_blocks(r), reps)
-      got = f(routings)
+      with library_ranks(rounding=ranks):  # traced, lowered and timed with these ranks
+        got = f(routings)
+        sorts = sorts_of(f, routings)
+        us = median_ms(timer, lambda: f(routings)) * 1e3 / reps
       ids = np.stack([np.asarray(g.expert_ids) for g in got])
       w = np.stack([np.asarray(g.combine_weights) for g in got])
       ref = ref or (ids, w)
       ok = bool(np.array_equal(ids, ref[0]) and np.array_equal(w, ref[1]))
-      us = median_ms(timer, lambda: f(routings)) * 1e3 / reps
-      sorts = sorts_of(f, routings)
       out.append(dict(part="rounding", shape=s.name, variant=name, us=us, sorts=sorts, equal=ok))
       log(f"rounding  {s.name:16s} {name:16s} {us:8.1f} us a call  ({sorts} in {reps} calls)  equal {ok}")
-  token_rounding._ranks = LIBRARY_RANKS["rounding"]
 
 
 LAYER_VARIANTS = {  # name: (layer label, placement ranks, rounding ranks)
@@ -181,28 +193,27 @@ def part_layers(shapes, timer, rounds, variants, log, out):
     args = (a["x"], a["bias"], a["w_r"], a["w_in"], a["w_out"])
     built, first = {}, {}
     for name, (label, placement, rounding) in ((n, v) for n, v in LAYER_VARIANTS.items() if n in variants):
-      permute._ranks = placement or LIBRARY_RANKS["permute"]
-      token_rounding._ranks = rounding or LIBRARY_RANKS["rounding"]
       impl, cf = layer.parse_variant(label)
-      routing, fwd, fwdbwd = layer.functions(s, impl, cf, label == "rounded")  # fresh functions: traced now
-      y, stats = fwd(*args)
-      r = routing(*args[:3])
+      routing, fwd, fwdbwd = layer.functions(s, impl, cf, label == "rounded")  # fresh functions
+      with library_ranks(placement, rounding):  # traced here, and timed below, with these ranks
+        y, stats = fwd(*args)
+        r = routing(*args[:3])
+        grads = fwdbwd(*args, a["ct"])[1]
       cap = None if cf is None else sj.capacity(s.T, s.E, s.k, cf)
       err = rel_err(y, layer.reference(a["x"], r.expert_ids, r.combine_weights, a["w_in"], a["w_out"], cap))
-      grads = fwdbwd(*args, a["ct"])[1]
       same = label not in first or bool(np.array_equal(np.asarray(y), first[label]))
       first.setdefault(label, np.asarray(y))
-      built[name] = fwdbwd
+      built[name] = (fwdbwd, placement, rounding)
       rec = dict(part="layers", shape=s.name, variant=name, rel_err=err, check_ok=bool(err < OUT_TOL),
                  equal_to_first_of_kind=same, grads_finite=bool(all(bool(jnp.all(jnp.isfinite(g))) for g in grads)),
                  ms=[])
       out.append(rec)
       log(f"layers    {s.name:16s} {name:22s} err {err:.1e} equal {same}")
-    permute._ranks, token_rounding._ranks = LIBRARY_RANKS["permute"], LIBRARY_RANKS["rounding"]
     recs = {r["variant"]: r for r in out if r["part"] == "layers" and r["shape"] == s.name}
     for _ in range(rounds):
-      for name, fb in built.items():
-        recs[name]["ms"].append(median_ms(timer, lambda fb=fb: fb(*args, a["ct"])))
+      for name, (fb, placement, rounding) in built.items():
+        with library_ranks(placement, rounding):
+          recs[name]["ms"].append(median_ms(timer, lambda fb=fb: fb(*args, a["ct"])))
     base = statistics.median(recs["dropless_histogram"]["ms"])
     for name, rec in recs.items():
       rec["median_ms"] = statistics.median(rec["ms"])
@@ -221,6 +232,10 @@ def main(argv=None):
   ap.add_argument("--smoke", action="store_true", help="bench_moe_layer's smoke shapes, one quick timing (CPU tests)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args(argv)
+  unknown = set(args.layer_variants.split(",")) - set(LAYER_VARIANTS)
+  if unknown or "dropless_histogram" not in args.layer_variants.split(","):
+    raise SystemExit(f"--layer-variants: names from {', '.join(LAYER_VARIANTS)}, dropless_histogram among them; "
+                     f"got {args.layer_variants!r}.")
   if jax.default_backend() != "gpu" and not args.smoke:
     raise SystemExit("probe_cub_sorts times GPU sorts: run it on a GPU (or --smoke to check it on the CPU).")
   timer = common.SMOKE_TIMER if args.smoke else common.Timer()

@@ -992,3 +992,17 @@ def test_cub_sorts_probe_checks_every_variant_equal_to_the_librarys(tmp_path):
     assert r.get("check_ok", True) and r.get("grads_finite", True), r
   assert len([r for r in records if r["part"] == "layers"]) == len(probe_cub_sorts.LAYER_VARIANTS)
   assert (tmp_path / f"cub_sorts_probe_{probe_cub_sorts.jax.devices()[0].device_kind.replace(' ', '_')}.json").exists()
+
+
+def test_cub_sorts_probe_restores_the_librarys_sorts_and_refuses_bad_variants():
+  import probe_cub_sorts
+  from sparsejax import permute, token_rounding
+  before = (permute._ranks, token_rounding._ranks)
+  with pytest.raises(RuntimeError):
+    with probe_cub_sorts.library_ranks(probe_cub_sorts.unsigned_argsort_ranks, probe_cub_sorts.two_pass_rounding_ranks):
+      assert token_rounding._ranks is probe_cub_sorts.two_pass_rounding_ranks
+      raise RuntimeError("a variant failed")
+  assert (permute._ranks, token_rounding._ranks) == before
+  for bad in ("dropless_histogram,nonesuch", "rounded_two_key_sort"):
+    with pytest.raises(SystemExit, match="--layer-variants"):
+      probe_cub_sorts.main(["--smoke", "--layer-variants", bad])
