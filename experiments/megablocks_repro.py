@@ -4,7 +4,8 @@ capacity-factor MoE (which drops tokens) and than the dense model of the same pe
 Trains, each for the same training-time budget (compile and evaluation excluded), an MoE-XS-sized
 model (512 hidden, 8 layers, 64 experts top-1 in every layer, bf16) as
   dropless (moe_impl auto: the library's fastest path), capacity factor 1.0 / 1.5 / 2.0, token
-rounding (`rounded`: each expert's count rounded to whole 128-row blocks while training),
+rounding (`rounded`: each expert's count rounded to whole 128-row blocks while training; `small dropless`
+and `small rounded` compare the two on the Small-MoE preset, where an expert's products are 2.25x larger),
 the dense XS model (top-1 with d_ff-sized experts = the dense FLOPs) and the dense Small model
 (768 hidden, 12 layers: the larger dense model MegaBlocks compares against). Records tokens/s,
 MFU, dropped fraction and validation loss over wall time and tokens to
