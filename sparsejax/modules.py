@@ -80,8 +80,6 @@ class MoE(nnx.Module):
     self.mesh, self.parallel = mesh, parallel
     if mesh is not None and c.router == "expert_choice":
       raise NotImplementedError("expert parallelism supports the token-choice routers only.")
-    if mesh is not None and c.token_rounding:
-      raise NotImplementedError("token_rounding runs on one device: it is not built for expert parallelism.")
     # ---
     self.router = Router(c.d_model, c.num_experts, jitter_eps=c.jitter_eps,
                          param_dtype=c.param_dtype, rngs=rngs)
@@ -187,7 +185,7 @@ class MoE(nnx.Module):
           res = None
         if c.token_rounding and rng is not None and not decode:  # training: whole blocks, no padding rows
           y, stats = token_rounding.rounded_moe_mlp(x_in, r, w_in, w_out, w_gate=w_gate, activation=act,
-                                                    impl=c.impl)
+                                                    impl=c.impl, mesh=self.mesh, parallel=self.parallel)
         else:
           # The combine weights stay float32: the combine is float32, and bf16 would round them.
           y, stats = layer(x_in, r.expert_ids, r.combine_weights, w_in, w_out,

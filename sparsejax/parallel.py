@@ -33,6 +33,12 @@ C = ceil(cf * T_local * k / E) assignments per expert of its own tokens (token o
 rest; the [E, C, d] buffer is the send buffer. So the result equals `moe_mlp(..., capacity_factor=cf)`
 run on each device's token shard separately, concatenated.
 
+Token rounding (`token_rounding.rounded_moe_mlp(..., mesh=...)`, opt-in, not dropless): an expert's
+rows come from every device of its exchange group (the expert and slice axes, at one data coordinate),
+so each token chunk is rounded over that group (`round_to_blocks(axis_name=...)`): the group's count of
+every expert is whole 128-row blocks, and the result equals the single-device rounded layer on the
+group's tokens. Each device then sends at most b/2 more rows to an expert (`rounded_slots`).
+
 Hierarchical exchange (SMILE's bi-level all-to-all): with two expert axes (groups, devices per group)
 the all-to-all is done as two, first across groups (hosts), then within each group; same result.
 
@@ -56,12 +62,13 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from sparsejax import _checks, permute
+from sparsejax import _checks, permute, token_rounding
 from sparsejax.exchange import (check_exchange, dense_all_to_all, exchange_platform, ragged_all_to_all_rows,
                                 peer_index, ragged_rows, resolve_exchange)
 from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
+from sparsejax.routing import TokenChoiceRouting
 from sparsejax.topology import BLOCK_SIZE
 from sparsejax.topology import make_topology
 
@@ -346,8 +353,22 @@ def _raise_on_overflow(overflow):
   return np.zeros((), np.int32)
 
 
-def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _Static):
-  """The per-device body of shard_map: local tokens and local experts in, local tokens out."""
+def exchange_group(layout: ExpertLayout) -> tuple[str, ...]:
+  """The axes along which devices send one another rows: the expert axes and the slice axis. The
+  devices along them, at one coordinate of the data axes, hold the tokens an expert's rows come from."""
+  return layout.expert_axes + (() if layout.slice_axis is None else (layout.slice_axis,))
+
+
+def rounded_slots(tokens_local: int, top_k: int, experts_per_peer: int, slots: int) -> int:
+  """A peer's rows after token rounding, from the S = slots it could get before: each token gains at
+  most one distinct expert, and a device adds at most b/2 rows to an expert (b = BLOCK_SIZE)."""
+  added = min(tokens_local, experts_per_peer * (BLOCK_SIZE // 2))
+  return min(distinct_slots(tokens_local, top_k + 1, experts_per_peer), slots + added)
+
+
+def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_probs, *, st: _Static):
+  """The per-device body of shard_map: local tokens and local experts in, local tokens out. With
+  router_probs, each token chunk's routing is first rounded to whole blocks over the exchange group."""
   layout, cfg = st.layout, st.config
   all_axes = tuple(layout.mesh.axis_names)
   weights = (w_in, w_out, w_gate)
@@ -358,6 +379,18 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _St
   else:
     chunk = x.shape[0] // cfg.token_chunks
     pieces = lambda a: [a[i * chunk:(i + 1) * chunk] for i in range(cfg.token_chunks)]
+    k = expert_ids.shape[1]
+    rounded = real_counts = 0
+    if router_probs is not None:
+      group = exchange_group(layout)
+      parts = [token_rounding.round_to_blocks(TokenChoiceRouting(ids, cw, pr, pr), axis_name=group)
+               for ids, cw, pr in zip(pieces(expert_ids), pieces(combine_weights), pieces(router_probs))]
+      valid = (expert_ids >= 0) & (expert_ids < st.num_experts)
+      real_counts = jnp.zeros((st.num_experts + 1,), jnp.int32).at[
+          jnp.where(valid, expert_ids, st.num_experts)].add(1)[:st.num_experts]
+      expert_ids = jnp.concatenate([r.expert_ids for r in parts])
+      combine_weights = jnp.concatenate([r.combine_weights for r in parts])
+      rounded = jnp.sum(valid & (expert_ids[:, :k] < 0)).astype(jnp.int32)  # assignments rounding dropped
 
     def run(slots):
       ys, dropped = [], jnp.zeros((), jnp.int32)
@@ -368,9 +401,10 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _St
       return jnp.concatenate(ys, axis=0) if len(ys) > 1 else ys[0], dropped
 
     experts_per_peer = st.num_experts // layout.num_peers
-    k = expert_ids.shape[1]
-    worst = worst_slots(chunk, k)
+    worst = worst_slots(chunk, expert_ids.shape[1])
     slots = buffer_slots(chunk, k, layout.num_peers, experts_per_peer, cfg.buffer_factor)
+    if router_probs is not None:
+      slots = rounded_slots(chunk, k, experts_per_peer, slots)
     if slots >= worst:
       y, dropped = run(worst)
     else:
@@ -387,9 +421,11 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, *, st: _St
         # Both branches hold collectives, so every device must take the same one: agree on the flag.
         any_overflow = jax.lax.pmax(overflow, all_axes) > 0
         y, dropped = jax.lax.cond(any_overflow, lambda: run(worst), lambda: run(slots))
+    dropped = dropped + rounded
   _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
+  real = counts if router_probs is None else real_counts  # the assignments the router made
   psum = lambda a: jax.lax.psum(a, st.layout.token_axes)
-  return y, psum(counts), psum(dropped), psum(overflow)
+  return y, psum(counts), psum(dropped), psum(overflow), psum(real)
 
 
 def _shard_map(f, mesh, in_specs, out_specs, check=True):
@@ -430,7 +466,18 @@ def expert_parallel_moe_mlp(
   (T divisible by their device count), experts over the expert axes; jit it, and the inputs are
   resharded to that layout if they are not already (see `expert_layout`).
   """
+  return run_expert_parallel(x, expert_ids, combine_weights, w_in, w_out, mesh=mesh, parallel=parallel,
+                             w_gate=w_gate, activation=activation, capacity_factor=capacity_factor, impl=impl,
+                             precision=precision)
+
+
+def run_expert_parallel(x, expert_ids, combine_weights, w_in, w_out, *, mesh, parallel, w_gate, activation,
+                        capacity_factor, impl, precision, router_probs=None):
+  """expert_parallel_moe_mlp, and with router_probs ([tokens, experts]) the token-rounded layer of
+  `token_rounding.rounded_moe_mlp(..., mesh=...)`, whose one entry point this is."""
   check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl)
+  if router_probs is not None and capacity_factor is not None:
+    raise ValueError("token rounding rounds the dropless layer: capacity_factor must be None.")
   num_experts = w_in.shape[0]
   layout = expert_layout(mesh, num_experts, data_axis=parallel.data_axis,
                          expert_axis=parallel.expert_axis)
@@ -452,16 +499,17 @@ def expert_parallel_moe_mlp(
                precision, resolve_exchange(parallel.exchange, parallel.hierarchical, num_peers=layout.num_peers,
                                            platform=exchange_platform(layout)))
   tok = layout.tokens
-  in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in())
-  out_specs = (tok, P(), P(), P())
+  in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in(),
+              None if router_probs is None else tok)
+  out_specs = (tok, P(), P(), P(), P())
   body = lambda *a: _local_layer(*a, st=st)
-  y, tokens_per_expert, num_dropped, overflow = _shard_map(
+  y, tokens_per_expert, num_dropped, overflow, real_counts = _shard_map(
       body, layout.mesh, in_specs, out_specs, check=st.impl not in BLOCK_IMPLS)(
-      x, expert_ids, combine_weights, w_in, w_out, w_gate)
+      x, expert_ids, combine_weights, w_in, w_out, w_gate, router_probs)
   stats = ExpertParallelStats(
       tokens_per_expert=tokens_per_expert,
       num_dropped=num_dropped,
-      dropped_fraction=dropped_fraction(num_dropped, tokens_per_expert),
+      dropped_fraction=dropped_fraction(num_dropped, real_counts),
       exchange_overflow=overflow,
   )
   return y, stats

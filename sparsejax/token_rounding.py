@@ -10,15 +10,18 @@ is no longer the dropless layer: SonicMoE trains with it and evaluates with plai
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from sparsejax import _checks, moe
 from sparsejax.routing import NO_EXPERT, TokenChoiceRouting
 from sparsejax.topology import BLOCK_SIZE
+
+if TYPE_CHECKING:
+  from sparsejax.parallel import ExpertParallelStats
 
 
 def _ranks(keys: Int[Array, "n"], scores: Float[Array, "n"], num_keys: int) -> Int[Array, "n"]:
@@ -35,7 +38,8 @@ def _ranks(keys: Int[Array, "n"], scores: Float[Array, "n"], num_keys: int) -> I
 
 
 @jax.named_scope("token_rounding")
-def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -> TokenChoiceRouting:
+def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *,
+                    axis_name: str | tuple[str, ...] | None = None) -> TokenChoiceRouting:
   """Expert counts c_e made multiples of b = block_size; returns ids and weights of k + 1 columns.
 
   With r_e = c_e mod b: an expert with c_e < b or r_e = 0 is left as it is. Otherwise, if r_e >= b/2
@@ -46,6 +50,13 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   of lowest p[t, e] are dropped (id NO_EXPERT, weight 0). Ties go to the lower token. Each token
   gains at most one expert, so the rounded count is sum_e c_e +- less than E * b / 2. The choice
   is discrete (no gradient); the kept and added weights carry the router's gradient.
+
+  axis_name (inside shard_map: a mesh axis, or a tuple of them): every device along it holds its own
+  tokens, and the group's tokens, concatenated in axis order, are rounded as one batch. The result on
+  each device is its rows of round_to_blocks on that concatenation; the counts c_e are the group's.
+  Beyond the local work it costs two psums of E counts, an all_gather of each device's b least likely
+  assignments and b/2 likeliest candidates of each expert (the only ones a move can reach), and a sort
+  of those E * devices * 3b/2 items.
   """
   probs, ids, weights = routing.router_probs, routing.expert_ids, routing.combine_weights
   _checks.check_rank("router_probs", probs, 2, "[tokens, experts]")
@@ -59,10 +70,12 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   num_tokens, num_experts = probs.shape
   b = block_size
   p = jax.lax.stop_gradient(probs).astype(jnp.float32)
+  group_sum = (lambda a: a) if axis_name is None else (lambda a: jax.lax.psum(a, axis_name))
 
   valid = (ids >= 0) & (ids < num_experts)
   e = jnp.where(valid, ids, num_experts).astype(jnp.int32)  # bucket E: not an assignment
-  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
+  local_counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
+  counts = group_sum(local_counts)
   rem = counts % b
 
   taken = jnp.zeros((num_tokens, num_experts + 1), bool).at[jnp.arange(num_tokens)[:, None], e].set(True)
@@ -71,7 +84,7 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   nxt = jnp.argmax(free, axis=1).astype(jnp.int32)
   nxt_p = jnp.max(free, axis=1)
   nxt = jnp.where(nxt_p >= 0, nxt, num_experts)
-  candidates = jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts]
+  candidates = group_sum(jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts])
 
   moves = (counts >= b) & (rem > 0)
   up = moves & (2 * rem >= b) & (candidates >= b - rem)
@@ -85,8 +98,19 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   ranks = _ranks(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
                  jnp.concatenate([picked_p.reshape(-1), nxt_p]), 2 * num_experts + 2)
   rank, add_rank = ranks[:e.size].reshape(e.shape), ranks[e.size:]
-  keep = valid & (rank < jnp.concatenate([keep_n, jnp.zeros((1,), jnp.int32)])[e])
-  add = (nxt < num_experts) & (add_rank < jnp.concatenate([add_n, jnp.zeros((1,), jnp.int32)])[nxt])
+  with_none = lambda a: jnp.concatenate([a, jnp.zeros((1,), a.dtype)])  # index E: not an expert
+  if axis_name is None:
+    keep = valid & (rank < with_none(keep_n)[e])
+    add = (nxt < num_experts) & (add_rank < with_none(add_n)[nxt])
+  else:
+    # The group's order is the concatenation's: index = the item's position in it, for ties.
+    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
+    index = me * ids.size + jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape)
+    low = with_none(local_counts)[e] - 1 - rank  # 0: the device's least likely assignment to e
+    # counts - keep_n < b assignments are dropped, add_n <= b / 2 added: those many are all that can move.
+    keep = valid & ~_among_first(counts - keep_n, low, e, picked_p, index, b, axis_name, ascending=True)
+    token = me * num_tokens + jnp.arange(num_tokens, dtype=jnp.int32)
+    add = _among_first(add_n, add_rank, nxt, nxt_p, token, max(b // 2, 1), axis_name, ascending=False)
 
   w32 = weights.astype(jnp.float32)
   w_sum = jnp.sum(jnp.where(valid, w32, 0.0), axis=1)
@@ -97,6 +121,34 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE) -
   new_ids = jnp.concatenate([jnp.where(keep, ids, NO_EXPERT), jnp.where(add, nxt, NO_EXPERT)[:, None]], axis=1)
   new_w = jnp.concatenate([jnp.where(keep, w32, 0.0), jnp.where(add, p_next * scale, 0.0)[:, None]], axis=1)
   return routing.replace(expert_ids=new_ids.astype(jnp.int32), combine_weights=new_w.astype(weights.dtype))
+
+
+def _among_first(n: Int[Array, "keys"], local: Int[Array, "*items"], key: Int[Array, "*items"],
+                 score: Float[Array, "*items"], index: Int[Array, "*items"], depth: int, axis_name, *,
+                 ascending: bool) -> Bool[Array, "*items"]:
+  """Whether an item is among the first n[key] of the group's items of its key, ordered by score (ascending:
+  ties to the higher index first; descending: to the lower), for n <= depth. local: its position among its
+  own device's items of that key. Keys >= len(n) are not items.
+
+  Each device sends its first depth items of every key; the first n of the group are among them, so the
+  n-th of the sent items, in that order, is the group's n-th: an item is among the first n iff it is not
+  after that one. A sort of keys * devices * depth items, then a comparison per item.
+  """
+  num_keys = n.shape[0]
+  row = jnp.where((key < num_keys) & (local < depth), key, num_keys)  # row num_keys: out of bounds, dropped
+  col = jnp.clip(local, 0, depth - 1)
+  order_score = score if ascending else -score
+  order_index = -index if ascending else index
+  scores = jnp.full((num_keys, depth), jnp.inf, jnp.float32).at[row, col].set(order_score, mode="drop")
+  indices = jnp.zeros((num_keys, depth), jnp.int32).at[row, col].set(order_index, mode="drop")
+  gather = lambda a: jnp.moveaxis(jax.lax.all_gather(a, axis_name), 0, 1).reshape(num_keys, -1)
+  scores, indices = jax.lax.sort((gather(scores), gather(indices)), dimension=1, num_keys=2)
+  nth = jnp.clip(n - 1, 0, scores.shape[1] - 1)[:, None]
+  last_s = jnp.take_along_axis(scores, nth, axis=1)[:, 0]
+  last_i = jnp.take_along_axis(indices, nth, axis=1)[:, 0]
+  k = jnp.minimum(key, num_keys - 1)
+  within = (order_score < last_s[k]) | ((order_score == last_s[k]) & (order_index <= last_i[k]))
+  return (key < num_keys) & (n[k] > 0) & within
 
 
 def max_added(num_experts: int, block_size: int = BLOCK_SIZE) -> int:
@@ -114,18 +166,36 @@ def rounded_moe_mlp(
     activation: Callable = jax.nn.gelu,
     impl: str = "auto",
     precision=None,
-) -> tuple[Float[Array, "tokens d_model"], moe.MoEStats]:
+    mesh=None,
+    parallel=None,
+) -> tuple[Float[Array, "tokens d_model"], "moe.MoEStats | ExpertParallelStats"]:
   """moe_mlp on round_to_blocks(routing, 128): no padding rows, at the cost of moving assignments.
 
   The padded buffer is sized for the T k + E * 64 assignments rounding can leave, not for its T (k + 1)
   slots (an extra column of mostly empty slots cost E64 top-1's layer 7% on an H200). stats count
   the experts' rounded rows; num_dropped and dropped_fraction are the assignments rounding dropped.
+
+  mesh (and parallel, an ExpertParallelConfig): the expert-parallel layer (`expert_parallel_moe_mlp`)
+  on the rounded routing. Rows for an expert come from every device of its exchange group (the
+  expert axes, at one coordinate of the data axes), so each token chunk of the group is rounded as one
+  batch (round_to_blocks with axis_name): the group's count of every expert is whole blocks, and the
+  moved assignments are those round_to_blocks moves on the group's tokens. Returns
+  ExpertParallelStats, whose num_dropped adds what the exchange buffer dropped (none by default).
   """
   k = routing.expert_ids.shape[1]
   moe.check_moe_args(x, routing.expert_ids, routing.combine_weights, w_in, w_out, w_gate, impl)
   if routing.router_probs.shape != (x.shape[0], w_in.shape[0]):
     raise ValueError(f"routing.router_probs must be [tokens, experts] = {(x.shape[0], w_in.shape[0])}; "
                      f"got {routing.router_probs.shape}.")
+  if mesh is not None:
+    from sparsejax import parallel as ep  # it imports this module
+    return ep.run_expert_parallel(
+        x, routing.expert_ids, routing.combine_weights, w_in, w_out, mesh=mesh,
+        parallel=ep.ExpertParallelConfig() if parallel is None else parallel, w_gate=w_gate,
+        activation=activation, capacity_factor=None, impl=impl, precision=precision,
+        router_probs=routing.router_probs)
+  if parallel is not None:
+    raise ValueError("rounded_moe_mlp: parallel (an ExpertParallelConfig) needs a mesh.")
   rounded = round_to_blocks(routing)
   bound = routing.expert_ids.size + max_added(w_in.shape[0])
   y, stats = moe._moe_mlp(x, rounded.expert_ids, rounded.combine_weights, w_in, w_out, w_gate=w_gate,

@@ -260,13 +260,6 @@ def test_token_rounding_config_errors_are_one_line(bad, msg):
   assert "\n" not in str(e.value)
 
 
-def test_token_rounding_with_expert_parallelism_is_refused():
-  from flax import nnx
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
-  with pytest.raises(NotImplementedError, match="not built for expert parallelism"):
-    sj.MoE(sj.MoEConfig(d_model=16, d_ff=24, num_experts=4, token_rounding=True), rngs=nnx.Rngs(0), mesh=mesh)
-
-
 def test_rounded_moe_mlp_with_gated_experts():
   """SwiGLU experts (w_gate, silu) through rounded_moe_mlp equal moe_mlp on the rounded columns."""
   T, d, f, E = 700, 16, 24, 4
@@ -280,3 +273,152 @@ def test_rounded_moe_mlp_with_gated_experts():
   want = sj.moe_mlp(x, rr.expert_ids, rr.combine_weights, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0]
   assert_close(got, want, 1e-5, "y")
   assert not np.allclose(np.asarray(rr.expert_ids[:, :2]), np.asarray(r.expert_ids))  # rounding moved something
+
+
+# ------------------------------------------------------------------------------------------------
+# Under expert parallelism: each exchange group's tokens rounded as one batch (eight host devices).
+
+
+def _mesh(shape, names):
+  return jax.sharding.Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def _rounded_over(r, b, mesh, axis):
+  """round_to_blocks(axis_name=axis) inside shard_map, tokens sharded over all of mesh's axes."""
+  from sparsejax.parallel import _shard_map
+  tok = jax.sharding.PartitionSpec(mesh.axis_names)
+
+  def local(ids, cw, probs):
+    out = sj.round_to_blocks(sj.TokenChoiceRouting(ids, cw, probs, probs), b, axis_name=axis)
+    return out.expert_ids, out.combine_weights
+  return jax.jit(_shard_map(local, mesh, (tok, tok, tok), (tok, tok)))(r.expert_ids, r.combine_weights,
+                                                                        r.router_probs)
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("case", ["expert_axis", "data_and_expert", "two_expert_axes", "ties", "all_on_one",
+                                  "k_equals_E", "no_expert_slots"])
+def test_rounding_over_an_axis_is_rounding_each_groups_tokens(case):
+  """round_to_blocks(axis_name) on each device equals round_to_blocks on its group's concatenated tokens:
+  ids exactly, weights to float32 rounding, whichever device holds the moved assignments."""
+  T, E, k, b = 1000, 8, 1, 32
+  shape, names, axis = (8,), ("expert",), "expert"
+  if case == "data_and_expert":  # two groups of four devices: each rounds alone
+    shape, names, k = (2, 4), ("data", "expert"), 2
+  elif case == "two_expert_axes":  # the hierarchical exchange's (group, device) axes, as one group
+    shape, names, axis, k, b = (2, 4), ("expert_group", "expert"), ("expert_group", "expert"), 2, 64
+  rng = np.random.default_rng(seed_of("round_axis", case))
+  logits = rand(rng, (T, E), 2.0)
+  if case == "ties":  # many equal probabilities: the order across devices must be the concatenation's
+    logits = rng.integers(0, 3, (T, E)).astype(np.float32)
+  elif case == "all_on_one":
+    logits[:, 3] += 20.0
+  elif case == "k_equals_E":
+    E, k, b = 3, 3, 16
+    logits = logits[:, :3]
+  r = sj.top_k_routing(jnp.asarray(logits), k)
+  if case == "no_expert_slots":
+    r = r.replace(expert_ids=r.expert_ids.at[::3].set(sj.NO_EXPERT))
+  ids, w = _rounded_over(r, b, _mesh(shape, names), axis)
+  groups = shape[0] if names[0] == "data" else 1
+  want = [sj.round_to_blocks(jax.tree.map(lambda a: a[part], r), b) for part in np.split(np.arange(T), groups)]
+  np.testing.assert_array_equal(ids, np.concatenate([o.expert_ids for o in want]))
+  np.testing.assert_allclose(w, np.concatenate([o.combine_weights for o in want]), rtol=1e-6, atol=1e-7)
+  moved = np.sum(np.asarray(ids)[:, :k] < 0) + np.sum(np.asarray(ids)[:, k] >= 0) - np.sum(
+      np.asarray(r.expert_ids) < 0)
+  assert moved > 0 or case == "k_equals_E"
+
+
+def _ep_problem(T=2048, E=8, k=1, seed=0):
+  rng = np.random.default_rng(seed_of("rounded_ep", T, E, k, seed))
+  x = jnp.asarray(rand(rng, (T, 8)))
+  w_in = jnp.asarray(rand(rng, (E, 8, 16), 8 ** -0.5))
+  w_out = jnp.asarray(rand(rng, (E, 16, 8), 16 ** -0.5))
+  logits = jnp.asarray(rand(rng, (T, E), 0.5)) + jnp.linspace(-0.3, 0.3, E)  # some round up, some down
+  return x, logits, w_in, w_out, jnp.asarray(rand(rng, (T, 8)))
+
+
+def _per_group(x, logits, w_in, w_out, k, groups, impl="auto"):
+  """The single-device rounded layer on each group's tokens: groups is a list of token index arrays."""
+  r = sj.top_k_routing(logits, k)
+  out = [sj.rounded_moe_mlp(x[g], jax.tree.map(lambda a: a[g], r), w_in, w_out, impl=impl) for g in groups]
+  y = jnp.zeros_like(x)
+  for g, (yg, _) in zip(groups, out):
+    y = y.at[g].set(yg)
+  return y, [s for _, s in out]
+
+
+@pytest.mark.devices(8)
+@pytest.mark.parametrize("shape,k", [((1, 8), 1), ((2, 4), 2)])
+def test_expert_parallel_rounded_layer_is_the_rounded_layer_on_each_group(shape, k):
+  """Values, four gradients and the statistics equal rounded_moe_mlp run on each data slice's tokens."""
+  from sparsejax import mesh as meshlib
+  x, logits, w_in, w_out, ct = _ep_problem(k=k)
+  mesh = meshlib.make_expert_mesh(*shape)
+  groups = np.split(np.arange(x.shape[0]), shape[0])
+
+  def sharded(x, logits, w_in, w_out):
+    return sj.rounded_moe_mlp(x, sj.top_k_routing(logits, k), w_in, w_out, mesh=mesh)
+
+  def single(x, logits, w_in, w_out):
+    return _per_group(x, logits, w_in, w_out, k, groups)
+
+  (y, stats), (y0, stats0) = jax.jit(sharded)(x, logits, w_in, w_out), jax.jit(single)(x, logits, w_in, w_out)
+  assert_close(y, y0, 1e-5, "y")
+  np.testing.assert_array_equal(stats.tokens_per_expert, sum(s.tokens_per_expert for s in stats0))
+  assert int(stats.num_dropped) == sum(int(s.num_dropped) for s in stats0) > 0
+  assert int(stats.exchange_overflow) == 0
+  np.testing.assert_allclose(stats.dropped_fraction, int(stats.num_dropped) / (x.shape[0] * k), rtol=1e-6)
+  loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] * ct)
+  got = jax.jit(jax.grad(loss(sharded), argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+  want = jax.jit(jax.grad(loss(single), argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+  for g, w, what in zip(got, want, ("x", "logits", "w_in", "w_out")):
+    assert_close(g, w, 1e-5, what)
+
+
+@pytest.mark.devices(8)
+def test_expert_parallel_rounding_by_token_chunks_and_through_the_pallas_kernels():
+  """token_chunks=2: chunk c of every device is one group. The Pallas path (interpreted) gets whole blocks."""
+  from sparsejax import mesh as meshlib
+  from sparsejax.parallel import ExpertParallelConfig
+  x, logits, w_in, w_out, _ = _ep_problem(T=2048, E=4, seed=1)
+  mesh = meshlib.make_expert_mesh(1, 8)
+  local, half = x.shape[0] // 8, x.shape[0] // 16
+  groups = [np.concatenate([np.arange(q * local + c * half, q * local + (c + 1) * half) for q in range(8)])
+            for c in range(2)]
+  y0, stats0 = _per_group(x, logits, w_in, w_out, 1, groups)
+  for impl in ("auto", "pallas"):
+    y, stats = jax.jit(lambda x, logits, w_in, w_out: sj.rounded_moe_mlp(
+        x, sj.top_k_routing(logits, 1), w_in, w_out, mesh=mesh, impl=impl,
+        parallel=ExpertParallelConfig(token_chunks=2)))(x, logits, w_in, w_out)
+    assert_close(y, y0, 1e-5, f"y ({impl})")
+    np.testing.assert_array_equal(stats.tokens_per_expert, sum(s.tokens_per_expert for s in stats0))
+    for s in stats0:  # whole blocks in each group (an expert under one block is left alone)
+      c = np.asarray(s.tokens_per_expert)
+      assert np.all((c % 128 == 0) | (c < 128)) and np.any(c >= 128), c
+
+
+@pytest.mark.devices(8)
+def test_moe_module_rounds_under_expert_parallelism():
+  """MoEConfig.token_rounding with a mesh of one data slice: the single-device module's rounded layer."""
+  from flax import nnx
+
+  from sparsejax import mesh as meshlib
+  cfg = sj.MoEConfig(d_model=16, d_ff=24, num_experts=8, token_rounding=True)
+  mesh = meshlib.make_expert_mesh(1, 8)
+  single, sharded = sj.MoE(cfg, rngs=nnx.Rngs(0)), sj.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh)
+  x = jnp.asarray(rand(np.random.default_rng(12), (2048, 16)), jnp.float32)
+  y0, s0 = single(x, rng=jax.random.key(0))
+  y1, s1 = nnx.jit(lambda m, x: m(x, rng=jax.random.key(0)))(sharded, x)
+  assert_close(y1, y0, 1e-5, "y")
+  np.testing.assert_array_equal(s1.tokens_per_expert, s0.tokens_per_expert)
+  assert int(s1.num_dropped) == int(s0.num_dropped) > 0
+  assert_close(nnx.jit(lambda m, x: m(x))(sharded, x)[0], single(x)[0], 1e-5, "y without an rng")
+
+
+def test_rounded_moe_mlp_parallel_needs_a_mesh():
+  from sparsejax.parallel import ExpertParallelConfig
+  x, w = jnp.zeros((10, 8)), jnp.ones((4, 8, 8))
+  with pytest.raises(ValueError, match="parallel .* needs a mesh") as e:
+    sj.rounded_moe_mlp(x, _routing(10, 4, 1, 0), w, w, parallel=ExpertParallelConfig())
+  assert "\n" not in str(e.value)
