@@ -66,12 +66,17 @@ def check(name, got, logits, k) -> bool:
 
 def main(argv=None):
   ap = argparse.ArgumentParser()
-  ap.add_argument("--shapes", default="E64_top1,E64_top1_skewed,E64_top8")
+  ap.add_argument("--shapes", default=None, help="comma-separated names (default: E64_top1,E64_top1_skewed,E64_top8; "
+                  "with --smoke, both smoke shapes)")
   ap.add_argument("--groups", default="1,4,8")
   ap.add_argument("--smoke", action="store_true", help="tiny shapes and a one-shot timer (any machine)")
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args(argv)
-  shapes = SMOKE_SHAPES if args.smoke else [s for s in SHAPES if s.name in args.shapes.split(",")]
+  default = ",".join(s.name for s in SMOKE_SHAPES) if args.smoke else "E64_top1,E64_top1_skewed,E64_top8"
+  names = args.shapes or default
+  shapes = [s for s in (SMOKE_SHAPES if args.smoke else SHAPES) if s.name in names.split(",")]
+  if not shapes:
+    raise SystemExit(f"--shapes {names!r}: no such shape.")
   timer = common.SMOKE_TIMER if args.smoke else common.Timer()
   records = []
   for s in shapes:
