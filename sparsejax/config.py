@@ -23,6 +23,7 @@ class MoEConfig:
   token_rounding=True: calls with an rng (training) round each expert's assignments to whole 128-row
   blocks (sparsejax.token_rounding, SonicMoE): no padding rows, some assignments moved, so not
   dropless; calls without one (evaluation, generation) run plain top-k. Top-k router, dropless only.
+  Under expert parallelism the devices that send an expert rows round their tokens together.
   """
   d_model: int
   d_ff: int

@@ -383,6 +383,7 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
     rounded = real_counts = 0
     if router_probs is not None:
       group = exchange_group(layout)
+      # round_to_blocks reads no logits: the probabilities stand in for them.
       parts = [token_rounding.round_to_blocks(TokenChoiceRouting(ids, cw, pr, pr), axis_name=group)
                for ids, cw, pr in zip(pieces(expert_ids), pieces(combine_weights), pieces(router_probs))]
       valid = (expert_ids >= 0) & (expert_ids < st.num_experts)
@@ -423,9 +424,10 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
         y, dropped = jax.lax.cond(any_overflow, lambda: run(worst), lambda: run(slots))
     dropped = dropped + rounded
   _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
-  real = counts if router_probs is None else real_counts  # the assignments the router made
   psum = lambda a: jax.lax.psum(a, st.layout.token_axes)
-  return y, psum(counts), psum(dropped), psum(overflow), psum(real)
+  out = (y, psum(counts), psum(dropped), psum(overflow))
+  # Rounded, the router's own assignments (dropped_fraction's denominator) are no longer the counts.
+  return out if router_probs is None else out + (psum(real_counts),)
 
 
 def _shard_map(f, mesh, in_specs, out_specs, check=True):
@@ -501,11 +503,12 @@ def run_expert_parallel(x, expert_ids, combine_weights, w_in, w_out, *, mesh, pa
   tok = layout.tokens
   in_specs = (tok, tok, tok, layout.w_in(), layout.w_out(), None if w_gate is None else layout.w_in(),
               None if router_probs is None else tok)
-  out_specs = (tok, P(), P(), P(), P())
+  out_specs = (tok, P(), P(), P()) + (() if router_probs is None else (P(),))
   body = lambda *a: _local_layer(*a, st=st)
-  y, tokens_per_expert, num_dropped, overflow, real_counts = _shard_map(
+  y, tokens_per_expert, num_dropped, overflow, *real = _shard_map(
       body, layout.mesh, in_specs, out_specs, check=st.impl not in BLOCK_IMPLS)(
       x, expert_ids, combine_weights, w_in, w_out, w_gate, router_probs)
+  real_counts = real[0] if real else tokens_per_expert
   stats = ExpertParallelStats(
       tokens_per_expert=tokens_per_expert,
       num_dropped=num_dropped,
