@@ -35,6 +35,7 @@ and a markdown table (and copies under $OUT when set).
   python experiments/bench_ep_train.py --pretrain-steps 300 --tag _trained      # past the router's first steps
   python experiments/bench_ep_train.py --gpus 1,2,4 --exchanges dense --expert-groups 2   # and 4 GPUs as 2 x 2
   python experiments/bench_ep_train.py --gpus 1,4 --buffer-factors none,2      # the exchange buffer at 2x the mean
+  python experiments/bench_ep_train.py --set token_rounding=true --tag _rounded   # token rounding over the exchange
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ep_balance import shard_load  # noqa: E402
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
+from sparsejax.cli import _parse_value as parse_value  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
 from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_axes, expert_parallel_state,  # noqa: E402
@@ -93,6 +95,9 @@ def parse_args(argv=None):
   p.add_argument("--pretrain-steps", type=int, default=0,
                  help="train this many steps on one device first; every config then starts from that state "
                       "(the router past its first steps' imbalance)")
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", dest="overrides",
+                 help="override a TransformerConfig field for every run, repeatable, as sparsejax-train --set "
+                      "(e.g. --set token_rounding=true)")
   p.add_argument("--tag", default="", help="suffix of the result files' names")
   p.add_argument("--no-trace", action="store_true", help="skip the profile of the collectives")
   p.add_argument("--smoke", action="store_true", help="CPU, 8 host devices, a tiny model, few steps")
@@ -103,6 +108,13 @@ def parse_args(argv=None):
     a.pretrain_steps = min(a.pretrain_steps, 2)
   if a.pretrain_steps < 0:
     p.error(f"--pretrain-steps must be >= 0, got {a.pretrain_steps}")
+  overrides = {}
+  for item in a.overrides:
+    name, sep, value = item.partition("=")
+    if not sep or not name.isidentifier():
+      p.error(f"--set {item!r}: expected FIELD=VALUE, FIELD a TransformerConfig field")
+    overrides[name] = parse_value(value)
+  a.overrides = overrides
   bad = [e for e in a.exchanges.split(",") if e not in EXCHANGES]
   if bad:
     p.error(f"--exchanges takes a comma list of {', '.join(EXCHANGES)}; got {bad}")
@@ -201,7 +213,7 @@ def mesh_spec(n: int, groups: int | None) -> str | None:
 
 def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
           buffer_factor: float | None = None):
-  overrides = SMOKE_MODEL if args.smoke else {}
+  overrides = {**(SMOKE_MODEL if args.smoke else {}), **args.overrides}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
                     steps=10**6, model_overrides=overrides, mesh=mesh_spec(n, groups))
   model_cfg = cfg.model_config()
@@ -338,6 +350,7 @@ def markdown(report: dict) -> str:
   lines = [f"### MoE training step, weak scaling ({report['preset']}, {report['batch_per_gpu']} x "
            f"{report['seq_len']} tokens per GPU, {report['device_kind']}, jax {report['jax']}"
            + (f", from the state after {report['pretrain_steps']} steps on one device" if report.get("pretrain_steps") else "")
+           + "".join(f", {k}={v}" for k, v in report.get("model_overrides", {}).items())
            + (f", XLA_FLAGS={report['xla_flags']}" if report.get("xla_flags") else "") + ")", "",
            "| GPUs | exchange | token chunks | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | "
            "all-to-all ms under compute | all-reduce ms (share) |",
@@ -381,6 +394,7 @@ def main(argv=None) -> dict:
   kind = jax.devices()[0].device_kind
   report = {"preset": args.preset, "batch_per_gpu": args.batch_per_gpu, "seq_len": args.seq_len,
             "device_kind": kind, "jax": jax.__version__, "pretrain_steps": args.pretrain_steps,
+            "model_overrides": args.overrides,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "runs": []}
   start = pretrain(args, corpus) if args.pretrain_steps else None
   for n, exchange, groups in configs(counts, args.exchanges.split(","), args.expert_groups):

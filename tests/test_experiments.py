@@ -120,10 +120,25 @@ def test_ep_train_bench_runs_the_hierarchical_exchange_to_the_flat_ones_losses(t
   assert "| 4 | dense, hierarchical 2x2, buffer 0.5x mean | 1 |" in (tmp_path / "ep_train_cpu_smoke_x4.md").read_text()
 
 
+@pytest.mark.devices(2)
+def test_ep_train_bench_sets_model_fields_for_every_run(tmp_path, monkeypatch):
+  """--set token_rounding=true reaches the expert-parallel step (it rounds over the exchange group); the JSON and
+  the table's title name the override."""
+  import bench_ep_train as b
+  from sparsejax import token_rounding
+  calls, real = [], token_rounding.round_to_blocks
+  monkeypatch.setattr(token_rounding, "round_to_blocks", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
+  report = b.main(["--smoke", "--no-trace", "--gpus", "2", "--exchanges", "dense", "--set", "token_rounding=true",
+                   "--out", str(tmp_path)])
+  assert report["model_overrides"] == {"token_rounding": True}
+  assert calls and all(kw.get("axis_name") == ("expert",) for kw in calls)
+  assert "token_rounding=True" in (tmp_path / "ep_train_cpu_smoke_x2.md").read_text()
+
+
 def test_ep_train_bench_refuses_bad_group_counts_buffer_factors_and_exchanges(capsys):
   import bench_ep_train as b
   for flag, bad in (("--expert-groups", "1"), ("--expert-groups", "two"), ("--buffer-factors", "0"),
-                    ("--buffer-factors", "none,x"), ("--exchanges", "dense,nccl")):
+                    ("--buffer-factors", "none,x"), ("--exchanges", "dense,nccl"), ("--set", "token_rounding")):
     with pytest.raises(SystemExit):
       b.parse_args([flag, bad])
     assert flag in capsys.readouterr().err
