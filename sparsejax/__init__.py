@@ -73,7 +73,9 @@ def __getattr__(name: str):
 
 
 def __dir__():
-  return sorted(set(globals()) | set(__all__))
+  # The public names, the submodules already imported and the dunders; not this file's own imports.
+  own = {"annotations", "importlib", "sys", "types", "TYPE_CHECKING"}
+  return sorted((set(globals()) - own) | set(__all__))
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the eager imports

@@ -56,6 +56,13 @@ def check_top_k(k, num_experts: int) -> None:
     raise ValueError(f"k={k} exceeds the number of experts ({num_experts}).")
 
 
+def check_activation(activation) -> None:
+  """A layer's activation is a function (MoEConfig, a config, takes its name)."""
+  if not callable(activation):
+    raise TypeError(f"activation must be a function such as jax.nn.silu; got {activation!r} (names such as "
+                    "'silu' are for MoEConfig(activation=...)).")
+
+
 def check_positive(name: str, value) -> None:
   if not isinstance(value, (int, float)) or isinstance(value, bool):
     raise TypeError(f"{name} must be a Python number; got {value!r}.")

@@ -56,6 +56,27 @@ class MoEConfig:
       raise ValueError(f"MoEConfig.top_k must be an int; got {self.top_k!r}.")
     if self.router == "top_k" and not 1 <= self.top_k <= self.num_experts:
       raise ValueError(f"MoEConfig.top_k must lie in [1, num_experts={self.num_experts}]; got {self.top_k}.")
+    for name in ("glu", "renormalize"):
+      value = getattr(self, name)
+      if not isinstance(value, bool) and not (name == "renormalize" and value is None):
+        raise ValueError(f"MoEConfig.{name} must be True or False{' or None' if name == 'renormalize' else ''}; "
+                         f"got {value!r}.")
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    for name in ("load_balancing_weight", "z_loss_weight", "jitter_eps", "dts_threshold"):
+      if not number(getattr(self, name)):
+        raise ValueError(f"MoEConfig.{name} must be a number; got {getattr(self, name)!r}.")
+    for name in ("load_balancing_weight", "z_loss_weight"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"MoEConfig.{name} must be >= 0; got {getattr(self, name)}.")
+    for name in ("dtype", "param_dtype"):
+      try:
+        floating = jnp.issubdtype(jnp.dtype(getattr(self, name)), jnp.floating)
+      except TypeError:
+        floating = False
+      if not floating:
+        raise ValueError(f"MoEConfig.{name} must be a floating dtype (e.g. jnp.bfloat16); got {getattr(self, name)!r}.")
+    if self.capacity_factor is not None and not number(self.capacity_factor):
+      raise ValueError(f"MoEConfig.capacity_factor must be a number or None; got {self.capacity_factor!r}.")
     if self.capacity_factor is not None and not self.capacity_factor > 0:
       raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None; got {self.capacity_factor}.")
     if self.router == "expert_choice" and self.capacity_factor is None:

@@ -10,6 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
@@ -66,6 +67,12 @@ def check_grouped_matmul_args(lhs, rhs, group_sizes, group_offset=None,
   _checks.check_integer("group_sizes", group_sizes)
   if preferred_element_type is not None and not jnp.issubdtype(preferred_element_type, jnp.floating):
     raise TypeError(f"preferred_element_type must be a floating dtype; got {preferred_element_type}.")
+  if _is_concrete(group_sizes):  # given eagerly: check what the kernels would silently clip
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+      raise ValueError(f"group_sizes must be >= 0; got {sizes.tolist()}.")
+    if sizes.sum() > lhs.shape[0]:
+      raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than lhs's {lhs.shape[0]} rows.")
   if group_offset is None:
     if group_sizes.shape[0] != rhs.shape[0]:
       raise ValueError(

@@ -42,6 +42,9 @@ def make_expert_mesh(
   of `expert` devices each, so the experts are spread over G * expert devices. Devices are laid out
   in jax.devices() order, so on several hosts the inner axes stay within a host.
   """
+  for name, n in (("data", data), ("expert", expert), ("expert_groups", expert_groups), ("tensor", tensor)):
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+      raise ValueError(f"make_expert_mesh: {name} must be a positive int; got {n!r}.")
   devices = list(jax.devices() if devices is None else devices)
   shape, names = [data], [DATA]
   if expert_groups is not None:
@@ -105,6 +108,9 @@ def expert_layout(
   E < P (one expert axis only): expert slicing, each expert's d_ff split over M = P/E devices
   (P % E == 0); the expert axis is split into ("expert": E, "expert_slice": M).
   """
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, e.g. sparsejax.make_expert_mesh(data, expert); got "
+                    f"{type(mesh).__name__}.")
   data_axes = () if data_axis is None else ((data_axis,) if isinstance(data_axis, str) else tuple(data_axis))
   expert_axes = (expert_axis,) if isinstance(expert_axis, str) else tuple(expert_axis)
   for name in data_axes + expert_axes:

@@ -104,7 +104,15 @@ class MoE(nnx.Module):
   def __call__(self, x: Float[Array, "... d_model"], *, rng: jax.Array | None = None,
                dts_temperature: float | jax.Array = 1.0, decode: bool = False, norm=None, residual=None,
                pending: Float[Array, "p rows d_model"] | None = None):
-    """decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts.
+    """y, stats = moe(x): x [..., d_model] -> y of x's shape, and MoELayerStats (expert loads, drops, and the aux
+    losses, whose weighted sum stats.aux_loss a training loss adds).
+
+    rng (a jax key): pass it in training calls. It drives the router's jitter and the DTS gate's noise, and with
+    MoEConfig.token_rounding it turns rounding on; calls without it (evaluation) route deterministically.
+    dts_temperature: the dense-to-sparse gate's softmax temperature (router="dense_to_sparse").
+
+    The rest is for generation (sparsejax.inference builds these calls):
+    decode=True (generation, see sparsejax.inference) is dropless and reads only chosen experts.
     norm (an RMSNorm): the layer's input is norm(x); a top-k decode step folds it into the router's
     and the experts' first kernels (their `norm` argument) instead of running it on its own.
     residual (x's shape): the output is residual + y in residual's dtype (the block's add, which a decode

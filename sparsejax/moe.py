@@ -56,9 +56,13 @@ def _check_expert_weights(x, w_in, w_out, w_gate):
     raise ValueError(f"w_gate must have w_in's shape {w_in.shape}; got {w_gate.shape}.")
 
 
-def check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl) -> None:
+def check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl, *, activation,
+                   capacity_factor=None) -> None:
   """The argument checks of a token-choice layer (moe_mlp and its expert-parallel twin)."""
   _check_expert_weights(x, w_in, w_out, w_gate)
+  _checks.check_activation(activation)
+  if capacity_factor is not None:
+    _checks.check_positive("capacity_factor", capacity_factor)
   _checks.check_rank("expert_ids", expert_ids, 2, "[tokens, k]")
   _checks.check_integer("expert_ids", expert_ids)
   _checks.check_rank("combine_weights", combine_weights, 2, "[tokens, k]")
@@ -95,6 +99,7 @@ def expert_ffn(
   precision for float32 inputs (no TF32 on GPU), the backend default for bf16 (the Pallas kernels
   are always full precision for their input dtype).
   """
+  _checks.check_activation(activation)
   if topology is not None:
     from sparsejax.kernels import gmm
 
@@ -142,7 +147,8 @@ def moe_mlp(
   combine_weights may be float32 with bf16 x: the combine is done in float32 either way.
   precision: see `expert_ffn` (None: full float32 precision for float32 inputs on every backend).
   """
-  check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl)
+  check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl, activation=activation,
+                 capacity_factor=capacity_factor)
   return _moe_mlp(x, expert_ids, combine_weights, w_in, w_out, w_gate=w_gate, activation=activation,
                   capacity_factor=capacity_factor, impl=impl, precision=precision)
 
@@ -195,6 +201,10 @@ def expert_choice_mlp(
   "dropped" token is one no expert chose, so num_dropped / T is the fraction.
   """
   _check_expert_weights(x, w_in, w_out, w_gate)
+  _checks.check_activation(activation)
+  if not isinstance(routing, ExpertChoiceRouting):
+    raise TypeError(f"routing must be an ExpertChoiceRouting (from expert_choice_routing); got "
+                    f"{type(routing).__name__}.")
   num_experts, cap = routing.token_ids.shape
   if num_experts != w_in.shape[0]:
     raise ValueError(f"routing has {num_experts} experts but w_in has {w_in.shape[0]}.")

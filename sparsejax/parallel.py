@@ -477,7 +477,8 @@ def run_expert_parallel(x, expert_ids, combine_weights, w_in, w_out, *, mesh, pa
                         capacity_factor, impl, precision, router_probs=None):
   """expert_parallel_moe_mlp, and with router_probs ([tokens, experts]) the token-rounded layer of
   `token_rounding.rounded_moe_mlp(..., mesh=...)`, whose one entry point this is."""
-  check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl)
+  check_moe_args(x, expert_ids, combine_weights, w_in, w_out, w_gate, impl, activation=activation,
+                 capacity_factor=capacity_factor)
   if router_probs is not None and capacity_factor is not None:
     raise ValueError("token rounding rounds the dropless layer: capacity_factor must be None.")
   num_experts = w_in.shape[0]
@@ -489,7 +490,6 @@ def run_expert_parallel(x, expert_ids, combine_weights, w_in, w_out, *, mesh, pa
   if layout.slice_axis is not None and w_in.shape[2] % layout.num_slices:
     raise ValueError(f"d_ff={w_in.shape[2]} does not split into {layout.num_slices} expert slices.")
   if capacity_factor is not None:
-    _checks.check_positive("capacity_factor", capacity_factor)
     if parallel.token_chunks != 1:
       raise ValueError("token_chunks applies to the dropless layer (capacity_factor=None); a capacity "
                        "layer's groups are whole device shards.")

@@ -37,10 +37,15 @@ def _ranks(keys: Int[Array, "n"], scores: Float[Array, "n"], num_keys: int) -> I
   return position - starts[keys]
 
 
+def _check_routing(routing) -> None:
+  if not isinstance(routing, TokenChoiceRouting):
+    raise TypeError(f"routing must be a TokenChoiceRouting (from top_k_routing); got {type(routing).__name__}.")
+
+
 @jax.named_scope("token_rounding")
 def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *,
                     axis_name: str | tuple[str, ...] | None = None) -> TokenChoiceRouting:
-  """Expert counts c_e made multiples of b = block_size; returns ids and weights of k + 1 columns.
+  """Expert counts c_e of at least b = block_size made multiples of b; returns ids and weights of k + 1 columns.
 
   With r_e = c_e mod b: an expert with c_e < b or r_e = 0 is left as it is. Otherwise, if r_e >= b/2
   and at least b - r_e tokens have e as their next choice (their likeliest expert outside their
@@ -58,6 +63,7 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   assignments and b/2 likeliest candidates of each expert (the only ones a move can reach), and a sort
   of those E * devices * 3b/2 items.
   """
+  _check_routing(routing)
   probs, ids, weights = routing.router_probs, routing.expert_ids, routing.combine_weights
   _checks.check_rank("router_probs", probs, 2, "[tokens, experts]")
   _checks.check_rank("expert_ids", ids, 2, "[tokens, k]")
@@ -67,6 +73,13 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
                      f"router_probs {probs.shape} must agree on [tokens, k] and tokens.")
   if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
     raise ValueError(f"round_to_blocks: block_size must be a positive int; got {block_size!r}.")
+  if axis_name is not None:  # an unknown name would fail inside psum with a bare AssertionError
+    for name in (axis_name if isinstance(axis_name, tuple) else (axis_name,)):
+      try:
+        jax.lax.axis_size(name)
+      except NameError:
+        raise ValueError(f"round_to_blocks: axis_name {name!r} is not an axis of the enclosing shard_map "
+                         "(or vmap); call it inside one that names it.") from None
   num_tokens, num_experts = probs.shape
   b = block_size
   p = jax.lax.stop_gradient(probs).astype(jnp.float32)
@@ -182,8 +195,9 @@ def rounded_moe_mlp(
   moved assignments are those round_to_blocks moves on the group's tokens. Returns
   ExpertParallelStats, whose num_dropped adds what the exchange buffer dropped (none by default).
   """
+  _check_routing(routing)
+  moe.check_moe_args(x, routing.expert_ids, routing.combine_weights, w_in, w_out, w_gate, impl, activation=activation)
   k = routing.expert_ids.shape[1]
-  moe.check_moe_args(x, routing.expert_ids, routing.combine_weights, w_in, w_out, w_gate, impl)
   if routing.router_probs.shape != (x.shape[0], w_in.shape[0]):
     raise ValueError(f"routing.router_probs must be [tokens, experts] = {(x.shape[0], w_in.shape[0])}; "
                      f"got {routing.router_probs.shape}.")

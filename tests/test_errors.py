@@ -22,7 +22,7 @@ def _ok():
 def _call_moe(kwargs, traced):
   a = dict(_ok())
   a.update(kwargs)
-  opts = {n: a.pop(n) for n in ("capacity_factor", "impl") if n in a}
+  opts = {n: a.pop(n) for n in ("capacity_factor", "impl", "activation") if n in a}
   arrays = {n: a[n] for n in ("x", "expert_ids", "combine_weights", "w_in", "w_out", "w_gate")}
 
   def f(arrays):
@@ -63,6 +63,7 @@ MOE_BAD = [
                                 combine_weights=jnp.ones((0, K), f32), capacity_factor=1.0), ValueError,
      r"x has no tokens"),
     ("bad_impl", dict(impl="cuda"), ValueError, r"impl must be one of"),
+    ("activation_name", dict(activation="silu"), TypeError, r"activation must be a function such as jax.nn.silu"),
     ("bad_impl_capacity", dict(impl="cuda", capacity_factor=1.0), ValueError, r"impl must be one of"),
 ]
 
@@ -173,6 +174,13 @@ CONFIG_BAD = [
     (dict(impl="cuda"), r"MoEConfig.impl must be one of"),
     (dict(impl="cuda", router="expert_choice", capacity_factor=1.0), r"MoEConfig.impl must be one of"),
     (dict(jitter_eps=-0.1), r"MoEConfig.jitter_eps must be >= 0"),
+    (dict(glu="False"), r"MoEConfig.glu must be True or False; got 'False'"),  # a truthy string would turn GLU on
+    (dict(renormalize="no"), r"MoEConfig.renormalize must be True or False or None"),
+    (dict(dtype="foo"), r"MoEConfig.dtype must be a floating dtype"),
+    (dict(param_dtype=jnp.int32), r"MoEConfig.param_dtype must be a floating dtype"),
+    (dict(load_balancing_weight=-1.0), r"MoEConfig.load_balancing_weight must be >= 0"),
+    (dict(z_loss_weight="1e-3"), r"MoEConfig.z_loss_weight must be a number"),
+    (dict(capacity_factor="1.25"), r"MoEConfig.capacity_factor must be a number or None"),
     (dict(router="dense_to_sparse", dts_threshold=1.0), r"MoEConfig.dts_threshold must lie in \[0, 1\)"),
     (dict(router="dense_to_sparse", dts_max_k=9), r"MoEConfig.dts_max_k must lie in \[1, num_experts=8\]"),
 ]
@@ -184,3 +192,41 @@ def test_bad_moe_config(kwargs, match):
   sj.MoEConfig(**base)  # valid without the change
   with pytest.raises(ValueError, match=match):
     sj.MoEConfig(**{**base, **kwargs})
+
+
+def _one_line(exc_type, match, fn):
+  with pytest.raises(exc_type, match=match) as e:
+    fn()
+  assert "\n" not in str(e.value)
+
+
+def test_entry_points_name_a_wrong_kind_of_argument():
+  """What a newcomer passes by mistake: a mesh that is not one, a routing of the other kind, sizes that do not fit."""
+  from sparsejax import mesh as meshlib
+  a = _ok()
+  x, ids, cw, w_in, w_out = (a[n] for n in ("x", "expert_ids", "combine_weights", "w_in", "w_out"))
+  logits = jnp.ones((T, E), f32)
+  tc, ec = sj.top_k_routing(logits, K), sj.expert_choice_routing(logits, 1.0)
+  _one_line(ValueError, r"make_expert_mesh: data must be a positive int; got 0", lambda: meshlib.make_expert_mesh(0, 4))
+  _one_line(TypeError, r"mesh must be a jax.sharding.Mesh.*got NoneType",
+            lambda: sj.expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=None))
+  _one_line(TypeError, r"mesh must be a jax.sharding.Mesh.*got str",
+            lambda: sj.rounded_moe_mlp(x, tc, w_in, w_out, mesh="expert"))
+  _one_line(TypeError, r"routing must be a TokenChoiceRouting.*got tuple",
+            lambda: sj.rounded_moe_mlp(x, (ids, cw), w_in, w_out))
+  _one_line(TypeError, r"routing must be a TokenChoiceRouting.*got ExpertChoiceRouting", lambda: sj.round_to_blocks(ec))
+  _one_line(TypeError, r"routing must be an ExpertChoiceRouting.*got TokenChoiceRouting",
+            lambda: sj.expert_choice_mlp(x, tc, w_in, w_out))
+  _one_line(TypeError, r"activation must be a function", lambda: sj.expert_ffn(x, None, w_in[:1], w_out[:1],
+                                                                               activation="gelu"))
+  lhs, rhs = jnp.ones((8, D), f32), jnp.ones((2, D, F), f32)
+  _one_line(ValueError, r"group_sizes sum to 12, more than lhs's 8 rows",
+            lambda: sj.grouped_matmul(lhs, rhs, jnp.array([6, 6])))
+  _one_line(ValueError, r"group_sizes must be >= 0", lambda: sj.grouped_matmul(lhs, rhs, jnp.array([-2, 10])))
+  sj.grouped_matmul(lhs, rhs, jnp.array([3, 5]))  # the fitting call still runs
+
+
+def test_dir_lists_the_api_not_the_packages_own_imports():
+  names = dir(sj)
+  assert "moe_mlp" in names and "rounded_moe_mlp" in names
+  assert not {"sys", "importlib", "types", "annotations", "TYPE_CHECKING"} & set(names)

@@ -426,3 +426,13 @@ def test_rounded_moe_mlp_parallel_needs_a_mesh():
   with pytest.raises(ValueError, match="parallel .* needs a mesh") as e:
     sj.rounded_moe_mlp(x, _routing(10, 4, 1, 0), w, w, parallel=ExpertParallelConfig())
   assert "\n" not in str(e.value)
+
+
+@pytest.mark.devices(8)
+def test_an_axis_name_outside_the_shard_map_is_one_line():
+  r = _routing(64, 4, 1, 0)
+  with pytest.raises(ValueError, match="axis_name 'nope' is not an axis of the enclosing shard_map") as e:
+    _rounding_over(16, _mesh((8,), ("expert",)), "nope")(r.expert_ids, r.combine_weights, r.router_probs)
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="axis_name 'expert' is not an axis"):
+    sj.round_to_blocks(r, 16, axis_name="expert")  # not inside any

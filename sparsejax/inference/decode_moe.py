@@ -141,6 +141,7 @@ def decode_moe_mlp(
   if any(s is not None for s in (w_in_scale, w_out_scale, w_gate_scale)) or jnp.result_type(w_in) == jnp.int8:
     scales = {"w_in": w_in_scale, "w_out": w_out_scale, "w_gate": w_gate_scale}
   _check(x, expert_ids, combine_weights, w_in, w_out, w_gate, scales)
+  _checks.check_activation(activation)
   scales = scales or {}
   if residual is not None:
     _checks.check_floating("residual", residual)
