@@ -110,16 +110,33 @@ def _load_bin(path: pathlib.Path, val_fraction: float, vocab_size: int | None) -
   else:
     n_val = max(1, int(len(tokens) * val_fraction))
     train, val = tokens[:-n_val], tokens[-n_val:]
+  top = int(max(train.max(initial=0), val.max(initial=0))) + 1
   if vocab_size is None:
-    top = int(max(train.max(), val.max())) + 1
     vocab_size = 256 if top <= 256 else -(-top // 64) * 64  # round up: friendlier matmul shapes
+  elif top > vocab_size:  # an id past the embedding gathers garbage, and training goes to NaN
+    raise ValueError(f"{str(path)!r} holds token id {top - 1}, not below vocab_size={vocab_size}: pass a "
+                     f"vocab_size of at least {top}, or none to size it from the data.")
   return Corpus(str(path), train, val, vocab_size, vocab_size == 256)
 
 
 def load_corpus(source: str | None = None, *, val_fraction: float = 0.1,
                 vocab_size: int | None = None, allow_binary: bool = False) -> Corpus:
   """Load a corpus (see the module docstring for the sources). Missing, empty and (unless
-  allow_binary) binary text data fail with a one-line error naming the path."""
+  allow_binary) binary text data fail with a one-line error naming the path.
+
+  vocab_size: None sizes it from the data (256 for text); a given one is the corpus's, and must lie
+  above every token id (at least 256 for text): a smaller one is an error.
+  """
+  corpus = _load_corpus(source, val_fraction, vocab_size, allow_binary)
+  if vocab_size is None or vocab_size == corpus.vocab_size:  # a .bin corpus took vocab_size already
+    return corpus
+  if vocab_size < corpus.vocab_size:
+    raise ValueError(f"vocab_size={vocab_size} is smaller than the byte-level corpus {corpus.name!r} needs: "
+                     f"its tokens are bytes, 0 to 255; pass a vocab_size of at least 256, or none.")
+  return dataclasses.replace(corpus, vocab_size=vocab_size)
+
+
+def _load_corpus(source: str | None, val_fraction: float, vocab_size: int | None, allow_binary: bool) -> Corpus:
   source = source or "stdlib"
   if source in BUILT_IN:
     what, find_files = BUILT_IN[source]

@@ -369,7 +369,7 @@ def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
   expert, groups = shape["expert"], shape.get("expert_group")
   n, visible = math.prod(shape.values()), jax.device_count()
   if n > visible:
-    raise ValueError(f"--mesh {cfg.mesh} needs {n} devices; {visible} are visible.")
+    raise ValueError(f"--mesh {cfg.mesh} needs {n} devices; {visible} {'is' if visible == 1 else 'are'} visible.")
   if jax.process_count() > 1 and n != visible:
     raise ValueError(f"--mesh {cfg.mesh} covers {n} devices; with {jax.process_count()} processes it must "
                      f"cover all {visible} of them.")
@@ -409,8 +409,13 @@ def prepare(cfg: TrainConfig) -> Plan:
     raise ValueError(f"--set {', '.join(sorted(unknown))}: not a TransformerConfig field; the fields are "
                      f"{', '.join(f.name for f in dataclasses.fields(TransformerConfig))}.")
   model_cfg = cfg.model_config()
-  corpus = load_corpus(cfg.data, vocab_size=cfg.model_overrides.get("vocab_size"),  # .bin: from its tokens
-                       allow_binary=cfg.allow_binary)
+  if model_cfg.dtype == "float16" and jax.default_backend() == "cpu":
+    # XLA:CPU's dot_general has no float16 x float16 -> float32 form, which the attention asks for: the
+    # step would fail while compiling, with a long traceback.
+    raise ValueError("--dtype float16 is not supported on the CPU backend: pass --dtype bfloat16 or float32.")
+  # A --set vocab_size is checked against the data (the corpus needs every id below it); without one,
+  # a .bin corpus is sized from its tokens and text from its 256 byte values.
+  corpus = load_corpus(cfg.data, vocab_size=cfg.model_overrides.get("vocab_size"), allow_binary=cfg.allow_binary)
   if corpus.vocab_size != model_cfg.vocab_size:
     model_cfg = model_cfg.replace(vocab_size=corpus.vocab_size)
   shortest = min(len(corpus.train), len(corpus.val))
@@ -476,6 +481,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
     stream.restore(meta["data"])
     if main_process:
       print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
+      if step >= cfg.steps:
+        print(f"--steps {cfg.steps} is not above the checkpoint's step {step}, so nothing will be trained: "
+              f"pass a larger --steps to train on.", flush=True)
   batch = lambda b: global_batch(mesh, b) if mesh is not None else b
   train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True,
                                      grad_accum=cfg.grad_accum)
@@ -509,6 +517,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
     log.write(kind="val", **record)
     return record
 
+  unit = "byte" if corpus.byte_level else "token"  # a .bin corpus's tokens are not bytes
   bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and main_process), dynamic_ncols=True)
   last = dict(step=step, elapsed_s=elapsed)
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
@@ -540,7 +549,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
       if main_process:
         train_loss = f"train loss {last['loss']:.3f} | " if "loss" in last else ""  # none logged yet
         bar.write(f"step {step:>6} | {train_loss}"
-                  f"val loss {v['val_loss']:.3f} | val bits/byte {v['val_bits_per_token']:.3f}")
+                  f"val loss {v['val_loss']:.3f} | val bits/{unit} {v['val_bits_per_token']:.3f}")
       window_t += time.perf_counter() - t_eval  # eval time is not training time
     t_save = time.perf_counter()
     save()
@@ -553,7 +562,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   if main_process:
     train_loss = f"train loss {final['loss']:.3f}, " if "loss" in final else ""
     print(f"done: step {step}, {train_loss}"
-          f"val loss {final['val_loss']:.3f}, val bits per byte {final['val_bits_per_token']:.3f} "
+          f"val loss {final['val_loss']:.3f}, val bits per {unit} {final['val_bits_per_token']:.3f} "
           f"({elapsed:.0f} s of training; metrics in {out / 'metrics.jsonl'})")
   return final
 

@@ -4,7 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from sparsejax import cli
@@ -68,6 +70,11 @@ BAD = [
     (["--set", "not_a_field=3"], "--set not_a_field: not a TransformerConfig field"),
     (["--set", "d_model=abc"], "d_model must be a positive int"),
     (["--set", "capacity_factor=-1"], "capacity_factor must be > 0"),
+    (["--set", "glu=yes"], "TransformerConfig.glu must be True or False; got 'yes'"),  # a truthy string
+    (["--preset", "tiny-dense", "--set", "renormalize=no"], "TransformerConfig.renormalize must be True or False"),
+    (["--set", "rope_base=0"], "TransformerConfig.rope_base must be a finite number > 0; got 0"),
+    (["--preset", "tiny-dense", "--set", "num_experts=0"], "TransformerConfig.num_experts must be a positive int"),
+    (["--set", "vocab_size=10"], "vocab_size=10 is smaller than the byte-level corpus"),
 ]
 
 
@@ -89,6 +96,46 @@ def test_bad_data(tmp_path, text, capsys, no_training):
   _fails(["--data", text, "--upcycle-from", str(tmp_path / "nowhere")], out, capsys, "no such run folder")
   (tmp_path / "a_file").write_text("x")
   _fails(["--data", text], tmp_path / "a_file" / "run", capsys, "is a file, not a folder")
+
+
+def test_set_reads_json_and_pythons_true_false_none():
+  """--set glu=False is False, not the truthy string "False"; JSON's spellings still work."""
+  cfg = cli.parse_args(["--set", "glu=False", "--set", "renormalize=True", "--set", "capacity_factor=None",
+                        "--set", "token_rounding=false", "--set", "top_k=2", "--set", "activation=silu"])
+  assert cfg.model_overrides == dict(glu=False, renormalize=True, capacity_factor=None, token_rounding=False,
+                                     top_k=2, activation="silu")
+  assert cfg.model_config().glu is False
+  assert cli._parse_value("null") is None and cli._parse_value("false") is False
+  assert cli._parse_value("FALSE") == "FALSE"  # exactly Python's spellings: anything else stays a string
+  assert "True/False/None" in next(a.help for a in cli.build_parser()._actions if "--set" in a.option_strings)
+
+
+def test_float16_on_the_cpu_is_one_line(tmp_path, text, capsys, no_training, monkeypatch):
+  """XLA:CPU cannot compile float16 attention: refused before compiling; other backends keep float16."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+  _fails(["--dtype", "float16", "--data", text], tmp_path / "run", capsys,
+         "--dtype float16 is not supported on the CPU backend: pass --dtype bfloat16 or float32.")
+  _fails(["--set", "dtype=float16", "--data", text], tmp_path / "run", capsys, "not supported on the CPU backend")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  plan = loop.prepare(cli.parse_args(["--dtype", "float16", "--data", text, "--out", str(tmp_path / "run")]))
+  assert plan.model_cfg.dtype == "float16"
+
+
+def test_vocab_size_against_the_data(tmp_path, text, capsys, no_training):
+  """A .bin with ids >= vocab_size is refused (it trains to NaN); text needs 256 ids, a larger vocab_size stays."""
+  (np.arange(3000) % 300).astype(np.uint16).tofile(tmp_path / "tok.bin")
+  _fails(["--data", str(tmp_path / "tok.bin"), "--set", "vocab_size=100"], tmp_path / "run", capsys,
+         "holds token id 299, not below vocab_size=100")
+  parse = lambda *argv: loop.prepare(cli.parse_args([*argv, "--out", str(tmp_path / "run")]))
+  assert parse("--data", str(tmp_path / "tok.bin")).model_cfg.vocab_size == 320  # sized from the data
+  assert parse("--data", str(tmp_path / "tok.bin"), "--set", "vocab_size=300").model_cfg.vocab_size == 300
+  assert parse("--data", text).model_cfg.vocab_size == 256
+  assert parse("--data", text, "--set", "vocab_size=512").model_cfg.vocab_size == 512
+
+
+def test_mesh_over_more_devices_than_visible(tmp_path, text, capsys, no_training, monkeypatch):
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  _fails(["--mesh", "data=2", "--data", text], tmp_path / "run", capsys, "needs 2 devices; 1 is visible.")
 
 
 def test_binary_data_needs_allow_binary(tmp_path, capsys, no_training):

@@ -47,6 +47,19 @@ def test_folder_text_file_and_bin(tmp_path):
   assert len(b.train) == 5000 and len(b.val) == 500 and b.vocab_size == 320 and not b.byte_level
 
 
+def test_a_given_vocab_size_must_cover_the_data(tmp_path):
+  """Ids >= vocab_size would index past the embedding (training goes to NaN); text needs all 256 bytes."""
+  (np.arange(5000) % 300).astype(np.uint16).tofile(tmp_path / "tok.bin")
+  with pytest.raises(ValueError, match="token id 299, not below vocab_size=100: pass a vocab_size of at least 300"):
+    load_corpus(str(tmp_path / "tok.bin"), vocab_size=100)
+  assert load_corpus(str(tmp_path / "tok.bin"), vocab_size=300).vocab_size == 300
+  (tmp_path / "a.txt").write_text("text " * 100)
+  with pytest.raises(ValueError, match="vocab_size=10 is smaller than the byte-level corpus"):
+    load_corpus(str(tmp_path / "a.txt"), vocab_size=10)
+  wide = load_corpus(str(tmp_path / "a.txt"), vocab_size=512)
+  assert wide.vocab_size == 512 and wide.byte_level
+
+
 def test_missing_path_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_corpus(str(tmp_path / "nope.txt"))

@@ -401,6 +401,7 @@ def test_bad_arguments_fail_before_compiling():
       (dict(temperature=0.7), ValueError, "needs rng"),
       (dict(temperature=0.7, rng=3), TypeError, "rng must be a jax key"),
       (dict(n=60), ValueError, "more than the model's max_seq_len=48"),
+      (dict(prompts=[[1]], n=60), ValueError, r"the longest prompt \(1 token\) plus max_new_tokens=60"),
       (dict(cache_length=8), ValueError, "needs 10 cache slots; cache_length is 8"),
       (dict(prompts=[[1, 2], []]), ValueError, "prompt 1 must be a non-empty"),
       (dict(prompts=[]), ValueError, "prompt_tokens is empty"),

@@ -116,3 +116,22 @@ def test_bad_configs_give_clear_errors():
     SMALL.replace(dtype="float64")
   with pytest.raises(ValueError, match="max_seq_len"):
     Transformer(SMALL, rngs=nnx.Rngs(0))(jnp.zeros((1, 65), jnp.int32))
+  with pytest.raises(ValueError, match=r"tokens must be \[batch, seq\] integers; got shape \(2,\)"):
+    Transformer(SMALL, rngs=nnx.Rngs(0))(jnp.array([1, 2]))
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("glu", "False", "glu must be True or False; got 'False'"),  # a truthy string would turn GLU on
+    ("renormalize", "False", "renormalize must be True or False or None"),
+    ("token_rounding", 1, "token_rounding must be True or False"),
+    ("rope_base", 0, "rope_base must be a finite number > 0"),  # NaN rotary frequencies
+    ("rope_base", -10_000.0, "rope_base must be a finite number > 0"),
+    ("rope_base", "1e4", "rope_base must be a finite number > 0"),
+    ("num_experts", 0, "num_experts must be a positive int"),
+    ("top_k", 0, "top_k must be a positive int"),
+    ("moe_every", True, "moe_every must be an int >= 0"),
+])
+def test_bad_fields_of_a_dense_config_fail_when_made(field, value, match):
+  """Dense configs build no MoEConfig, so these are checked by TransformerConfig itself."""
+  with pytest.raises(ValueError, match=f"TransformerConfig.{match}"):
+    SMALL.replace(**{"moe_every": 0, field: value})

@@ -1,5 +1,6 @@
 """The training loop: loss goes down, the aux loss reaches the gradient, a killed run resumes on the
 same curve, MFU counts the devices the run uses. (The command line's errors: tests/test_cli.py.)"""
+import dataclasses
 import json
 import shutil
 
@@ -138,7 +139,21 @@ def test_progress_lines_before_the_first_logged_step_show_no_train_loss(tmp_path
   train(_cfg(tmp_path, steps=3, log_every=5, eval_every=2, ckpt_every=10))
   out = capsys.readouterr().out
   line = next(l for l in out.splitlines() if l.startswith("step      2 |"))
-  assert "val loss" in line and "train loss" not in line and "nan" not in out
+  assert "val loss" in line and "val bits/byte" in line and "train loss" not in line and "nan" not in out
+  assert "val bits per byte" in out.splitlines()[-1]
+
+
+def test_a_token_corpus_reports_bits_per_token_and_a_finished_run_says_it_trains_nothing(tmp_path, capsys):
+  """A .bin corpus's tokens are not bytes; --steps at or below the checkpoint's step trains nothing, and says so."""
+  np.random.default_rng(0).integers(0, 300, 4000).astype(np.uint16).tofile(tmp_path / "tok.bin")
+  cfg = _cfg(tmp_path, data=str(tmp_path / "tok.bin"), steps=2, eval_every=0, ckpt_every=2)
+  train(cfg)
+  done = capsys.readouterr().out.splitlines()[-1]
+  assert done.startswith("done: step 2") and "val bits per token" in done and "byte" not in done
+  train(dataclasses.replace(cfg, steps=1))
+  out = capsys.readouterr().out
+  assert "--steps 1 is not above the checkpoint's step 2, so nothing will be trained" in out
+  assert "done: step 2" in out
 
 
 @pytest.mark.devices(8)

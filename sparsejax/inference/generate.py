@@ -235,11 +235,12 @@ def generate_timed(model: nnx.Module, prompt_tokens, max_new_tokens: int, *, tem
   if cache_length is None:
     cache_length = need
     if need > model.cfg.max_seq_len:
-      raise ValueError(f"the longest prompt ({prompt_len} tokens) plus max_new_tokens={max_new_tokens} "
-                       f"needs {need} positions, more than the model's max_seq_len={model.cfg.max_seq_len}.")
+      raise ValueError(f"the longest prompt ({prompt_len} token{'s' * (prompt_len != 1)}) plus "
+                       f"max_new_tokens={max_new_tokens} needs {need} positions, more than the model's "
+                       f"max_seq_len={model.cfg.max_seq_len}.")
   elif need > cache_length:
-    raise ValueError(f"the longest prompt ({prompt_len} tokens) plus max_new_tokens={max_new_tokens} "
-                     f"needs {need} cache slots; cache_length is {cache_length}.")
+    raise ValueError(f"the longest prompt ({prompt_len} token{'s' * (prompt_len != 1)}) plus "
+                     f"max_new_tokens={max_new_tokens} needs {need} cache slots; cache_length is {cache_length}.")
   decoder = Decoder(model, batch, cache_length, sampling, rng, start=prompt_len - lengths)
   t0 = time.perf_counter()
   first = decoder(jnp.asarray(tokens))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -49,16 +50,27 @@ class TransformerConfig:
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU for bf16/fp16, else XLA), "xla", "cudnn"
 
   def __post_init__(self):
-    for name in ("d_model", "num_layers", "num_heads", "d_ff", "vocab_size", "max_seq_len"):
+    for name in ("d_model", "num_layers", "num_heads", "d_ff", "vocab_size", "max_seq_len", "num_experts", "top_k"):
       v = getattr(self, name)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"TransformerConfig.{name} must be a positive int; got {v!r}.")
+    # Checked here, not left to MoEConfig: below, only an MoE config builds one, so a dense config would pass
+    # until its model is built, and a string such as "False" would reach the layers as a truthy flag.
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.type in ("bool", "bool | None") and not (isinstance(v, bool) or (v is None and f.type != "bool")):
+        raise ValueError(f"TransformerConfig.{f.name} must be True or False{' or None' * (f.type != 'bool')}; "
+                         f"got {v!r}.")
+    # rope_base <= 0 gives NaN (or inf) rotary frequencies, which train to NaN without an error.
+    if not (isinstance(self.rope_base, (int, float)) and not isinstance(self.rope_base, bool)
+            and math.isfinite(self.rope_base) and self.rope_base > 0):
+      raise ValueError(f"TransformerConfig.rope_base must be a finite number > 0; got {self.rope_base!r}.")
     if self.d_model % self.num_heads:
       raise ValueError(f"TransformerConfig.d_model={self.d_model} is not divisible by "
                        f"num_heads={self.num_heads}; pick heads that divide the hidden size.")
     if (self.d_model // self.num_heads) % 2:
       raise ValueError(f"head_dim={self.d_model // self.num_heads} must be even for rotary embeddings.")
-    if not isinstance(self.moe_every, int) or self.moe_every < 0:
+    if not isinstance(self.moe_every, int) or isinstance(self.moe_every, bool) or self.moe_every < 0:
       raise ValueError(f"TransformerConfig.moe_every must be an int >= 0 (0 = dense); got {self.moe_every!r}.")
     for name in ("dtype", "param_dtype"):
       if getattr(self, name) not in DTYPES:

@@ -218,6 +218,10 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: Int[Array, "b t"], *, rng: jax.Array | None = None, decode: bool = False
                ) -> tuple[Float[Array, "b t vocab"], ModelStats]:
     cfg, dt = self.cfg, self.cfg.compute_dtype
+    # Shapes are static, so this fails at trace time with one line, not an IndexError deep in the layers.
+    if jnp.ndim(tokens) != 2 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+      raise ValueError(f"tokens must be [batch, seq] integers; got shape {jnp.shape(tokens)} of "
+                       f"{jnp.result_type(tokens)}.")
     if tokens.shape[1] > cfg.max_seq_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds max_seq_len={cfg.max_seq_len}.")
     cache = None
