@@ -413,7 +413,9 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
                      for ids in pieces(expert_ids))
       if cfg.on_overflow == "raise" and cfg.buffer_factor is not None:
         # A pure_callback whose (zero) result feeds y: the error lands on y's buffers (raised when
-        # y is read), not on the runtime's effect tokens as a debug.callback's would.
+        # y is read), not on the runtime's effect tokens as a debug.callback's would. Every device
+        # raises (so the message repeats P times): with only one, the others would wait forever in
+        # the exchange that follows (on the CPU, a fatal rendezvous timeout after 40 s).
         total = jax.lax.stop_gradient(jax.lax.psum(overflow, all_axes))
         zero = jax.pure_callback(_raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), total)
         y, dropped = run(slots)

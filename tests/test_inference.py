@@ -331,7 +331,7 @@ def test_device_loop_equals_single_steps(moe_every, temperature, chunk):
   assert loop.position == ref.position == tokens.shape[1] + 16 and loop.steps == ref.steps == 17
   if moe_every:
     assert np.asarray(loop.tokens_per_expert).sum() > 0
-  with pytest.raises(ValueError, match="no room for 1 more tokens"):
+  with pytest.raises(ValueError, match=r"no room for 1 more token\."):
     loop.run(got[-1], 1)
   fresh = make(chunk)
   for bad, err in [(dict(n=0), "n must be an int >= 1"), (dict(n=2.0), "n must be an int >= 1"),

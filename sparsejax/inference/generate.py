@@ -173,8 +173,9 @@ class Decoder:
 
   def _claim(self, t: int) -> None:
     if self.position + t > self.cache_length:
-      raise ValueError(f"the cache holds {self.cache_length} slots and {self.position} are filled: "
-                       f"no room for {t} more tokens.")
+      raise ValueError(f"the cache holds {self.cache_length} slots and {self.position} "
+                       f"{'is' if self.position == 1 else 'are'} filled: no room for {t} more "
+                       f"token{'s' * (t != 1)}.")
 
   def __call__(self, tokens: Int[Array, "b t"]) -> Int[Array, "b"]:
     self._claim(tokens.shape[1])
