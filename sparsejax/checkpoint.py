@@ -12,6 +12,10 @@ import jax
 import orbax.checkpoint as ocp
 
 
+class CheckpointError(OSError):
+  """A finished checkpoint that cannot be read (files deleted, truncated or corrupted after it was written)."""
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
                       tree)
@@ -54,7 +58,7 @@ class Checkpointer:
       raise FileNotFoundError(f"No finished checkpoint under {self.directory}.")
     args = ocp.args.Composite(meta=ocp.args.JsonRestore(),
                               **{k: ocp.args.StandardRestore(_abstract(v)) for k, v in targets.items()})
-    out = self.manager.restore(step, args=args)
+    out = self._restore(step, args)
     return {k: out[k] for k in targets}, out["meta"]
 
   def restore_meta(self, step: int | None = None) -> dict:
@@ -62,7 +66,22 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"No finished checkpoint under {self.directory}.")
-    return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return self._restore(step, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+  def _restore(self, step: int, args):
+    try:
+      out = self.manager.restore(step, args=args)
+      if "meta" in args.keys() and not isinstance(out["meta"], dict):
+        raise ValueError("its meta record is not a JSON object")
+      return out
+    except Exception as e:  # orbax and tensorstore raise many kinds, some hundreds of lines long
+      earlier = [s for s in self.all_steps() if s < step]
+      fall_back = (f"delete {str(self.directory / str(step))!r} to resume from step {max(earlier)}" if earlier
+                   else f"delete {str(self.directory / str(step))!r}")
+      cause = " ".join(str(e).split()).split(" See full")[0][:200]
+      self.close()  # its background work would otherwise fail noisily at exit, after this one line
+      raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} cannot be read "
+                            f"({type(e).__name__}: {cause}): {fall_back}.") from e
 
   def close(self) -> None:
     self.manager.close()

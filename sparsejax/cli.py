@@ -45,7 +45,8 @@ HELP = {
     "keep": "checkpoints kept",
     "log_every": "log train metrics every this many steps",
     "max_time_s": "stop after this many seconds of training (compile and evaluation excluded)",
-    "upcycle_from": "a dense run folder to sparse-upcycle into --preset (its MoE twin)",
+    "upcycle_from": ("a dense run folder to sparse-upcycle into --preset (its MoE twin; renormalized combine "
+                     "weights unless --set renormalize=...)"),
     "peak_flops": "peak FLOP/s of one device, for MFU",
     "allow_binary": "accept a --data file that does not look like text",
     "mesh": "expert parallelism, e.g. data=2,expert=4: experts and their optimizer state sharded over "
@@ -131,7 +132,11 @@ def main(argv=None) -> None:
     plan = loop.prepare(cfg)
   except (ValueError, TypeError, OSError) as e:  # what prepare raises for a user's mistake
     _fail(e)
-  loop.run(plan)
+  from sparsejax.checkpoint import CheckpointError
+  try:
+    loop.run(plan)
+  except CheckpointError as e:  # a resumed step's files were damaged after they were written
+    _fail(e)
 
 
 if __name__ == "__main__":

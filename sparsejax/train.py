@@ -34,7 +34,7 @@ from sparsejax import distributed
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
 from sparsejax.mesh import DATA, EXPERT, EXPERT_GROUP, expert_layout, logical_to_mesh, make_expert_mesh
-from sparsejax.data import BatchStream, Corpus, eval_batches, load_corpus
+from sparsejax.data import BUILT_IN, BatchStream, Corpus, eval_batches, load_corpus
 from sparsejax.models import Transformer, TransformerConfig, cross_entropy
 from sparsejax.train_config import TrainConfig
 
@@ -340,6 +340,17 @@ def _config_diff(saved: dict, now: dict) -> str:
   return "; ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in keys if saved.get(k) != now.get(k))
 
 
+def _corpus_where(name: str) -> str:
+  """A corpus's identity across working directories: a built-in name as it is, a path resolved."""
+  return name if name in BUILT_IN else str(pathlib.Path(name).expanduser().resolve())
+
+
+def _same_corpus(meta: dict, now: str) -> bool:
+  """Whether a checkpoint's run trained on the corpus named now (a checkpoint that recorded none: yes)."""
+  saved = meta.get("corpus_where", meta.get("corpus"))
+  return saved is None or saved == now or saved == _corpus_where(now)
+
+
 def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
   """The dense run to upcycle exists, has a finished checkpoint, and fits model_cfg."""
   from sparsejax.upcycle import SHARED_FIELDS
@@ -359,6 +370,9 @@ def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
   if differ:
     raise ValueError(f"--upcycle-from {path!r} holds a model that does not fit --preset "
                      f"({'; '.join(differ)}): upcycle into the MoE twin of its preset.")
+  if dense.get("moe_every"):
+    raise ValueError(f"--upcycle-from {path!r} holds an MoE model (moe_every={dense['moe_every']}); upcycling starts "
+                     "from a dense run.")
   if model_cfg.moe_every == 0:
     raise ValueError("--upcycle-from needs an MoE --preset (the dense run's MoE twin).")
 
@@ -425,19 +439,30 @@ def prepare(cfg: TrainConfig) -> Plan:
                      f"pass a shorter --seq-len or more data.")
   if cfg.upcycle_from is not None:
     _check_upcycle_source(cfg.upcycle_from, model_cfg)
+    if "renormalize" not in cfg.model_overrides:
+      # Renormalized weights sum to 1 over identical experts: the upcycled model is the dense one at step 0
+      # (upcycle.py). A preset's top-1 default would scale each expert's output by its router probability.
+      model_cfg = model_cfg.replace(renormalize=True)
   if cfg.mesh is not None:
     _check_mesh(cfg, model_cfg)
   resume_step = None
-  if cfg.ckpt_every > 0 and (out / "checkpoints").is_dir():
+  # Whatever --ckpt-every says: a run already in --out is resumed (or refused), never trained over.
+  if (out / "checkpoints").is_dir():
     ckpt = Checkpointer(out / "checkpoints")
-    resume_step = ckpt.latest_step()
-    if resume_step is not None:
-      saved = ckpt.restore_meta()["model_config"]
-      if saved != model_cfg.to_dict():
-        ckpt.close()
-        raise ValueError(f"{cfg.out} holds a run of another model ({_config_diff(saved, model_cfg.to_dict())}): "
-                         f"resume it with the --preset, --set and --data it was started with, or pass another --out.")
-    ckpt.close()
+    try:
+      resume_step = ckpt.latest_step()
+      if resume_step is not None:
+        meta = ckpt.restore_meta()
+        saved = meta["model_config"]
+        if saved != model_cfg.to_dict():
+          raise ValueError(f"{cfg.out} holds a run of another model ({_config_diff(saved, model_cfg.to_dict())}): "
+                           f"resume it with the --preset, --dtype, --set and --data it was started with, or pass "
+                           f"another --out.")
+        if not _same_corpus(meta, corpus.name):
+          raise ValueError(f"{cfg.out} holds a run on other data ({meta['corpus']!r} there, {corpus.name!r} now): "
+                           f"resume it with the --data it was started with, or pass another --out.")
+    finally:
+      ckpt.close()
   return Plan(cfg, model_cfg, corpus, resume_step)
 
 
@@ -479,6 +504,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
     params, opt_state = items["params"], items["opt_state"]
     step, elapsed = meta["step"], meta["elapsed_s"]
     stream.restore(meta["data"])
+    if cfg.ckpt_every <= 0:  # --ckpt-every 0: resumed, but nothing saved (this Checkpointer would save every step)
+      ckpt.close()
+      ckpt = None
     if main_process:
       print(f"resumed from step {step} ({out / 'checkpoints'})", flush=True)
       if step >= cfg.steps:
@@ -494,7 +522,8 @@ def run(plan: Plan, *, mesh=None) -> dict:
   num_devices = 1 if mesh is None else mesh.devices.size
   peak = peak_flops(jax.devices()[0].device_kind, num_devices, cfg.peak_flops)
   meta = lambda: {"step": step, "elapsed_s": elapsed, "data": stream.state(),
-                  "model_config": model_cfg.to_dict(), "corpus": corpus.name}
+                  "model_config": model_cfg.to_dict(), "corpus": corpus.name,
+                  "corpus_where": _corpus_where(corpus.name)}
 
   # Compile ahead of time so that every timed window (tokens/s, MFU, elapsed) is pure training.
   t0 = time.perf_counter()

@@ -16,7 +16,8 @@ from sparsejax.checkpoint import Checkpointer
 from sparsejax.models import Transformer, TransformerConfig
 
 # Fields that must agree for the dense weights to fit the MoE model.
-SHARED_FIELDS = ("d_model", "num_layers", "num_heads", "d_ff", "vocab_size", "glu", "activation", "param_dtype")
+SHARED_FIELDS = ("d_model", "num_layers", "num_heads", "d_ff", "vocab_size", "glu", "activation", "param_dtype",
+                 "rope_base")  # rope_base: the positions the dense weights were trained with
 
 
 def upcycle_config(dense: TransformerConfig, *, num_experts: int = 8, top_k: int = 1, moe_every: int = 2,

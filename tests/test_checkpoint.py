@@ -51,3 +51,26 @@ def test_interval_keep_last_and_crashed_writes(tmp_path):
   spaced = Checkpointer(tmp_path / "spaced", every=3, keep=10)
   saved = [s for s in range(1, 8) if spaced.save(s, {"x": {"w": jnp.zeros(2)}}, {"step": s})]
   assert saved == spaced.all_steps() == [3, 6]
+
+
+def test_a_damaged_step_is_one_line_naming_the_step_to_fall_back_to(tmp_path):
+  """Files deleted or truncated after a step was written: orbax's errors run to hundreds of lines."""
+  import shutil
+
+  import pytest
+
+  from sparsejax.checkpoint import CheckpointError
+  ckpt = Checkpointer(tmp_path / "c", every=1, keep=3)
+  for step in (1, 2):
+    ckpt.save(step, {"params": {"w": jnp.full((4,), float(step))}}, {"step": step})
+  ckpt.close()
+  shutil.rmtree(tmp_path / "c" / "2" / "params")
+  ckpt = Checkpointer(tmp_path / "c")
+  with pytest.raises(CheckpointError, match=r"checkpoint step 2 in .* cannot be read \(KeyError.*resume from step 1") as e:
+    ckpt.restore({"params": {"w": jnp.zeros((4,))}})
+  assert "\n" not in str(e.value)
+  ckpt = Checkpointer(tmp_path / "c")
+  assert float(ckpt.restore({"params": {"w": jnp.zeros((4,))}}, step=1)[0]["params"]["w"][0]) == 1.0
+  shutil.rmtree(tmp_path / "c" / "1" / "meta")
+  with pytest.raises(CheckpointError, match="checkpoint step 1 .* cannot be read"):
+    ckpt.restore_meta(1)

@@ -1,5 +1,6 @@
 """The command line: each user error is one line on stderr and exit status 2, raised before anything is
 compiled or written; --help shows every option's default without importing jax."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +176,29 @@ def test_an_existing_run_of_another_model_is_one_line(tmp_path, text, capsys, no
   plan = loop.prepare(cli.parse_args(["--preset", "tiny-moe", "--set", "d_model=64", "--set", "num_experts=4",
                                       "--data", text, "--out", str(out), "--dtype", "float32"]))
   assert plan.resume_step == 3
+
+
+def test_an_existing_run_is_checked_whatever_ckpt_every_says_and_on_its_data(tmp_path, text, capsys, no_training):
+  """--ckpt-every 0 once skipped the check, so another model trained over the run; other --data is refused too."""
+  out = tmp_path / "run"
+  tiny = cli.parse_args(["--data", text, "--out", str(out)])
+  ckpt = Checkpointer(out / "checkpoints")
+  meta = {"step": 3, "model_config": tiny.model_config().to_dict(), "corpus": text}
+  ckpt.save(3, {"params": {"w": jnp.zeros(2)}}, meta, force=True)
+  ckpt.close()
+  with pytest.raises(SystemExit):
+    cli.main(["--preset", "tiny-dense", "--ckpt-every", "0", "--data", text, "--out", str(out)])
+  assert "holds a run of another model" in capsys.readouterr().err
+  assert loop.prepare(cli.parse_args(["--ckpt-every", "0", "--data", text, "--out", str(out)])).resume_step == 3
+  other = tmp_path / "other.txt"
+  other.write_text("other words for the experts. " * 80)
+  with pytest.raises(SystemExit):
+    cli.main(["--data", str(other), "--out", str(out)])
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "holds a run on other data" in err and "--data it was started with" in err, err
+  # The same file spelled another way is the same data.
+  rel = os.path.relpath(text)
+  assert loop.prepare(cli.parse_args(["--data", rel, "--out", str(out)])).resume_step == 3
 
 
 def test_help_lists_every_preset_and_default():

@@ -387,6 +387,14 @@ def test_timings_and_shapes():
   assert np.asarray(generate(_model(0), [1, 2, 3], 1, temperature=0.0)).shape == (1, 1)
 
 
+def test_quantize_and_dequantize_model_name_the_dict_function():
+  """A params dict once passed through dequantize_model unchanged (still int8)."""
+  params = {"blocks": {"0": {"ffn": {"w_in": jnp.ones((2, 4, 8))}}}}
+  for fn in (quantize_model, dequantize_model):
+    with pytest.raises(TypeError, match="expected an nnx model .*got dict.*quantize_experts"):
+      fn(params)
+
+
 def test_bad_arguments_fail_before_compiling():
   model = _model(0)
   call = lambda prompts=PROMPTS, n=4, **kw: generate(model, prompts, n, **{"temperature": 0.0, **kw})

@@ -50,6 +50,15 @@ def test_train_from_dense_checkpoint(tmp_path):
                     model_overrides={**TINY, "num_experts": 4, "d_ff": 128}, **common)
   with pytest.raises(ValueError, match="d_ff 64 there, 128 here"):
     prepare(bad)
+  # Renormalized by default (the upcycled model is the dense one at step 0); an explicit --set stands.
+  ok = dataclasses.replace(bad, model_overrides={**TINY, "num_experts": 4})
+  assert prepare(ok).model_cfg.renormalize is True
+  assert prepare(dataclasses.replace(ok, model_overrides={**TINY, "num_experts": 4, "renormalize": False}
+                                     )).model_cfg.renormalize is False
+  with pytest.raises(ValueError, match="rope_base 10000.0 there, 500.0 here"):  # positions the weights know
+    prepare(dataclasses.replace(ok, model_overrides={**TINY, "num_experts": 4, "rope_base": 500.0}))
+  with pytest.raises(ValueError, match="holds an MoE model .*upcycling starts from a dense run"):
+    prepare(dataclasses.replace(ok, upcycle_from=str(tmp_path / "moe")))
   (tmp_path / "empty_run").mkdir()
   with pytest.raises(FileNotFoundError, match="no finished checkpoint"):
     prepare(dataclasses.replace(bad, upcycle_from=str(tmp_path / "empty_run")))

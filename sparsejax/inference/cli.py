@@ -120,9 +120,10 @@ def run(a: argparse.Namespace) -> None:
 
 def main(argv=None) -> None:
   a = parse_args(argv)  # before importing jax: --help and bad arguments answer at once
+  from sparsejax.checkpoint import CheckpointError
   try:
     run(a)
-  except (FileNotFoundError, ValueError, TypeError, NotImplementedError) as e:
+  except (FileNotFoundError, ValueError, TypeError, NotImplementedError, CheckpointError) as e:
     print(f"{PROG}: error: {e}", file=sys.stderr)
     sys.exit(1)
 

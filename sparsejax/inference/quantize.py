@@ -72,6 +72,9 @@ def quantize_experts(params: dict) -> dict:
 
 def _moe_modules(model: nnx.Module):
   from sparsejax.modules import MoE
+  if not isinstance(model, nnx.Module):  # a params dict would pass through dequantize_model unchanged
+    raise TypeError(f"expected an nnx model (e.g. a Transformer); got {type(model).__name__}. For a pure params "
+                    "dict use quantize_experts (its int8 experts dequantize inside the layer).")
   it = nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules()
   return [m for _, m in it if isinstance(m, MoE)]
 
