@@ -93,6 +93,7 @@ def main(argv=None):
       print(f"{s.name:16s} G={g:<2d} group - alone {times['group'] - times['alone']:+.3f} ms for {g} devices' "
             f"tokens ({s.T} each)", flush=True)
   dev = jax.devices()[0].device_kind.replace(" ", "_")
+  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, f"rounding_group_probe_{dev}.json"), "w") as fh:
     json.dump(dict(device=dev, jax=jax.__version__, records=records), fh, indent=1)
   return records

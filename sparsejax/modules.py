@@ -18,7 +18,9 @@ from sparsejax._precision import dot_precision
 from sparsejax.config import MoEConfig
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_router import decode_router, router_logit_parts, runs_kernel, select_logit_parts
+from sparsejax.mesh import expert_layout
 from sparsejax.moe import expert_choice_mlp, moe_mlp
+from sparsejax.parallel import ExpertParallelConfig
 
 
 
@@ -78,6 +80,9 @@ class MoE(nnx.Module):
     c = config
     # --- expert parallelism (sparsejax.parallel): mesh=None keeps the single-device layer.
     self.mesh, self.parallel = mesh, parallel
+    if mesh is not None:  # a wrong mesh fails here, in one line, not at the first call
+      ep = parallel or ExpertParallelConfig()
+      expert_layout(mesh, c.num_experts, data_axis=ep.data_axis, expert_axis=ep.expert_axis)
     if mesh is not None and c.router == "expert_choice":
       raise NotImplementedError("expert parallelism supports the token-choice routers only.")
     # ---

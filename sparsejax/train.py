@@ -512,6 +512,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
       if step >= cfg.steps:
         print(f"--steps {cfg.steps} is not above the checkpoint's step {step}, so nothing will be trained: "
               f"pass a larger --steps to train on.", flush=True)
+      elif cfg.max_time_s is not None and elapsed >= cfg.max_time_s:  # the time counts across resumes
+        print(f"--max-time-s {cfg.max_time_s:g} is spent (the run has trained {elapsed:.0f} s), so nothing will "
+              f"be trained: pass a larger --max-time-s to train on.", flush=True)
   batch = lambda b: global_batch(mesh, b) if mesh is not None else b
   train_step, eval_step = make_steps(apply, tx, cfg.seed, shardings=shardings, with_copy=True,
                                      grad_accum=cfg.grad_accum)
@@ -550,11 +553,16 @@ def run(plan: Plan, *, mesh=None) -> dict:
   bar = tqdm(total=cfg.steps, initial=step, disable=not (cfg.progress and main_process), dynamic_ncols=True)
   last = dict(step=step, elapsed_s=elapsed)
   window_t, window_steps, next_eval_s = time.perf_counter(), 0, elapsed + (cfg.eval_every_s or math.inf)
-  while step < cfg.steps and (cfg.max_time_s is None or elapsed < cfg.max_time_s):
+  # The time limits are read every step, not only on --log-every's synced steps (which a large --log-every would
+  # make rare): the unsynced window runs ahead of the device by at most the few steps jax queues.
+  training_s = lambda: elapsed + (time.perf_counter() - window_t)
+  evaluated = None  # the last evaluation's record
+  while step < cfg.steps and (cfg.max_time_s is None or training_s() < cfg.max_time_s):
     x, y = batch(next(stream))
     params, opt_state, m, copy = train_step(params, opt_state, x, y, jnp.int32(step), copy)
     step, window_steps = step + 1, window_steps + 1
-    if step % cfg.log_every == 0 or step == cfg.steps:
+    out_of_time = cfg.max_time_s is not None and training_s() >= cfg.max_time_s
+    if step % cfg.log_every == 0 or step == cfg.steps or out_of_time:  # the last step is logged, however it ends
       m = jax.device_get(m)  # blocks: the window's time is then real compute time
       now = time.perf_counter()
       dt = now - window_t
@@ -571,10 +579,10 @@ def run(plan: Plan, *, mesh=None) -> dict:
                       mfu="n/a" if run_mfu is None else f"{100 * run_mfu:.1f}%")
       window_t, window_steps = time.perf_counter(), 0
     bar.update(1)
-    if step < cfg.steps and ((cfg.eval_every and step % cfg.eval_every == 0) or elapsed >= next_eval_s):
+    if step < cfg.steps and ((cfg.eval_every and step % cfg.eval_every == 0) or training_s() >= next_eval_s):
       t_eval = time.perf_counter()
-      v = evaluate()
-      next_eval_s = elapsed + (cfg.eval_every_s or math.inf)
+      v = evaluated = evaluate()
+      next_eval_s = training_s() + (cfg.eval_every_s or math.inf)
       if main_process:
         train_loss = f"train loss {last['loss']:.3f} | " if "loss" in last else ""  # none logged yet
         bar.write(f"step {step:>6} | {train_loss}"
@@ -585,7 +593,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
     window_t += time.perf_counter() - t_save  # nor is checkpoint time
   bar.close()
   save(force=True)
-  final = {**last, **evaluate(), "compile_s": compile_s, "train_tokens": len(corpus.train)}
+  # A run stopped by --max-time-s right after an evaluation keeps that one (not a second, identical record).
+  v = evaluated if evaluated is not None and evaluated["step"] == step else evaluate()
+  final = {**last, **v, "compile_s": compile_s, "train_tokens": len(corpus.train)}
   if ckpt:
     ckpt.close()
   if main_process:

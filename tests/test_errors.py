@@ -208,6 +208,9 @@ def test_entry_points_name_a_wrong_kind_of_argument():
   logits = jnp.ones((T, E), f32)
   tc, ec = sj.top_k_routing(logits, K), sj.expert_choice_routing(logits, 1.0)
   _one_line(ValueError, r"make_expert_mesh: data must be a positive int; got 0", lambda: meshlib.make_expert_mesh(0, 4))
+  from flax import nnx
+  _one_line(TypeError, r"mesh must be a jax.sharding.Mesh.*got str",  # when built, not at the first call
+            lambda: sj.MoE(sj.MoEConfig(d_model=D, d_ff=F, num_experts=E), rngs=nnx.Rngs(0), mesh="expert"))
   _one_line(TypeError, r"mesh must be a jax.sharding.Mesh.*got NoneType",
             lambda: sj.expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=None))
   _one_line(TypeError, r"mesh must be a jax.sharding.Mesh.*got str",

@@ -177,3 +177,22 @@ def test_parse_args():
   assert cfg.data == "corpus/" and cfg.upcycle_from is None and cfg.allow_binary
   assert cfg.model_config().capacity_factor == 1.5 and cfg.model_config().dtype == "bfloat16"
   assert parse_args([]) == TrainConfig()  # the command's defaults are the library's
+
+
+def test_a_time_limit_holds_whatever_log_every_says_and_the_last_evaluation_is_not_repeated(tmp_path, capsys):
+  """--max-time-s was read only on --log-every's steps: with a large one it was ignored. Stopped right after a
+  timed evaluation, the run kept that record instead of writing a second, identical one."""
+  final = train(_cfg(tmp_path, steps=100_000, max_time_s=0.5, eval_every=0, eval_every_s=0.2, log_every=10**6,
+                     ckpt_every=0))
+  assert final["step"] < 100_000
+  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  val_steps = [r["step"] for r in records if r["kind"] == "val"]
+  assert len(val_steps) == len(set(val_steps)) and val_steps[-1] == final["step"]
+  assert [r["step"] for r in records if r["kind"] == "train"][-1] == final["step"]  # the last step is logged
+  # Resumed with the time spent: it says so and trains nothing.
+  capsys.readouterr()
+  timed = _cfg(tmp_path, out=str(tmp_path / "timed"), steps=100_000, max_time_s=0.5, eval_every=0,
+               log_every=10**6, ckpt_every=10**6)  # one checkpoint, at the end
+  train(timed)
+  train(timed)
+  assert "--max-time-s 0.5 is spent" in capsys.readouterr().out
