@@ -63,7 +63,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from ep_balance import shard_load  # noqa: E402
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
-from sparsejax.cli import _parse_value as parse_value  # noqa: E402
+from sparsejax.cli import parse_overrides  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
 from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_axes, expert_parallel_state,  # noqa: E402
@@ -108,13 +108,7 @@ def parse_args(argv=None):
     a.pretrain_steps = min(a.pretrain_steps, 2)
   if a.pretrain_steps < 0:
     p.error(f"--pretrain-steps must be >= 0, got {a.pretrain_steps}")
-  overrides = {}
-  for item in a.overrides:
-    name, sep, value = item.partition("=")
-    if not sep or not name.isidentifier():
-      p.error(f"--set {item!r}: expected FIELD=VALUE, FIELD a TransformerConfig field")
-    overrides[name] = parse_value(value)
-  a.overrides = overrides
+  a.overrides = parse_overrides(a.overrides, p)
   bad = [e for e in a.exchanges.split(",") if e not in EXCHANGES]
   if bad:
     p.error(f"--exchanges takes a comma list of {', '.join(EXCHANGES)}; got {bad}")

@@ -102,16 +102,23 @@ def _parse_value(text: str) -> Any:
     return text  # a bare string such as bfloat16
 
 
+def parse_overrides(items: list[str], parser: argparse.ArgumentParser) -> dict[str, Any]:
+  """--set's FIELD=VALUE items as a dict; a malformed one ends the command with parser.error (one line). Whether
+  FIELD exists is checked with the model config."""
+  overrides = {}
+  for item in items:
+    name, sep, value = item.partition("=")
+    if not sep or not name.isidentifier():
+      parser.error(f"--set {item!r}: expected FIELD=VALUE, FIELD a TransformerConfig field")
+    overrides[name] = _parse_value(value)
+  return overrides
+
+
 def parse_args(argv=None) -> TrainConfig:
   """The TrainConfig of a command line; a bad one exits with one line on stderr (status 2)."""
   p = build_parser()
   a = p.parse_args(argv)
-  overrides = {}
-  for item in a.set:
-    name, sep, value = item.partition("=")
-    if not sep or not name.isidentifier():  # whether FIELD exists is checked with the model config
-      p.error(f"--set {item!r}: expected FIELD=VALUE, FIELD a TransformerConfig field")
-    overrides[name] = _parse_value(value)
+  overrides = parse_overrides(a.set, p)
   fields = {f.name for f in dataclasses.fields(TrainConfig)} & set(vars(a))
   try:
     return TrainConfig(**{k: getattr(a, k) for k in fields}, model_overrides=overrides, progress=not a.no_progress)
