@@ -13,11 +13,13 @@ reversed: mosaic.py) and in expert order, both in the same run. Outputs are chec
 reference at every sigma.
 
   python experiments/bench_gmm_skew.py                       # sigmas 0, 0.5, 1, 2, 3
-  python experiments/bench_gmm_skew.py --sigmas 0,3 --smoke  # small shape: checks the script
-(the smoke run interprets the kernels off a GPU; its transposed wgmma operands need jax >= 0.11's
-GPU interpreter, or the tests' mosaic_interpret_compat shim)
+  python experiments/bench_gmm_skew.py --sigmas 0,3 --smoke  # small shape, one timed call: checks the script
+(the smoke run interprets the kernels off a GPU, in seconds; its transposed wgmma operands need
+jax >= 0.11's GPU interpreter, or the tests' mosaic_interpret_compat shim, which it takes on older
+jax: tune_gmm.interpret_compat)
 
-Writes gmm_skew_<gpu>.json (under $OUT when set, else experiments/results/).
+Writes gmm_skew_<gpu>.json (gmm_skew_<gpu>_smoke.json with --smoke) under --out-dir ($OUT when set,
+else experiments/results/).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from sparsejax import permute  # noqa: E402
 from sparsejax.kernels.gmm import mosaic, reference  # noqa: E402
 from sparsejax.topology import make_topology  # noqa: E402
-from tune_gmm import log, rel_err, timeit  # noqa: E402
+from tune_gmm import interpret_compat, log, rel_err, timeit  # noqa: E402
 
 XS_B128 = (131072, 512, 2048, 64)  # T, d, f, E (top-1)
 SMOKE = (512, 128, 256, 8)
@@ -68,9 +70,15 @@ def tgmm_by_blocks(lhs, dout, topo):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--sigmas", default="0,0.5,1,2,3")
-  ap.add_argument("--smoke", action="store_true")
+  ap.add_argument("--smoke", action="store_true", help="a small shape, one round of one timed call each")
   ap.add_argument("--rounds", type=int, default=3, help="timing rounds over all variants; the median is kept")
+  ap.add_argument("--out-dir", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results"))
   args = ap.parse_args(argv)
+  # Interpreted (off a GPU) a call takes ~0.5 s: the smoke run times one call a variant, once.
+  timing = dict(warmup=0, iters=1, reps=1) if args.smoke else {}
+  if args.smoke:
+    args.rounds = 1
+  interpret_compat()  # off a GPU on jax < 0.11, without it the interpreter hangs in tgmm (x^T)
   shape = SMOKE if args.smoke else XS_B128
   T, d, f, E = shape
   flops = 2 * T * d * f
@@ -105,7 +113,7 @@ def main(argv=None):
     times = {name: [] for name in fns}
     for _ in range(args.rounds):
       for name, (fn, _, operands, _) in fns.items():
-        times[name].append(1e3 * timeit(fn, *operands))
+        times[name].append(1e3 * timeit(fn, *operands, **timing))
     for name, t in times.items():
       ms = float(np.median(t))
       rec[name] = dict(ms=ms, tflops=flops / ms / 1e9, rel_err=errs[name], rounds_ms=t)
@@ -113,10 +121,11 @@ def main(argv=None):
     log(f"sigma {sigma:3.1f}: busiest expert {rec['max_over_mean']:5.1f}x the mean "
         f"({100 * rec['busiest_share']:4.1f}% of tokens), {rec['empty_experts']:2d} empty | "
         + " | ".join(f"{n} {rec[n]['ms']:.3f} ms ({rec[n]['tflops']:.0f} TF/s)" for n in fns))
-  out_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-  name = jax.devices()[0].device_kind.replace(" ", "_")
-  with open(os.path.join(out_dir, f"gmm_skew_{name}.json"), "w") as fh:
-    json.dump(dict(shape=dict(T=T, d=d, f=f, E=E, k=1), jax=jax.__version__, rows=rows), fh, indent=1)
+  name = jax.devices()[0].device_kind.replace(" ", "_") + ("_smoke" if args.smoke else "")
+  os.makedirs(args.out_dir, exist_ok=True)
+  with open(os.path.join(args.out_dir, f"gmm_skew_{name}.json"), "w") as fh:
+    json.dump(dict(shape=dict(T=T, d=d, f=f, E=E, k=1), jax=jax.__version__, smoke=args.smoke, rows=rows), fh,
+              indent=1)
   return rows
 
 

@@ -7,7 +7,8 @@ kernels, so give it more than four:
   ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --launch-count 8 -o gmm python experiments/ncu_gmm_kernels.py
 report i is the i-th kernel printed here; the last line printed is the check of every output
-against the float32 reference (real rows). --smoke runs a small shape on the CPU (interpreted).
+against the float32 reference (real rows). --smoke runs a small shape on the CPU (interpreted, in
+about 10 s; on jax < 0.11 through the tests' interpreter shim: tune_gmm.interpret_compat).
 """
 import argparse
 import dataclasses
@@ -36,6 +37,7 @@ def main(argv=None):
   device = cpu if args.smoke else jax.devices("gpu")[0]
   if args.smoke:
     tune_gmm.SHAPES["smoke"] = SMOKE_SHAPE
+    tune_gmm.interpret_compat()  # without it jax 0.10's interpreter hangs in gmm_dact (W_out^T)
   with jax.default_device(cpu):
     p = tune_gmm.problem("smoke" if args.smoke else args.shape)
     pre = jax.random.normal(jax.random.key(3), p["h"].shape, jnp.bfloat16)

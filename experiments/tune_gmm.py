@@ -57,6 +57,25 @@ def log(*a):
   print(*a, flush=True)
 
 
+def interpret_compat() -> None:
+  """Readies jax's GPU interpreter for a --smoke run's Mosaic kernels off a GPU (nothing on a GPU).
+
+  jax < 0.11's interpreter stops on a transposed wgmma operand (tgmm's X^T, gmm_dact's W_out^T):
+  the kernel thread whose callback raises ends, and the kernel's other threads wait at their
+  barrier for ever, so bench_gmm_skew.py and ncu_gmm_kernels.py --smoke hung on jax 0.10.2. The
+  tests' shim (tests/mosaic_interpret_compat.py) reads such an operand through its indexers and
+  then transposes it (a no-op on jax >= 0.11), and compiles each kernel thread's body once (an
+  interpreted call ~0.5 s on two cores instead of ~1.5 s). What the kernels compute is unchanged."""
+  if jax.default_backend() == "gpu":
+    return
+  tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+  if tests not in sys.path:
+    sys.path.append(tests)
+  import mosaic_interpret_compat
+  mosaic_interpret_compat.install()
+  mosaic_interpret_compat.compile_thread_bodies_once()
+
+
 def timeit(fn, *args, warmup=3, iters=10, reps=7):
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))

@@ -6,7 +6,8 @@ support, but jax 0.10's GPU interpreter reads wgmma operands through a helper th
 indexing transforms (AttributeError: 'TransposeTransform' object has no attribute 'indices').
 jax 0.11 reads them properly. For older jax this replaces the interpreter's wgmma callback with
 one that reads the operand through its indexers and then applies the transpose; the kernels
-under test are unchanged. Nothing here runs on the GPU or outside the tests.
+under test are unchanged. Nothing here runs on the GPU; outside the tests, only the --smoke runs
+of experiments/bench_gmm_skew.py and ncu_gmm_kernels.py take it (tune_gmm.interpret_compat).
 
 `compile_thread_bodies_once` is for speed only: the interpreter recompiles each kernel thread's
 body on every call, and this compiles it once. It also hands the interpreter's host callbacks their

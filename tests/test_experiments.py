@@ -156,15 +156,35 @@ def test_ep_train_bench_counts_only_exchange_time_under_other_kernels_of_its_dev
 
 @pytest.mark.cpu_suite("the script's check runs its kernels on the CPU backend")
 def test_ncu_script_checks_its_kernels_on_the_cpu():
-  """experiments/ncu_gmm_kernels.py --smoke: the four Hopper kernels it profiles, interpreted, and
-  its check of each output against the float32 reference (run on the CPU, after the kernels)."""
-  import mosaic_interpret_compat
-  import ncu_gmm_kernels
+  """experiments/ncu_gmm_kernels.py --smoke, run as a user runs it (its own process, none of the tests' setup): the
+  four Hopper kernels it profiles, interpreted, and its check of each output against the float32 reference (run on
+  the CPU, after the kernels). On jax 0.10 it hung in gmm_dact (W_out^T) until it took the interpreter shim itself."""
+  import subprocess
 
-  mosaic_interpret_compat.install()
-  mosaic_interpret_compat.compile_thread_bodies_once()
-  errs = ncu_gmm_kernels.main(["--smoke"])
-  assert len(errs) == 4 and all(0 <= e < 1e-2 for e in errs)
+  r = subprocess.run([sys.executable, str(ROOT / "experiments" / "ncu_gmm_kernels.py"), "--smoke"], cwd=ROOT,
+                     capture_output=True, text=True, timeout=180)
+  assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+  line = r.stdout.strip().splitlines()[-1]
+  assert line.startswith("rel err against the float32 reference:"), r.stdout[-2000:]
+  errs = [float(e) for e in line.split(":")[1].split(",")]
+  assert len(errs) == 4 and all(0 <= e < 1e-2 for e in errs), line
+
+
+@pytest.mark.cpu_suite("its smoke run interprets the kernels on the CPU backend")
+def test_gmm_skew_bench_smoke_checks_every_product_and_names_its_results_smoke(tmp_path):
+  """experiments/bench_gmm_skew.py --smoke at one skewed sigma: gmm and both tgmm orders, interpreted, each checked
+  against the reference and timed once (jax 0.10's interpreter hung in tgmm's x^T before the script took the shim);
+  the JSON is named _smoke, so it never replaces a measured gmm_skew_<gpu>.json."""
+  import bench_gmm_skew
+
+  rows = bench_gmm_skew.main(["--smoke", "--sigmas", "3", "--out-dir", str(tmp_path)])
+  (rec,) = rows
+  assert rec["sigma"] == 3.0 and rec["max_over_mean"] > 2 and rec["empty_experts"] >= 1
+  for name in ("gmm x W_in", "tgmm x^T h (dW_in)", "tgmm, expert order"):
+    assert rec[name]["rel_err"] < 2e-2 and rec[name]["ms"] > 0 and len(rec[name]["rounds_ms"]) == 1, name
+  (saved,) = tmp_path.glob("*.json")
+  assert saved.name == f"gmm_skew_{bench_gmm_skew.jax.devices()[0].device_kind.replace(' ', '_')}_smoke.json"
+  assert json.loads(saved.read_text())["rows"] == rows
 
 
 @pytest.mark.parametrize("epilogue_wg", [False, pytest.param(True, marks=pytest.mark.cpu_suite(
