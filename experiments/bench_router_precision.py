@@ -13,7 +13,8 @@ MoE benchmark's timer (peers.common.Timer) and checked against float64 on the ho
 - `sparsejax`: `routing.router_logits` (six bf16 passes for the logits and dW_r; x's gradient, rounded
   to bf16, at the default).
 
-Prints a table; writes router_precision_<device>.json and .png under --out-dir.
+Prints a table; writes router_precision_<device>.json and .png under --out-dir (router_precision_<device>_smoke.*
+with --smoke, as the other benchmarks' smoke runs, so a smoke run never overwrites measured results).
 """
 from __future__ import annotations
 
@@ -141,9 +142,10 @@ def main(argv=None) -> list[dict]:
   records = [r for s in shapes for r in bench_shape(s, *known[s], timer)]
   print(markdown(records), flush=True)
   os.makedirs(args.out_dir, exist_ok=True)
-  stem = os.path.join(args.out_dir, f"router_precision_{device}")
+  stem = os.path.join(args.out_dir, f"router_precision_{device}" + ("_smoke" if args.smoke else ""))
   with open(stem + ".json", "w") as fh:
-    json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "records": records}, fh, indent=1)
+    json.dump({"jax": jax.__version__, "device": jax.devices()[0].device_kind, "smoke": args.smoke,
+               "records": records}, fh, indent=1)
   plot(records, stem + ".png")
   return records
 
