@@ -80,6 +80,7 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
   assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 1.50 | 0 |" in table
   assert "| 2 | dense | 2 | 3.50 | 8.00 |" in table
   assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1
+  assert table.startswith("### MoE training step, weak scaling (xs-moe, 32 x 1024") and "smoke" not in table
 
 
 def test_ep_train_bench_names_an_ops_defining_hlo_line():
@@ -132,7 +133,11 @@ def test_ep_train_bench_sets_model_fields_for_every_run(tmp_path, monkeypatch):
                    "--out", str(tmp_path)])
   assert report["model_overrides"] == {"token_rounding": True}
   assert calls and all(kw.get("axis_name") == ("expert",) for kw in calls)
-  assert "token_rounding=True" in (tmp_path / "ep_train_cpu_smoke_x2.md").read_text()
+  table = (tmp_path / "ep_train_cpu_smoke_x2.md").read_text()
+  assert "token_rounding=True" in table
+  # The title says it is a smoke run, of a shrunk model (not the preset's), as the other benchmarks' smoke output does.
+  assert table.startswith("### MoE training step, weak scaling (smoke run: xs-moe shrunk to d_model=32,")
+  assert report["smoke"] is True
 
 
 def test_ep_train_bench_refuses_bad_group_counts_buffer_factors_and_exchanges(capsys):
