@@ -13,7 +13,9 @@ rounding's ranks come from one sort on two keys, which XLA runs itself; the plac
   layers    bench_moe_layer's layer forward+backward, interleaved rounds: dropless with the histogram
             or the uint argsort for its ranks, rounded with either rounding sort, capacity 1.0
 The ranks and rounding parts time `--reps` calls on different routings in one program, and count
-the compiled program's CUB sorts and XLA sort ops.
+the compiled program's CUB sorts and XLA sort ops. Rounding's sort now runs only in its XLA form
+(kernels.block_rounding.reference; a Pallas kernel replaced it on GPUs in the fifty-fifth session), so
+every rounding variant here runs that form.
 
   python experiments/probe_cub_sorts.py [--parts ranks,rounding,layers] [--shapes ...] [--rounds 3]
 """
@@ -35,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import sparsejax as sj  # noqa: E402
-from sparsejax import permute, token_rounding  # noqa: E402
+from sparsejax import permute  # noqa: E402
+from sparsejax.kernels.block_rounding import op as rounding_op, reference as rounding_reference  # noqa: E402
 
 from peers import common, layer  # noqa: E402
 from peers.common import OUT_TOL, rel_err  # noqa: E402
@@ -72,7 +75,7 @@ def _descending_key(scores):
 
 
 def two_pass_rounding_ranks(keys, scores, num_keys):
-  """token_rounding._ranks as two stable key-value sorts, score then key (tried: each one CUB sort)."""
+  """ranks_within (rounding's ranks) as two stable key-value sorts, score then key (tried: each one CUB sort)."""
   n = keys.shape[0]
   index = jnp.arange(n, dtype=jnp.int32)
   by_score = jax.lax.sort((_descending_key(scores), index), num_keys=1, is_stable=True)[1]
@@ -84,7 +87,7 @@ def two_pass_rounding_ranks(keys, scores, num_keys):
 
 
 def score_sort_histogram_ranks(keys, scores, num_keys):
-  """token_rounding._ranks as one stable sort by score (uint32 key: CUB above 22,000 items), then the
+  """ranks_within (rounding's ranks) as one stable sort by score (uint32 key: CUB above 22,000 items), then the
   placement's sort-free histogram ranks over the keys in that order (tried)."""
   n = keys.shape[0]
   index = jnp.arange(n, dtype=jnp.int32)
@@ -93,26 +96,30 @@ def score_sort_histogram_ranks(keys, scores, num_keys):
   return jnp.zeros((n,), jnp.int32).at[by_score].set(in_order)
 
 
-LIBRARY_RANKS = {"permute": permute._ranks, "rounding": token_rounding._ranks}
+LIBRARY_RANKS = {"permute": permute._ranks, "rounding": rounding_reference.ranks_within}
 PLACEMENT_RANKS = {
     "histogram": lambda ids, E: permute.rank_within_expert_histogram(ids, E, chunk=64),  # the library's on GPUs
     "argsort_int32": permute.rank_within_expert,
     "argsort_uint": unsigned_argsort_ranks,
 }
-ROUNDING_RANKS = {"two_key_sort": token_rounding._ranks, "two_pass_uint": two_pass_rounding_ranks,
+ROUNDING_RANKS = {"two_key_sort": rounding_reference.ranks_within, "two_pass_uint": two_pass_rounding_ranks,
                   "score_sort_hist": score_sort_histogram_ranks}
 
 
 @contextlib.contextmanager
 def library_ranks(placement=None, rounding=None):
-  """permute._ranks and token_rounding._ranks replaced while tracing (the library reads both then),
-  and restored however the block ends, so a failed variant leaves the library as it was."""
+  """permute._ranks and rounding's ranks_within replaced while tracing (the library reads both then), rounding held
+  to its XLA form (the sort), and all restored however the block ends, so a failed variant leaves the library as
+  it was."""
+  runs_kernel = rounding_op.runs_kernel
   permute._ranks = placement or LIBRARY_RANKS["permute"]
-  token_rounding._ranks = rounding or LIBRARY_RANKS["rounding"]
+  rounding_reference.ranks_within = rounding or LIBRARY_RANKS["rounding"]
+  rounding_op.runs_kernel = lambda impl="auto": False
   try:
     yield
   finally:
-    permute._ranks, token_rounding._ranks = LIBRARY_RANKS["permute"], LIBRARY_RANKS["rounding"]
+    permute._ranks, rounding_reference.ranks_within = LIBRARY_RANKS["permute"], LIBRARY_RANKS["rounding"]
+    rounding_op.runs_kernel = runs_kernel
 
 
 def sorts_of(jitted, *args) -> str:
@@ -179,7 +186,7 @@ def part_rounding(shapes, timer, reps, log, out):
 LAYER_VARIANTS = {  # name: (layer label, placement ranks, rounding ranks)
     "dropless_histogram": ("dropless", PLACEMENT_RANKS["histogram"], None),
     "dropless_argsort_uint": ("dropless", unsigned_argsort_ranks, None),
-    "rounded_two_key_sort": ("rounded", PLACEMENT_RANKS["histogram"], token_rounding._ranks),
+    "rounded_two_key_sort": ("rounded", PLACEMENT_RANKS["histogram"], rounding_reference.ranks_within),
     "rounded_two_pass_uint": ("rounded", PLACEMENT_RANKS["histogram"], two_pass_rounding_ranks),
     "rounded_all_uint": ("rounded", unsigned_argsort_ranks, two_pass_rounding_ranks),
     "rounded_score_sort_hist": ("rounded", PLACEMENT_RANKS["histogram"], score_sort_histogram_ranks),

@@ -17,24 +17,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from sparsejax import _checks, moe
+from sparsejax.kernels import block_rounding
 from sparsejax.routing import NO_EXPERT, TokenChoiceRouting
 from sparsejax.topology import BLOCK_SIZE
 
 if TYPE_CHECKING:
   from sparsejax.parallel import ExpertParallelStats
-
-
-def _ranks(keys: Int[Array, "n"], scores: Float[Array, "n"], num_keys: int) -> Int[Array, "n"]:
-  """Position of each item among the items of its key, by score descending, ties to the lower index.
-
-  One stable two-key sort carrying the index (a sort is most of rounding's cost on a GPU)."""
-  n = keys.shape[0]
-  index = jnp.arange(n, dtype=jnp.int32)
-  _, _, order = jax.lax.sort((keys, -scores, index), num_keys=2, is_stable=True)
-  position = jnp.zeros((n,), jnp.int32).at[order].set(index)
-  counts = jnp.zeros((num_keys,), jnp.int32).at[keys].add(1)
-  starts = jnp.cumsum(counts) - counts
-  return position - starts[keys]
 
 
 def _check_routing(routing) -> None:
@@ -44,7 +32,7 @@ def _check_routing(routing) -> None:
 
 @jax.named_scope("token_rounding")
 def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *,
-                    axis_name: str | tuple[str, ...] | None = None) -> TokenChoiceRouting:
+                    axis_name: str | tuple[str, ...] | None = None, impl: str = "auto") -> TokenChoiceRouting:
   """Expert counts c_e of at least b = block_size made multiples of b; returns ids and weights of k + 1 columns.
 
   With r_e = c_e mod b: an expert with c_e < b or r_e = 0 is left as it is. Otherwise, if r_e >= b/2
@@ -62,6 +50,9 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   Beyond the local work it costs two psums of E counts, an all_gather of each device's b least likely
   assignments and b/2 likeliest candidates of each expert (the only ones a move can reach), and a sort
   of those E * devices * 3b/2 items.
+
+  impl: how the moves are chosen without axis_name (kernels.block_rounding): "auto" (a Pallas Triton kernel on a
+  GPU, one sort in XLA ops elsewhere), "triton" or "xla". Under axis_name they are always XLA ops.
   """
   _check_routing(routing)
   probs, ids, weights = routing.router_probs, routing.expert_ids, routing.combine_weights
@@ -73,6 +64,8 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
                      f"router_probs {probs.shape} must agree on [tokens, k] and tokens.")
   if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
     raise ValueError(f"round_to_blocks: block_size must be a positive int; got {block_size!r}.")
+  if impl not in block_rounding.IMPLS:
+    raise ValueError(f"round_to_blocks: impl must be one of {block_rounding.IMPLS}; got {impl!r}.")
   if axis_name is not None:  # an unknown name would fail inside psum with a bare AssertionError
     for name in (axis_name if isinstance(axis_name, tuple) else (axis_name,)):
       try:
@@ -83,47 +76,21 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   num_tokens, num_experts = probs.shape
   b = block_size
   p = jax.lax.stop_gradient(probs).astype(jnp.float32)
-  group_sum = (lambda a: a) if axis_name is None else (lambda a: jax.lax.psum(a, axis_name))
 
   valid = (ids >= 0) & (ids < num_experts)
   e = jnp.where(valid, ids, num_experts).astype(jnp.int32)  # bucket E: not an assignment
-  local_counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
-  counts = group_sum(local_counts)
-  rem = counts % b
-
-  taken = jnp.zeros((num_tokens, num_experts + 1), bool).at[jnp.arange(num_tokens)[:, None], e].set(True)
+  experts = jnp.arange(num_experts, dtype=jnp.int32)
   # probs are >= 0, so -1 marks an expert the token already holds.
-  free = jnp.where(taken[:, :num_experts], -1.0, p)
+  free = jnp.where(jnp.any(e[:, :, None] == experts, axis=1), -1.0, p)
   nxt = jnp.argmax(free, axis=1).astype(jnp.int32)
   nxt_p = jnp.max(free, axis=1)
   nxt = jnp.where(nxt_p >= 0, nxt, num_experts)
-  candidates = group_sum(jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts])
-
-  moves = (counts >= b) & (rem > 0)
-  up = moves & (2 * rem >= b) & (candidates >= b - rem)
-  keep_n = jnp.where(moves & ~up, counts - rem, counts)
-  add_n = jnp.where(up, b - rem, 0)
-
-  # The picks' probabilities: with their gradient for the scale below, without it for the ranking.
+  # The picks' probabilities, with their gradient: the scale below.
   picked = jnp.take_along_axis(probs.astype(jnp.float32), jnp.minimum(e, num_experts - 1), axis=1)
-  picked_p = jax.lax.stop_gradient(picked)
-  # The assignments ranked within their expert and the candidates within theirs, in one sort.
-  ranks = _ranks(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
-                 jnp.concatenate([picked_p.reshape(-1), nxt_p]), 2 * num_experts + 2)
-  rank, add_rank = ranks[:e.size].reshape(e.shape), ranks[e.size:]
-  with_none = lambda a: jnp.concatenate([a, jnp.zeros((1,), a.dtype)])  # index E: not an expert
   if axis_name is None:
-    keep = valid & (rank < with_none(keep_n)[e])
-    add = (nxt < num_experts) & (add_rank < with_none(add_n)[nxt])
+    keep, add = block_rounding.block_moves(p, e, nxt, b, impl=impl)
   else:
-    # The group's order is the concatenation's: index = the item's position in it, for ties.
-    me = jax.lax.axis_index(axis_name).astype(jnp.int32)
-    index = me * ids.size + jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape)
-    low = with_none(local_counts)[e] - 1 - rank  # 0: the device's least likely assignment to e
-    # counts - keep_n < b assignments are dropped, add_n <= b / 2 added: those many are all that can move.
-    keep = valid & ~_among_first(counts - keep_n, low, e, picked_p, index, b, axis_name, ascending=True)
-    token = me * num_tokens + jnp.arange(num_tokens, dtype=jnp.int32)
-    add = _among_first(add_n, add_rank, nxt, nxt_p, token, max(b // 2, 1), axis_name, ascending=False)
+    keep, add = _group_moves(p, e, nxt, nxt_p, jax.lax.stop_gradient(picked), b, axis_name)
 
   w32 = weights.astype(jnp.float32)
   w_sum = jnp.sum(jnp.where(valid, w32, 0.0), axis=1)
@@ -134,6 +101,31 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   new_ids = jnp.concatenate([jnp.where(keep, ids, NO_EXPERT), jnp.where(add, nxt, NO_EXPERT)[:, None]], axis=1)
   new_w = jnp.concatenate([jnp.where(keep, w32, 0.0), jnp.where(add, p_next * scale, 0.0)[:, None]], axis=1)
   return routing.replace(expert_ids=new_ids.astype(jnp.int32), combine_weights=new_w.astype(weights.dtype))
+
+
+def _group_moves(p, e, nxt, nxt_p, picked_p, b: int, axis_name):
+  """(keep, add) of rounding the exchange group's tokens as one batch (round_to_blocks with axis_name)."""
+  num_tokens, num_experts = p.shape
+  group_sum = lambda a: jax.lax.psum(a, axis_name)
+  valid = e < num_experts
+  local_counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
+  candidates = jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts]
+  counts = group_sum(local_counts)
+  keep_n, add_n = block_rounding.move_counts(counts, group_sum(candidates), b)
+  # The assignments ranked within their expert and the candidates within theirs, in one sort.
+  ranks = block_rounding.ranks_within(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
+                                      jnp.concatenate([picked_p.reshape(-1), nxt_p]), 2 * num_experts + 2)
+  rank, add_rank = ranks[:e.size].reshape(e.shape), ranks[e.size:]
+  with_none = lambda a: jnp.concatenate([a, jnp.zeros((1,), a.dtype)])  # index E: not an expert
+  # The group's order is the concatenation's: index = the item's position in it, for ties.
+  me = jax.lax.axis_index(axis_name).astype(jnp.int32)
+  index = me * e.size + jnp.arange(e.size, dtype=jnp.int32).reshape(e.shape)
+  low = with_none(local_counts)[e] - 1 - rank  # 0: the device's least likely assignment to e
+  # counts - keep_n < b assignments are dropped, add_n <= b / 2 added: those many are all that can move.
+  keep = valid & ~_among_first(counts - keep_n, low, e, picked_p, index, b, axis_name, ascending=True)
+  token = me * num_tokens + jnp.arange(num_tokens, dtype=jnp.int32)
+  add = _among_first(add_n, add_rank, nxt, nxt_p, token, max(b // 2, 1), axis_name, ascending=False)
+  return keep, add
 
 
 def _among_first(n: Int[Array, "keys"], local: Int[Array, "*items"], key: Int[Array, "*items"],

@@ -1038,13 +1038,14 @@ def test_cub_sorts_probe_checks_every_variant_equal_to_the_librarys(tmp_path):
 
 def test_cub_sorts_probe_restores_the_librarys_sorts_and_refuses_bad_variants():
   import probe_cub_sorts
-  from sparsejax import permute, token_rounding
-  before = (permute._ranks, token_rounding._ranks)
+  from sparsejax import permute
+  from sparsejax.kernels.block_rounding import op, reference
+  before = (permute._ranks, reference.ranks_within, op.runs_kernel)
   with pytest.raises(RuntimeError):
     with probe_cub_sorts.library_ranks(probe_cub_sorts.unsigned_argsort_ranks, probe_cub_sorts.two_pass_rounding_ranks):
-      assert token_rounding._ranks is probe_cub_sorts.two_pass_rounding_ranks
+      assert reference.ranks_within is probe_cub_sorts.two_pass_rounding_ranks and not op.runs_kernel("auto")
       raise RuntimeError("a variant failed")
-  assert (permute._ranks, token_rounding._ranks) == before
+  assert (permute._ranks, reference.ranks_within, op.runs_kernel) == before
   for bad in ("dropless_histogram,nonesuch", "rounded_two_key_sort"):
     with pytest.raises(SystemExit, match="--layer-variants"):
       probe_cub_sorts.main(["--smoke", "--layer-variants", bad])

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from sparsejax.activations import PLAIN
+from sparsejax.kernels.block_rounding import triton as block_rounding
 from sparsejax.kernels.decode_attention import triton as attention
 from sparsejax.kernels.decode_qkv import triton as qkv
 from sparsejax.kernels.decode_router import triton as router
@@ -164,6 +165,13 @@ def test_router_logit_parts_lower():
 @pytest.mark.parametrize("t,k,e,d", [(32, 1, 64, 1024), (20, 3, 6, 64)])
 def test_group_rows_lowers(t, k, e, d):
   _lowers(lambda x, ids: group_rows.group_rows(x, ids, e, 16, interpret=False), ((t, d), bf16), ((t * k,), jnp.int32))
+
+
+@pytest.mark.parametrize("chunk", [16384, 1024])  # a row held whole, and read in chunks each bisection step
+def test_block_rounding_kernel_lowers(chunk):
+  cfg = block_rounding.Config(chunk=chunk)
+  _lowers(lambda p, e, n: block_rounding.block_moves(p, e, n, 128, cfg), ((16384, 64), jnp.float32),
+          ((16384, 2), jnp.int32), ((16384,), jnp.int32), triggers=0)
 
 
 def test_row_gather_lowers():

@@ -58,8 +58,12 @@ def _counts(ids, E):
   return np.bincount(ids[(ids >= 0) & (ids < E)], minlength=E)
 
 
-def _check(r, b):
-  out = jax.jit(sj.round_to_blocks, static_argnums=1)(r, b)
+# The moves by one sort in XLA ops, and by the Pallas Triton kernel (interpret mode off the GPU).
+MOVES = ("xla", "triton")
+
+
+def _check(r, b, impl="xla"):
+  out = jax.jit(sj.round_to_blocks, static_argnames=("block_size", "impl"))(r, b, impl=impl)
   want_ids, want_w = np_round_to_blocks(r.router_probs, r.expert_ids, r.combine_weights, b)
   np.testing.assert_array_equal(out.expert_ids, want_ids)
   np.testing.assert_allclose(out.combine_weights, want_w, rtol=1e-6, atol=1e-7)
@@ -68,11 +72,12 @@ def _check(r, b):
   return out
 
 
+@pytest.mark.parametrize("impl", MOVES)
 @pytest.mark.parametrize("T,E,k,b", [(1000, 8, 1, 32), (1000, 8, 2, 32), (700, 16, 2, 16), (2049, 8, 1, 128),
                                      (300, 4, 3, 8)])
-def test_rounding_matches_the_loop_and_leaves_whole_blocks(T, E, k, b):
+def test_rounding_matches_the_loop_and_leaves_whole_blocks(T, E, k, b, impl):
   r = _routing(T, E, k, seed_of("round", T, E, k, b))
-  out = _check(r, b)
+  out = _check(r, b, impl)
   before, after = _counts(r.expert_ids, E), _counts(out.expert_ids, E)
   assert np.all((after % b == 0) | (before < b)), (before, after)
   assert np.all(np.abs(after - before) <= b // 2)
@@ -82,7 +87,8 @@ def test_rounding_matches_the_loop_and_leaves_whole_blocks(T, E, k, b):
   assert moved > 0  # these routings are not already whole blocks
 
 
-def test_both_directions_happen():
+@pytest.mark.parametrize("impl", MOVES)
+def test_both_directions_happen(impl):
   """Counts just past a block drop their tail; counts just short of one take the next choice's best."""
   T, E, b = 512, 4, 64
   probs = np.full((T, E), 0.1)
@@ -92,13 +98,14 @@ def test_both_directions_happen():
   probs /= probs.sum(1, keepdims=True)
   p = jnp.asarray(probs, jnp.float32)
   r = sj.TokenChoiceRouting(jnp.asarray(owner[:, None], jnp.int32), p[np.arange(T), owner][:, None], p, jnp.log(p))
-  out = _check(r, b)
+  out = _check(r, b, impl)
   np.testing.assert_array_equal(_counts(out.expert_ids, E), [128, 128, 128, 128])
 
 
 @pytest.mark.parametrize("case", ["one_expert", "k_equals_E", "all_on_one", "few_tokens", "no_expert_slots",
                                   "already_whole"])
-def test_edge_cases(case):
+@pytest.mark.parametrize("impl", MOVES)
+def test_edge_cases(case, impl):
   rng = np.random.default_rng(seed_of("round_edge", case))
   b = 16
   if case == "one_expert":  # no next choice exists: round down only
@@ -117,7 +124,7 @@ def test_edge_cases(case):
   else:
     r = _routing(64, 4, 1, 5)
     r = r.replace(expert_ids=jnp.repeat(jnp.arange(4, dtype=jnp.int32), 16)[:, None])
-  out = _check(r, b)
+  out = _check(r, b, impl)
   before, after = _counts(r.expert_ids, r.router_probs.shape[1]), _counts(out.expert_ids, r.router_probs.shape[1])
   assert np.all((after % b == 0) | (before < b))
   if case in ("few_tokens", "already_whole"):
@@ -125,6 +132,25 @@ def test_edge_cases(case):
     assert np.all(np.asarray(out.expert_ids[:, -1]) == sj.NO_EXPERT)
   if case in ("one_expert", "k_equals_E"):
     assert np.all(np.asarray(out.expert_ids[:, -1]) == sj.NO_EXPERT)
+
+
+@pytest.mark.parametrize("chunk", [16384, 128])
+@pytest.mark.parametrize("T,E,k,b", [(1000, 8, 2, 32), (333, 5, 1, 16)])
+def test_rounding_kernel_breaks_ties_as_the_sort(T, E, k, b, chunk):
+  """The kernel's moves equal the sort's where scores tie (probabilities of four values), on a row read whole and in
+  chunks, T not a power of two."""
+  from sparsejax.kernels import block_rounding
+  from sparsejax.kernels.block_rounding import triton
+  rng = np.random.default_rng(seed_of("round_ties", T, E, k))
+  probs = jnp.asarray(rng.choice([0.0, 0.125, 0.25, 0.5], size=(T, E)), jnp.float32)
+  expert = jnp.asarray(np.argsort(-rng.random((T, E)), axis=1)[:, :k], jnp.int32).at[::7, 0].set(E)  # some none
+  nxt = jnp.asarray(rng.integers(0, E + 1, T), jnp.int32)
+  nxt = jnp.where(jnp.any(expert == nxt[:, None], axis=1), E, nxt)
+  want = block_rounding.block_moves_reference(probs, expert, nxt, b)
+  got = triton.block_moves(probs, expert, nxt, b, triton.Config(chunk=chunk), interpret=jax.default_backend() != "gpu")
+  for g, w, name in zip(got, want, ("keep", "add")):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  assert not np.all(np.asarray(want[0])[np.asarray(expert) < E]) and np.any(want[1])  # both directions moved
 
 
 def test_gradients_flow_through_kept_and_added_weights():
@@ -218,6 +244,12 @@ def test_rounded_moe_mlp_is_moe_mlp_on_the_rounded_columns_in_a_smaller_buffer(k
 def test_bad_block_size_is_one_line(block_size, msg):
   with pytest.raises(ValueError, match=msg) as e:
     sj.round_to_blocks(_routing(10, 4, 1, 0), block_size)
+  assert "\n" not in str(e.value)
+
+
+def test_bad_impl_is_one_line():
+  with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'triton', 'xla'\); got 'cuda'") as e:
+    sj.round_to_blocks(_routing(10, 4, 1, 0), 4, impl="cuda")
   assert "\n" not in str(e.value)
 
 

@@ -1,0 +1,9 @@
+"""Token rounding's moves (which assignments an expert drops, which next choices it takes), as one Pallas kernel.
+
+op.py: the contract and the dispatch; reference.py: the moves by one sort in XLA ops; triton.py: the Pallas Triton
+kernel, a selection by bisection per expert.
+"""
+from sparsejax.kernels.block_rounding.op import IMPLS, block_moves, runs_kernel
+from sparsejax.kernels.block_rounding.reference import block_moves_reference, move_counts, ranks_within
+
+__all__ = ["IMPLS", "block_moves", "block_moves_reference", "move_counts", "ranks_within", "runs_kernel"]
