@@ -64,19 +64,21 @@ def _kernel(keys_ref, mode_ref, v_ref, i_ref, *, block: int, chunk: int):
     s = x & NONE
     return (jnp.where(up, x < 0, assigned(x)), jnp.where(up, NONE - s, s), jnp.where(up, (tp - 1) - t, t))
 
+  counted = lambda f: total(lambda x, t: f(*order(x, t)))  # #{members with f(member, u, tt)}
+
   def score_step(_, lohi):  # the least v with #{u <= v} >= n
     lo, hi = lohi
     mid = lo + jax.lax.div(hi - lo, 2)
-    cnt = total(lambda x, t: (lambda m, u, tt: m & (u <= mid))(*order(x, t)))
+    cnt = counted(lambda m, u, tt: m & (u <= mid))
     return jnp.where(cnt >= n, lo, mid + 1), jnp.where(cnt >= n, mid, hi)
 
   v, _ = jax.lax.fori_loop(0, 31, score_step, (jnp.int32(0), jnp.int32(NONE)))
-  j = n - total(lambda x, t: (lambda m, u, tt: m & (u < v))(*order(x, t)))  # the ties at v still to take
+  j = n - counted(lambda m, u, tt: m & (u < v))  # the ties at v still to take
 
   def token_step(_, lohi):  # the greatest i with #{u == v, tt >= i} >= j
     lo, hi = lohi
     mid = lo + jax.lax.div(hi - lo + 1, 2)
-    cnt = total(lambda x, t: (lambda m, u, tt: m & (u == v) & (tt >= mid))(*order(x, t)))
+    cnt = counted(lambda m, u, tt: m & (u == v) & (tt >= mid))
     return jnp.where(cnt >= j, mid, lo), jnp.where(cnt >= j, hi, mid - 1)
 
   i, _ = jax.lax.fori_loop(0, max(tp.bit_length() - 1, 0), token_step, (jnp.int32(0), jnp.int32(tp - 1)))
