@@ -66,6 +66,7 @@ from sparsejax import _checks, permute, token_rounding
 from sparsejax.exchange import (check_exchange, dense_all_to_all, exchange_platform, ragged_all_to_all_rows,
                                 peer_index, ragged_rows, resolve_exchange)
 from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
+from sparsejax.kernels import block_rounding
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
 from sparsejax.routing import TokenChoiceRouting
@@ -507,8 +508,10 @@ def run_expert_parallel(x, expert_ids, combine_weights, w_in, w_out, *, mesh, pa
               None if router_probs is None else tok)
   out_specs = (tok, P(), P(), P()) + (() if router_probs is None else (P(),))
   body = lambda *a: _local_layer(*a, st=st)
+  # pallas_call's outputs carry no varying-axes type: the check is off wherever a Pallas kernel runs.
+  pallas = st.impl in BLOCK_IMPLS or (router_probs is not None and block_rounding.runs_kernel())
   y, tokens_per_expert, num_dropped, overflow, *real = _shard_map(
-      body, layout.mesh, in_specs, out_specs, check=st.impl not in BLOCK_IMPLS)(
+      body, layout.mesh, in_specs, out_specs, check=not pallas)(
       x, expert_ids, combine_weights, w_in, w_out, w_gate, router_probs)
   real_counts = real[0] if real else tokens_per_expert
   stats = ExpertParallelStats(

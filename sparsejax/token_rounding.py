@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Float
 
 from sparsejax import _checks, moe
 from sparsejax.kernels import block_rounding
@@ -47,12 +47,12 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   axis_name (inside shard_map: a mesh axis, or a tuple of them): every device along it holds its own
   tokens, and the group's tokens, concatenated in axis order, are rounded as one batch. The result on
   each device is its rows of round_to_blocks on that concatenation; the counts c_e are the group's.
-  Beyond the local work it costs two psums of E counts, an all_gather of each device's b least likely
-  assignments and b/2 likeliest candidates of each expert (the only ones a move can reach), and a sort
-  of those E * devices * 3b/2 items.
+  Beyond the local work it costs a psum of 2E counts and an all_gather of each device's first b items of every
+  expert in the order its moves take them (the only ones a move can reach), 2 E b ints.
 
-  impl: how the moves are chosen without axis_name (kernels.block_rounding): "auto" (a Pallas Triton kernel on a
-  GPU, one sort in XLA ops elsewhere), "triton" or "xla". Under axis_name they are always XLA ops.
+  impl: how the moves are chosen (kernels.block_rounding): "auto" (Pallas Triton kernels on a GPU, sorts in XLA
+  ops elsewhere), "triton" or "xla". A kernel's outputs carry no varying-axes type, so a shard_map around the
+  kernels needs check_vma=False (as around every Pallas kernel; the expert-parallel layer sets it).
   """
   _check_routing(routing)
   probs, ids, weights = routing.router_probs, routing.expert_ids, routing.combine_weights
@@ -85,12 +85,9 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   nxt = jnp.argmax(free, axis=1).astype(jnp.int32)
   nxt_p = jnp.max(free, axis=1)
   nxt = jnp.where(nxt_p >= 0, nxt, num_experts)
+  keep, add = block_rounding.block_moves(p, e, nxt, b, impl=impl, axis_name=axis_name)
   # The picks' probabilities, with their gradient: the scale below.
   picked = jnp.take_along_axis(probs.astype(jnp.float32), jnp.minimum(e, num_experts - 1), axis=1)
-  if axis_name is None:
-    keep, add = block_rounding.block_moves(p, e, nxt, b, impl=impl)
-  else:
-    keep, add = _group_moves(p, e, nxt, nxt_p, jax.lax.stop_gradient(picked), b, axis_name)
 
   w32 = weights.astype(jnp.float32)
   w_sum = jnp.sum(jnp.where(valid, w32, 0.0), axis=1)
@@ -101,59 +98,6 @@ def round_to_blocks(routing: TokenChoiceRouting, block_size: int = BLOCK_SIZE, *
   new_ids = jnp.concatenate([jnp.where(keep, ids, NO_EXPERT), jnp.where(add, nxt, NO_EXPERT)[:, None]], axis=1)
   new_w = jnp.concatenate([jnp.where(keep, w32, 0.0), jnp.where(add, p_next * scale, 0.0)[:, None]], axis=1)
   return routing.replace(expert_ids=new_ids.astype(jnp.int32), combine_weights=new_w.astype(weights.dtype))
-
-
-def _group_moves(p, e, nxt, nxt_p, picked_p, b: int, axis_name):
-  """(keep, add) of rounding the exchange group's tokens as one batch (round_to_blocks with axis_name)."""
-  num_tokens, num_experts = p.shape
-  group_sum = lambda a: jax.lax.psum(a, axis_name)
-  valid = e < num_experts
-  local_counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
-  candidates = jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts]
-  counts = group_sum(local_counts)
-  keep_n, add_n = block_rounding.move_counts(counts, group_sum(candidates), b)
-  # The assignments ranked within their expert and the candidates within theirs, in one sort.
-  ranks = block_rounding.ranks_within(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
-                                      jnp.concatenate([picked_p.reshape(-1), nxt_p]), 2 * num_experts + 2)
-  rank, add_rank = ranks[:e.size].reshape(e.shape), ranks[e.size:]
-  with_none = lambda a: jnp.concatenate([a, jnp.zeros((1,), a.dtype)])  # index E: not an expert
-  # The group's order is the concatenation's: index = the item's position in it, for ties.
-  me = jax.lax.axis_index(axis_name).astype(jnp.int32)
-  index = me * e.size + jnp.arange(e.size, dtype=jnp.int32).reshape(e.shape)
-  low = with_none(local_counts)[e] - 1 - rank  # 0: the device's least likely assignment to e
-  # counts - keep_n < b assignments are dropped, add_n <= b / 2 added: those many are all that can move.
-  keep = valid & ~_among_first(counts - keep_n, low, e, picked_p, index, b, axis_name, ascending=True)
-  token = me * num_tokens + jnp.arange(num_tokens, dtype=jnp.int32)
-  add = _among_first(add_n, add_rank, nxt, nxt_p, token, max(b // 2, 1), axis_name, ascending=False)
-  return keep, add
-
-
-def _among_first(n: Int[Array, "keys"], local: Int[Array, "*items"], key: Int[Array, "*items"],
-                 score: Float[Array, "*items"], index: Int[Array, "*items"], depth: int, axis_name, *,
-                 ascending: bool) -> Bool[Array, "*items"]:
-  """Whether an item is among the first n[key] of the group's items of its key, ordered by score (ascending:
-  ties to the higher index first; descending: to the lower), for n <= depth. local: its position among its
-  own device's items of that key. Keys >= len(n) are not items.
-
-  Each device sends its first depth items of every key; the first n of the group are among them, so the
-  n-th of the sent items, in that order, is the group's n-th: an item is among the first n iff it is not
-  after that one. A sort of keys * devices * depth items, then a comparison per item.
-  """
-  num_keys = n.shape[0]
-  row = jnp.where((key < num_keys) & (local < depth), key, num_keys)  # row num_keys: out of bounds, dropped
-  col = jnp.clip(local, 0, depth - 1)
-  order_score = score if ascending else -score
-  order_index = -index if ascending else index
-  scores = jnp.full((num_keys, depth), jnp.inf, jnp.float32).at[row, col].set(order_score, mode="drop")
-  indices = jnp.zeros((num_keys, depth), jnp.int32).at[row, col].set(order_index, mode="drop")
-  gather = lambda a: jnp.moveaxis(jax.lax.all_gather(a, axis_name), 0, 1).reshape(num_keys, -1)
-  scores, indices = jax.lax.sort((gather(scores), gather(indices)), dimension=1, num_keys=2)
-  nth = jnp.clip(n - 1, 0, scores.shape[1] - 1)[:, None]
-  last_s = jnp.take_along_axis(scores, nth, axis=1)[:, 0]
-  last_i = jnp.take_along_axis(indices, nth, axis=1)[:, 0]
-  k = jnp.minimum(key, num_keys - 1)
-  within = (order_score < last_s[k]) | ((order_score == last_s[k]) & (order_index <= last_i[k]))
-  return (key < num_keys) & (n[k] > 0) & within
 
 
 def max_added(num_experts: int, block_size: int = BLOCK_SIZE) -> int:

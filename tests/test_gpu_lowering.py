@@ -174,6 +174,14 @@ def test_block_rounding_kernel_lowers(chunk):
           ((16384, 2), jnp.int32), ((16384,), jnp.int32), triggers=0)
 
 
+@pytest.mark.parametrize("chunk", [16384, 1024])
+def test_group_rounding_kernels_lower(chunk):
+  """Under an axis: each device's first members compacted by a masked store, then the group's n-th."""
+  cfg = block_rounding.Config(chunk=chunk)
+  moves = lambda p, e, n: jax.vmap(lambda *a: block_rounding.group_moves(*a, 128, "g", cfg), axis_name="g")(p, e, n)
+  _lowers(moves, ((8, 16384, 64), jnp.float32), ((8, 16384, 1), jnp.int32), ((8, 16384), jnp.int32), triggers=0)
+
+
 def test_row_gather_lowers():
   _lowers(lambda x, src: row_moves.gather_rows(x, src, interpret=False), ((512, 256), bf16), ((640,), jnp.int32),
           triggers=0)

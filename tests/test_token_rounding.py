@@ -153,6 +153,27 @@ def test_rounding_kernel_breaks_ties_as_the_sort(T, E, k, b, chunk):
   assert not np.all(np.asarray(want[0])[np.asarray(expert) < E]) and np.any(want[1])  # both directions moved
 
 
+@pytest.mark.parametrize("chunk", [16384, 128])
+@pytest.mark.parametrize("devices,T,E,k,b", [(3, 333, 5, 1, 24), (4, 250, 8, 2, 32)])
+def test_group_kernels_break_ties_as_the_sorts(devices, T, E, k, b, chunk):
+  """Under an axis (here vmap's), the kernels' moves equal the sorts' where scores tie: devices not a power of two,
+  a block that is not one either, each device's rows read whole and in chunks."""
+  from sparsejax.kernels import block_rounding
+  from sparsejax.kernels.block_rounding import triton
+  rng = np.random.default_rng(seed_of("group_ties", devices, T, E, k))
+  probs = jnp.asarray(rng.choice([0.0, 0.125, 0.25, 0.5], size=(devices, T, E)), jnp.float32)
+  expert = jnp.asarray(np.argsort(-rng.random((devices, T, E)), axis=2)[..., :k], jnp.int32).at[:, ::7, 0].set(E)
+  nxt = jnp.asarray(rng.integers(0, E + 1, (devices, T)), jnp.int32)
+  nxt = jnp.where(jnp.any(expert == nxt[..., None], axis=2), E, nxt)
+  want = jax.vmap(lambda *a: block_rounding.group_moves_reference(*a, b, "g"), axis_name="g")(probs, expert, nxt)
+  got = jax.vmap(lambda *a: triton.group_moves(*a, b, "g", triton.Config(chunk=chunk),
+                                               interpret=jax.default_backend() != "gpu"), axis_name="g")(
+      probs, expert, nxt)
+  for g, w, name in zip(got, want, ("keep", "add")):
+    np.testing.assert_array_equal(g, w, err_msg=name)
+  assert not np.all(np.asarray(want[0])[np.asarray(expert) < E]) and np.any(want[1])  # both directions moved
+
+
 def test_gradients_flow_through_kept_and_added_weights():
   """d/d(probs, weights) of sum(c * rounded weights) is the loop's masks applied to the formula."""
   T, E, k, b = 600, 8, 2, 32
@@ -317,21 +338,22 @@ def _mesh(shape, names):
 
 
 @functools.lru_cache(maxsize=None)
-def _rounding_over(b, mesh, axis):
+def _rounding_over(b, mesh, axis, impl):
   """jit(round_to_blocks(axis_name=axis) inside shard_map), tokens sharded over all of mesh's axes; cached, so
   routings of one shape share a compile."""
   from sparsejax.parallel import _shard_map
   tok = jax.sharding.PartitionSpec(mesh.axis_names)
 
   def local(ids, cw, probs):
-    out = sj.round_to_blocks(sj.TokenChoiceRouting(ids, cw, probs, probs), b, axis_name=axis)
+    out = sj.round_to_blocks(sj.TokenChoiceRouting(ids, cw, probs, probs), b, axis_name=axis, impl=impl)
     return out.expert_ids, out.combine_weights
-  return jax.jit(_shard_map(local, mesh, (tok, tok, tok), (tok, tok)))
+  return jax.jit(_shard_map(local, mesh, (tok, tok, tok), (tok, tok), check=impl == "xla"))
 
 
 @pytest.mark.devices(8)
+@pytest.mark.parametrize("impl", MOVES)
 @pytest.mark.parametrize("layout", ["expert_axis", "data_and_expert", "two_expert_axes", "k_equals_E"])
-def test_rounding_over_an_axis_is_rounding_each_groups_tokens(layout):
+def test_rounding_over_an_axis_is_rounding_each_groups_tokens(layout, impl):
   """round_to_blocks(axis_name) on each device equals round_to_blocks on its group's concatenated tokens:
   ids exactly, weights to float32 rounding, whichever device holds the moved assignments. On one expert axis,
   routings with many ties, all tokens on one expert and NO_EXPERT slots too."""
@@ -349,7 +371,7 @@ def test_rounding_over_an_axis_is_rounding_each_groups_tokens(layout):
     cases["ties"] = rng.integers(0, 3, (T, E)).astype(np.float32)  # the order across devices: the concatenation's
     cases["all_on_one"] = cases["random"] + 20.0 * (np.arange(E) == 3)
     cases["no_expert_slots"] = cases["random"]
-  run = _rounding_over(b, _mesh(shape, names), axis)
+  run = _rounding_over(b, _mesh(shape, names), axis, impl)
   groups = shape[0] if names[0] == "data" else 1
   for case, logits in cases.items():
     r = sj.top_k_routing(jnp.asarray(logits, jnp.float32), k)
@@ -464,7 +486,7 @@ def test_rounded_moe_mlp_parallel_needs_a_mesh():
 def test_an_axis_name_outside_the_shard_map_is_one_line():
   r = _routing(64, 4, 1, 0)
   with pytest.raises(ValueError, match="axis_name 'nope' is not an axis of the enclosing shard_map") as e:
-    _rounding_over(16, _mesh((8,), ("expert",)), "nope")(r.expert_ids, r.combine_weights, r.router_probs)
+    _rounding_over(16, _mesh((8,), ("expert",)), "nope", "xla")(r.expert_ids, r.combine_weights, r.router_probs)
   assert "\n" not in str(e.value)
   with pytest.raises(ValueError, match="axis_name 'expert' is not an axis"):
     sj.round_to_blocks(r, 16, axis_name="expert")  # not inside any
