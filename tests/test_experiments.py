@@ -1054,7 +1054,22 @@ def test_cub_sorts_probe_restores_the_librarys_sorts_and_refuses_bad_variants():
 def test_rounding_group_probe_checks_each_variant(tmp_path):
   """probe_rounding_group on the CPU: the vmapped group rounding equals round_to_blocks on the shards joined."""
   import probe_rounding_group
-  records = probe_rounding_group.main(["--smoke", "--shapes", "smoke", "--groups", "4", "--out", str(tmp_path)])
-  assert {r["variant"] for r in records} == {"routing", "alone", "group"}
-  assert all(r["check_ok"] for r in records) and len(records) == 3
+  records = probe_rounding_group.main(["--smoke", "--shapes", "smoke", "--groups", "1,4", "--out", str(tmp_path)])
+  measured = {"routing", "alone", "group", "alone_kernel", "group_kernel", "nth_kernel", "nth_sort"}
+  assert {r["variant"] for r in records} == measured | {"one_device", "one_device_kernel"}
+  assert all(r["check_ok"] for r in records) and len(records) == 2 * len(measured) + 4
   assert (tmp_path / f"rounding_group_probe_{probe_rounding_group.jax.devices()[0].device_kind.replace(' ', '_')}.json").exists()
+
+
+def test_rounding_ep_layer_probe_checks_each_variant(tmp_path):
+  """probe_rounding_ep_layer on the CPU: the one-device expert-parallel rounded layer, its moves either way, equals
+  the single-device rounded layer, and the sort's patch is undone."""
+  import probe_rounding_ep_layer
+  from sparsejax.kernels.block_rounding import op
+  before = op.runs_kernel
+  records = probe_rounding_ep_layer.main(["--smoke", "--rounds", "1", "--out", str(tmp_path)])
+  assert op.runs_kernel is before
+  assert [r["variant"] for r in records] == ["ep_kernel", "ep_sort", "single"]
+  assert all(r["check_ok"] for r in records) and records[0]["num_dropped"] > 0
+  dev = probe_rounding_ep_layer.jax.devices()[0].device_kind.replace(" ", "_")
+  assert (tmp_path / f"rounding_ep_layer_probe_{dev}_smoke.json").exists()
