@@ -20,13 +20,16 @@ ragged way runs a dense emulation of it (tests).
 The bound S (dropless mode). A sender can put at most S_worst = T_local * k rows on one peer (all its
 assignments), and at most T_local * min(k, E/P) when every token lists k distinct experts, which
 routers ensure but `moe_mlp` does not require (a token may list an expert twice, and is then
-computed twice). The default buffer is S = T_local * min(k, E/P); `buffer_factor` f chooses
+computed twice). The default buffer is S = T_local * min(k, E/P): where that is below S_worst, a
+token's repeated expert is first made one assignment with the repeats' weights summed
+(`merge_repeats`; the layer's value is unchanged), so the buffer holds every routing. (It used to
+hold only distinct ids and fall back to S_worst by a `lax.cond`, whose two branches' backward
+residuals cost the rounded E64 layer 20% on one H200.) `buffer_factor` f chooses
 S = ceil(f * T_local * k / P) instead (f = 1 is a perfectly balanced load), which moves less data.
-When S < S_worst every device counts the rows that would not fit (`exchange_overflow`), and if any
+With it every device counts the rows that would not fit (`exchange_overflow`), and if any
 device would overflow, the layer falls back to S_worst for that call (a `lax.cond` on a flag all
-devices agree on, so the result is still exact) or, for a buffer_factor buffer with
-on_overflow="raise", raises. It never drops silently: the rows the buffer actually used could not
-hold are counted in num_dropped.
+devices agree on, so the result is still exact) or, with on_overflow="raise", raises. It never drops
+silently: the rows the buffer actually used could not hold are counted in num_dropped.
 
 Capacity mode (GShard/Switch) is the baseline: each device is a GShard "group": it keeps the first
 C = ceil(cf * T_local * k / E) assignments per expert of its own tokens (token order) and drops the
@@ -69,7 +72,7 @@ from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.kernels import block_rounding
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
 from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
-from sparsejax.routing import TokenChoiceRouting
+from sparsejax.routing import NO_EXPERT, TokenChoiceRouting
 from sparsejax.topology import BLOCK_SIZE
 from sparsejax.topology import make_topology
 
@@ -84,11 +87,12 @@ class ExpertParallelConfig:
   expert_axis: mesh axis that shards experts (and tokens); a pair (groups, devices) for two levels.
   hierarchical: with a pair of expert axes, do the all-to-all in two stages (across groups, then
     within); otherwise one all-to-all over both axes.
-  buffer_factor: None = T_local * min(k, E/P) rows per peer (enough for distinct ids per token);
-    f > 0 = ceil(f * T_local * k / P) rows per peer.
+  buffer_factor: None = T_local * min(k, E/P) rows per peer (enough for distinct ids per token;
+    a token's repeated expert is merged into one assignment first); f > 0 = ceil(f * T_local * k / P)
+    rows per peer.
   on_overflow: what a call whose routing overflows buffer_factor's buffer does: "fallback" reruns
     the exchange with the worst-case buffer T_local * k (exact, slower for that call), "raise"
-    raises at run time. With buffer_factor=None an overflow (repeated ids) always falls back.
+    raises at run time. With buffer_factor=None nothing overflows.
   exchange: how dropless rows travel: "dense" (all_to_all of the whole buffer), "ragged"
     (ragged_all_to_all of the real rows only; single-stage), "auto" (ragged from 4 peers up on GPUs
     and TPUs, dense below and on the CPU: exchange.resolve_exchange has the measurements).
@@ -171,6 +175,21 @@ def buffer_slots(tokens_local: int, top_k: int, num_peers: int, experts_per_peer
   if buffer_factor is None:
     return distinct
   return max(1, min(distinct, math.ceil(buffer_factor * tokens_local * top_k / num_peers)))
+
+
+def merge_repeats(expert_ids: Int[Array, "tokens k"], combine_weights: Float[Array, "tokens k"],
+                  num_experts: int) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+  """A token's repeated expert as one assignment: sum_j w_j FFN_{e_j}(x) grouped by expert. The first
+  column holding e keeps it with the weights of every column holding e summed (in float32); later
+  ones, and ids that are no expert, become NO_EXPERT with weight 0. Every token then lists distinct
+  experts, which distinct_slots' buffer holds."""
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  same = (expert_ids[:, :, None] == expert_ids[:, None, :]) & valid[:, None, :]  # [t, j, j']
+  k = expert_ids.shape[1]
+  first = valid & ~jnp.any(same & jnp.tri(k, k, -1, dtype=bool), axis=2)  # no earlier column holds e
+  summed = jnp.sum(jnp.where(same, combine_weights.astype(jnp.float32)[:, None, :], 0.0), axis=2)
+  return (jnp.where(first, expert_ids, NO_EXPERT).astype(expert_ids.dtype),
+          jnp.where(first, summed, 0.0).astype(combine_weights.dtype))
 
 
 def exchange_overflow(expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int,
@@ -394,7 +413,7 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
       combine_weights = jnp.concatenate([r.combine_weights for r in parts])
       rounded = jnp.sum(valid & (expert_ids[:, :k] < 0)).astype(jnp.int32)  # assignments rounding dropped
 
-    def run(slots):
+    def run(slots, expert_ids=expert_ids, combine_weights=combine_weights):
       ys, dropped = [], jnp.zeros((), jnp.int32)
       for xc, ids, cw in zip(pieces(x), pieces(expert_ids), pieces(combine_weights)):
         y, send = _dropless_local(xc, ids, cw, weights, st, slots)
@@ -409,10 +428,12 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
       slots = rounded_slots(chunk, k, experts_per_peer, slots)
     if slots >= worst:
       y, dropped = run(worst)
+    elif cfg.buffer_factor is None:  # the distinct-ids bound holds once repeats are merged: no cond
+      y, dropped = run(slots, *merge_repeats(expert_ids, combine_weights, st.num_experts))
     else:
       overflow = sum(exchange_overflow(ids, st.num_experts, layout.num_peers, slots)
                      for ids in pieces(expert_ids))
-      if cfg.on_overflow == "raise" and cfg.buffer_factor is not None:
+      if cfg.on_overflow == "raise":
         # A pure_callback whose (zero) result feeds y: the error lands on y's buffers (raised when
         # y is read), not on the runtime's effect tokens as a debug.callback's would. Every device
         # raises (so the message repeats P times): with only one, the others would wait forever in

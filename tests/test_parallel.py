@@ -150,6 +150,37 @@ def test_buffer_slots():
   assert parallel.buffer_slots(100, 2, 4, 8, 1.25) == 63
 
 
+def test_merge_repeats_sums_a_tokens_repeated_expert_into_its_first_column():
+  ids = jnp.asarray([[2, 2, 0], [1, -1, 1], [3, 4, 3], [0, 1, 2]], jnp.int32)  # 4 experts: 4 is none
+  w = jnp.asarray([[0.5, 0.25, 0.125], [0.5, 0.25, 0.125], [0.5, 0.25, 0.125], [0.5, 0.25, 0.125]], jnp.float32)
+  got_ids, got_w = parallel.merge_repeats(ids, w, 4)
+  np.testing.assert_array_equal(got_ids, [[2, -1, 0], [1, -1, -1], [3, -1, -1], [0, 1, 2]])
+  np.testing.assert_array_equal(got_w, [[0.75, 0, 0.125], [0.625, 0, 0], [0.625, 0, 0], [0.5, 0.25, 0.125]])
+  # d(sum of merged weights)/dw: every valid column counts once, through its expert's first column.
+  grad = jax.grad(lambda w: jnp.sum(parallel.merge_repeats(ids, w, 4)[1]))(w)
+  np.testing.assert_array_equal(grad, (ids >= 0) & (ids < 4))
+
+
+def test_default_buffer_takes_no_fallback_cond():
+  """E/P = 1 < k: the default buffer is the distinct-ids bound, below the worst case. With repeats merged it
+  needs no overflow fallback, whose lax.cond cost the rounded E64 layer 20% (its branches' residuals); the
+  rounded layer (k + 1 columns) neither. A buffer_factor buffer keeps its fallback."""
+  mesh = meshlib.make_expert_mesh(1, 8)
+  x, ids, cw, w_in, w_out, _, _ = _problem()
+  probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (T, 8)))
+  layers = {
+      "dropless": lambda x, w_in: expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh)[0],
+      "rounded": lambda x, w_in: sj.rounded_moe_mlp(
+          x, sj.TokenChoiceRouting(ids, cw, probs, probs), w_in, w_out, mesh=mesh)[0],
+      "buffer_factor": lambda x, w_in: expert_parallel_moe_mlp(
+          x, ids, cw, w_in, w_out, mesh=mesh, parallel=ExpertParallelConfig(buffer_factor=1.0))[0],
+  }
+  for name, layer in layers.items():
+    text = jax.jit(jax.grad(lambda x, w_in: jnp.sum(layer(x, w_in)), argnums=(0, 1))).lower(x, w_in).as_text()
+    conds = text.count("stablehlo.case") + text.count("stablehlo.if")
+    assert (conds > 0) == (name == "buffer_factor"), (name, conds)
+
+
 def test_exchange_overflow_counts_rows_past_the_buffer():
   ids = jnp.zeros((5, 2), jnp.int32)  # ten rows for peer 0 (expert 0), none for peer 1
   assert int(parallel.exchange_overflow(ids, 2, 2, slots=3)) == 7
@@ -173,12 +204,11 @@ def test_dropless_matches_single_device(shape):
   for kind in KINDS:
     _check_matches(mesh, _problem(kind))
   # Ids moe_mlp accepts that a router would not give (same compile). On (1, 8), E/P = 1 < k: the
-  # default buffer holds only distinct ids, so repeated ones must take the exact fallback.
+  # default buffer holds distinct ids, so a token's repeats are merged first (merge_repeats).
   x, _, cw, w_in, w_out, w_gate, g = _problem()
   for name, ids in _ids_moe_mlp_accepts().items():
     _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g))
-    if shape == (1, 8) and name != "random_repeats":
-      assert int(stats.exchange_overflow) > 0, name
+    assert int(stats.exchange_overflow) == 0, name
 
 
 @pytest.mark.parametrize("shape", MESHES)
@@ -318,7 +348,7 @@ def test_two_level_expert_axis(shape, capacity_factor, hierarchical):
   problem = _problem("skewed")
   _check_matches(mesh, problem, capacity_factor=capacity_factor, config=config,
                  shards=1 if capacity_factor is None else 8)
-  if capacity_factor is None:  # repeated ids overflow the distinct-ids buffer; same compile
+  if capacity_factor is None:  # repeated ids, merged to fit the distinct-ids buffer; same compile
     x, _, cw, w_in, w_out, w_gate, g = problem
     _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g),
                    config=config)
@@ -334,7 +364,7 @@ def test_expert_slicing(shape, num_experts, capacity_factor):
   problem = _problem("skewed", num_experts=num_experts, glu=True)
   shards = 1 if capacity_factor is None else 8
   _check_matches(mesh, problem, capacity_factor=capacity_factor, shards=shards)
-  # Repeated ids (E/P = 1 < k: the fallback path under slicing), with the same compile.
+  # Repeated ids (E/P = 1 < k: merged to fit the distinct-ids buffer, under slicing), with the same compile.
   x, _, cw, w_in, w_out, w_gate, g = problem
   ids = _ids_moe_mlp_accepts(num_experts)["block_twice"]
   _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g), capacity_factor=capacity_factor,
@@ -399,7 +429,7 @@ def test_ragged_exchange_matches_single_device():
   mesh = meshlib.make_expert_mesh(1, 8)
   for kind in KINDS:
     _check_matches(mesh, _problem(kind), config=RAGGED)
-  # E/P = 1 < k: repeated ids overflow the distinct-ids buffer, and the exact fallback is ragged too.
+  # E/P = 1 < k: repeated ids, merged to fit the distinct-ids buffer, through the ragged exchange.
   x, _, cw, w_in, w_out, w_gate, g = _problem()
   _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g), config=RAGGED)
 
@@ -409,7 +439,7 @@ COMPACT = ExpertParallelConfig(exchange="ragged", compact_send=True, ragged_chun
 
 def test_compact_send_matches_single_device():
   """The ragged exchange from a send buffer without the blocks' padding (rows in 3 uneven updates):
-  every routing, repeated ids past the distinct-ids buffer (the exact fallback is compact too), a
+  every routing, repeated ids merged into the distinct-ids buffer, a
   small buffer_factor that overflows, two token chunks, two expert axes and expert slices."""
   mesh = meshlib.make_expert_mesh(1, 8)
   for kind in KINDS:
