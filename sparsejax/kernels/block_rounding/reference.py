@@ -30,24 +30,36 @@ def ranks_within(keys: Int[Array, "n"], scores: Float[Array, "n"], num_keys: int
   return position - starts[keys]
 
 
-def block_moves_reference(probs: Float[Array, "tokens experts"], expert: Int[Array, "tokens k"],
-                          nxt: Int[Array, "tokens"], block: int) -> tuple[Bool[Array, "tokens k"], Bool[Array, "tokens"]]:
-  """(keep, add) of op.block_moves: ranks within each expert by one sort, against move_counts' keep_n and add_n."""
-  num_tokens, num_experts = probs.shape
+def _with_none(a):
+  """a with a 0 at index E (E: not an expert)."""
+  return jnp.concatenate([a, jnp.zeros((1,), a.dtype)])
+
+
+def _ranked(probs, expert, nxt):
+  """(valid, e, counts, candidates, picked, nxt_p, rank, add_rank) of this device's items: e the assignments'
+  experts (E for none); each expert's assignments and candidates; the items' probabilities; and each item's rank
+  within its expert by probability, descending, ties to the lower index: the assignments and the candidates
+  ranked in one sort."""
+  num_experts = probs.shape[1]
   valid = expert < num_experts
   e = jnp.where(valid, expert, num_experts)
   counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
   candidates = jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts]
-  keep_n, add_n = move_counts(counts, candidates, block)
   picked = jnp.take_along_axis(probs, jnp.minimum(e, num_experts - 1), axis=1)
   nxt_p = jnp.take_along_axis(probs, jnp.minimum(nxt, num_experts - 1)[:, None], axis=1)[:, 0]
-  # The assignments ranked within their expert and the candidates within theirs, in one sort.
   ranks = ranks_within(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
                        jnp.concatenate([picked.reshape(-1), nxt_p]), 2 * num_experts + 2)
-  rank, add_rank = ranks[:e.size].reshape(e.shape), ranks[e.size:]
-  with_none = lambda a: jnp.concatenate([a, jnp.zeros((1,), a.dtype)])  # index E: not an expert
-  keep = valid & (rank < with_none(keep_n)[e])
-  add = (nxt < num_experts) & (add_rank < with_none(add_n)[nxt])
+  return valid, e, counts, candidates, picked, nxt_p, ranks[:e.size].reshape(e.shape), ranks[e.size:]
+
+
+def block_moves_reference(probs: Float[Array, "tokens experts"], expert: Int[Array, "tokens k"],
+                          nxt: Int[Array, "tokens"], block: int) -> tuple[Bool[Array, "tokens k"], Bool[Array, "tokens"]]:
+  """(keep, add) of op.block_moves: ranks within each expert by one sort, against move_counts' keep_n and add_n."""
+  num_experts = probs.shape[1]
+  valid, e, counts, candidates, _, _, rank, add_rank = _ranked(probs, expert, nxt)
+  keep_n, add_n = move_counts(counts, candidates, block)
+  keep = valid & (rank < _with_none(keep_n)[e])
+  add = (nxt < num_experts) & (add_rank < _with_none(add_n)[nxt])
   return keep, add
 
 
@@ -57,24 +69,15 @@ def group_moves_reference(probs: Float[Array, "tokens experts"], expert: Int[Arr
   """(keep, add) of op.block_moves with axis_name: this device's rows of the moves on the group's tokens,
   concatenated in axis order. The counts are psums; each device ranks its own items by one sort, and the group's
   n-th item of each expert is found among the items each device sends (_among_first)."""
-  num_tokens, num_experts = probs.shape
+  num_tokens = probs.shape[0]
   group_sum = lambda a: jax.lax.psum(a, axis_name)
-  valid = expert < num_experts
-  e = jnp.where(valid, expert, num_experts)
-  local_counts = jnp.zeros((num_experts + 1,), jnp.int32).at[e.reshape(-1)].add(1)[:num_experts]
-  candidates = jnp.zeros((num_experts + 1,), jnp.int32).at[nxt].add(1)[:num_experts]
+  valid, e, local_counts, candidates, picked, nxt_p, rank, add_rank = _ranked(probs, expert, nxt)
   counts = group_sum(local_counts)
   keep_n, add_n = move_counts(counts, group_sum(candidates), block)
-  picked = jnp.take_along_axis(probs, jnp.minimum(e, num_experts - 1), axis=1)
-  nxt_p = jnp.take_along_axis(probs, jnp.minimum(nxt, num_experts - 1)[:, None], axis=1)[:, 0]
-  ranks = ranks_within(jnp.concatenate([e.reshape(-1), nxt + num_experts + 1]),
-                       jnp.concatenate([picked.reshape(-1), nxt_p]), 2 * num_experts + 2)
-  rank, add_rank = ranks[:e.size].reshape(e.shape), ranks[e.size:]
-  with_none = lambda a: jnp.concatenate([a, jnp.zeros((1,), a.dtype)])  # index E: not an expert
   # The group's order is the concatenation's: index = the item's position in it, for ties.
   me = jax.lax.axis_index(axis_name).astype(jnp.int32)
   index = me * e.size + jnp.arange(e.size, dtype=jnp.int32).reshape(e.shape)
-  low = with_none(local_counts)[e] - 1 - rank  # 0: the device's least likely assignment to e
+  low = _with_none(local_counts)[e] - 1 - rank  # 0: the device's least likely assignment to e
   # counts - keep_n < b assignments are dropped, add_n <= b / 2 added: those many are all that can move.
   keep = valid & ~_among_first(counts - keep_n, low, e, picked, index, block, axis_name, ascending=True)
   token = me * num_tokens + jnp.arange(num_tokens, dtype=jnp.int32)
