@@ -30,6 +30,16 @@ gmm_reference = jax.jit(G.gmm_reference, static_argnames=("transpose_rhs", "out_
 tgmm_reference = jax.jit(G.tgmm_reference, static_argnames=("out_dtype",))
 real_rows = jax.jit(G.reference.real_rows)
 written_rows = jax.jit(G.reference.written_rows)
+# The tests' topologies and random operands, likewise: op by op, each new shape compiled a dozen small programs.
+_make_topology = jax.jit(make_topology, static_argnums=(1, 2))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal_draws(key, shapes, dtypes):
+  """jax.random.normal of each shape in its dtype (dtypes: one for all, or one a shape), with the keys
+  jax.random.split(key, len(shapes)): the draws op by op would give."""
+  dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,) * len(shapes)
+  return [jax.random.normal(k, s, t) for k, s, t in zip(jax.random.split(key, len(shapes)), shapes, dtypes)]
 
 
 def rel_err(a, b):
@@ -53,8 +63,8 @@ def topology_for(group_sizes, num_rows_bound=None, block=128, real=True):
   gs = np.asarray(group_sizes)
   padded = (gs + block - 1) // block * block
   rows = num_rows_bound or int(padded.sum()) + block  # one spare block, inactive
-  return make_topology(jnp.asarray(padded, jnp.int32), rows, block,
-                       jnp.asarray(gs, jnp.int32) if real else None)
+  return _make_topology(jnp.asarray(padded, jnp.int32), rows, block,
+                        jnp.asarray(gs, jnp.int32) if real else None)
 
 
 # Group sizes (real rows before padding): empty experts, everything on one expert, sizes that are
@@ -68,12 +78,10 @@ GROUPS = [
 
 
 def _operands(groups, dtype, k, n, seed, num_rows_bound=None):
-  keys = jax.random.split(jax.random.key(seed), 4)
   topo = topology_for(groups, num_rows_bound)
   rows = topo.num_row_blocks * topo.block_size
   e = len(groups)
-  return (topo, jax.random.normal(keys[0], (rows, k), dtype), jax.random.normal(keys[1], (e, k, n), dtype),
-          jax.random.normal(keys[2], (e, n, k), dtype), jax.random.normal(keys[3], (rows, n), dtype))
+  return (topo, *_normal_draws(jax.random.key(seed), ((rows, k), (e, k, n), (e, n, k), (rows, n)), dtype))
 
 
 @jax.jit
@@ -114,11 +122,11 @@ def _check_fused_expert_mlp(groups, activation, glu, seed):
   topo = topology_for(groups)
   rows = topo.num_row_blocks * topo.block_size
   n_in = 2 if glu else 1  # (w_gate,) w_in
-  keys = jax.random.split(jax.random.key(seed), 3 + n_in)
-  x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
-  w_first = [(jax.random.normal(k, (3, d, f)) / d**0.5).astype(jnp.bfloat16) for k in keys[1:1 + n_in]]
-  w_out = (jax.random.normal(keys[1 + n_in], (3, f, d)) / f**0.5).astype(jnp.bfloat16)
-  ct = jax.random.normal(keys[2 + n_in], (rows, d)).astype(jnp.bfloat16)
+  x, *normal = _normal_draws(jax.random.key(seed), ((rows, d),) + ((3, d, f),) * n_in + ((3, f, d), (rows, d)),
+                             (jnp.bfloat16,) + (jnp.float32,) * (n_in + 2))
+  w_first = [(w / d**0.5).astype(jnp.bfloat16) for w in normal[:n_in]]
+  w_out = (normal[n_in] / f**0.5).astype(jnp.bfloat16)
+  ct = normal[-1].astype(jnp.bfloat16)
   args = (x, *w_first, w_out)
   gate = lambda ws: ws[0] if glu else None
   fused = lambda a, *ws: G.expert_mlp(a, ws[-2], ws[-1], topo, activation=activation, backend="mosaic",
@@ -132,8 +140,9 @@ def _check_fused_expert_mlp(groups, activation, glu, seed):
   # The reference as one jitted program, finished before the kernels start: op by op, beside the
   # interpreted kernels, it queued dozens of small computations on the device they run on.
   y_ref, g_ref = jax.block_until_ready(jax.jit(ref_value_and_grads)(*args))
-  # One forward serves the values and the gradients (interpreting a kernel is the test's cost).
-  y, vjp = jax.vjp(fused, *args)
+  # One forward serves the values and the gradients (interpreting a kernel is the test's cost); jitted, each pass is
+  # one program (op by op, the index arithmetic around the kernels compiled dozens of small ones).
+  y, vjp = jax.vjp(jax.jit(fused), *args)
   assert y.dtype == jnp.bfloat16
   check_rows(y, y_ref, topo, TOL[jnp.bfloat16])
   g = vjp(ct)
@@ -222,7 +231,7 @@ def test_mosaic_gmm_act_outputs_follow_the_contract(schedule, saved):
   cfgs = {"pingpong": None, "epilogue_wg": _interpret_epilogue_configs(),
           "cooperative": dataclasses.replace(mosaic.INTERPRET_CONFIGS, **mosaic.INTERPRET_COOPERATIVE)}[schedule]
   act = mosaic.SaveDerivative(jax.nn.gelu) if saved == "derivative" else jax.nn.gelu
-  first, h = mosaic.gmm_act(lhs, rhs, topo, act, cfgs)
+  first, h = jax.jit(lambda l, r, t: mosaic.gmm_act(l, r, t, act, cfgs))(lhs, rhs, topo)
   want = gmm_reference(lhs, rhs, topo)
   if saved == "derivative":
     want_first = jnp.where(real_rows(topo)[:, None], DERIVATIVES[jax.nn.gelu](want.astype(jnp.float32)), 0.0)
@@ -263,7 +272,8 @@ def test_mosaic_epilogue_warpgroup_dact_zeroes_padding_rows_whatever_pre_holds()
   topo, lhs, _, rhs_t, pre = _operands([130, 0, 70], jnp.bfloat16, 300, 300, 2)
   real = real_rows(topo)[:, None]
   pre = jnp.where(real, pre, jnp.nan)
-  out = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, _interpret_epilogue_configs())
+  cfgs = _interpret_epilogue_configs()
+  out = jax.jit(lambda l, r, t, p: mosaic.gmm_dact(l, r, t, p, jax.nn.gelu, cfgs))(lhs, rhs_t, topo, pre)
   want = (gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
           * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32)))
   check_rows(out, jnp.where(real, want, 0.0), topo, TOL[jnp.bfloat16])
@@ -299,7 +309,7 @@ def test_mosaic_tgmm_picks_its_config_by_rows_per_expert(monkeypatch, rows_per_e
   lhs = jnp.zeros((topo.num_row_blocks * 128, 128), jnp.bfloat16)
   configs = mosaic.DEFAULT_CONFIGS
   assert configs.tgmm_for(lhs.shape[0], 2) == getattr(configs, want)
-  mosaic.tgmm(lhs, lhs, topo, jnp.bfloat16, configs)
+  jax.eval_shape(lambda l, t: mosaic.tgmm(l, l, t, jnp.bfloat16, configs), lhs, topo)  # traced: the choice is made
   kernel, cfg = seen[0]
   assert kernel == ("pingpong" if want == "tgmm_short" else "per_tile")
   assert cfg.grid_minor_dim == (mosaic.N_DIM if want == "tgmm_long" else mosaic.M_DIM)
@@ -398,7 +408,7 @@ def test_mosaic_gmm_with_its_last_wave_split(monkeypatch, num_sms, transpose_rhs
                       split_tail=True)
   configs = dataclasses.replace(mosaic.INTERPRET_CONFIGS, gmm=cfg, gmm_t=cfg)
   w = rhs_t if transpose_rhs else rhs
-  out = mosaic.gmm(lhs, w, topo, transpose_rhs, jnp.bfloat16, configs)
+  out = jax.jit(lambda l, w, t: mosaic.gmm(l, w, t, transpose_rhs, jnp.bfloat16, configs))(lhs, w, topo)
   check_rows(out, gmm_reference(lhs, w, topo, transpose_rhs=transpose_rhs), topo, TOL[jnp.bfloat16])
 
 
@@ -457,7 +467,7 @@ def test_mosaic_tgmm_in_either_expert_order(monkeypatch, balance, streamed):
   cfg = dataclasses.replace(mosaic.INTERPRET_CONFIGS.tgmm, balance_experts=balance, streamed=streamed)
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=cfg))
   topo, lhs, _, _, dout = _operands([40, 0, 300, 130], jnp.bfloat16, 128, 256, 5)
-  dw = G.tgmm(lhs, dout, topo, backend="mosaic")
+  dw = jax.jit(lambda l, d, t: G.tgmm(l, d, t, backend="mosaic"))(lhs, dout, topo)
   assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[1] == 0)
 
@@ -481,7 +491,8 @@ def test_mosaic_pingpong_tgmm_matches_reference(groups, k, n, out_dtype, balance
   its CTA, one ring for both) against the float32 reference; lhs and dout random on the padding rows
   too, so an unmasked tail shows; an expert with no rows gets an exact zero gradient."""
   topo, lhs, _, _, dout = _operands(groups, jnp.bfloat16, k, n, 17 + len(groups))
-  dw = mosaic.tgmm(lhs, dout, topo, out_dtype, _pingpong_configs(balance_experts=balance))
+  cfgs = _pingpong_configs(balance_experts=balance)
+  dw = jax.jit(lambda l, d, t: mosaic.tgmm(l, d, t, out_dtype, cfgs))(lhs, dout, topo)
   assert dw.dtype == out_dtype and dw.shape == (len(groups), k, n)
   assert rel_err(dw, tgmm_reference(lhs, dout, topo, jnp.float32)) < TOL[out_dtype]
   empty = [i for i, g in enumerate(groups) if g == 0]
@@ -497,10 +508,12 @@ def test_tgmm_ignores_whatever_dout_holds_past_the_real_rows(schedule):
   real = real_rows(topo)[:, None]
   nan_dout = jnp.where(real, dout, jnp.nan)
   if schedule == "triton":
-    dw = G.tgmm(lhs, nan_dout, topo, backend="triton", out_dtype=jnp.float32)
+    tgmm = lambda l, d, t: G.tgmm(l, d, t, backend="triton", out_dtype=jnp.float32)
   else:
     changes = dict(per_tile={}, streamed=dict(streamed=True), pingpong=dict(pingpong=True))[schedule]
-    dw = mosaic.tgmm(lhs, nan_dout, topo, jnp.float32, mosaic.INTERPRET_CONFIGS.with_tgmm(**changes))
+    cfgs = mosaic.INTERPRET_CONFIGS.with_tgmm(**changes)
+    tgmm = lambda l, d, t: mosaic.tgmm(l, d, t, jnp.float32, cfgs)
+  dw = jax.jit(tgmm)(lhs, nan_dout, topo)
   assert rel_err(dw, tgmm_reference(lhs, jnp.where(real, dout, 0), topo, jnp.float32)) < TOL[jnp.bfloat16]
 
 
@@ -534,33 +547,35 @@ def test_mosaic_pingpong_gmm_kinds_match_reference(groups, slots, bands, rows_bo
   and those rows of active blocks exactly zero in every output."""
   from sparsejax.activations import DERIVATIVES
   n = 40 if rows_bound else 300
-  keys = jax.random.split(jax.random.key(len(groups) + slots), 4)
   topo = topology_for(groups, num_rows_bound=rows_bound)
   rows = topo.num_row_blocks * 128
-  lhs = jax.random.normal(keys[0], (rows, 256), jnp.bfloat16)
-  rhs = jax.random.normal(keys[1], (len(groups), 256, n), jnp.bfloat16)
-  rhs_t = jax.random.normal(keys[2], (len(groups), n, 256), jnp.bfloat16)
+  lhs, rhs, rhs_t, pre = _normal_draws(jax.random.key(len(groups) + slots),
+                                       ((rows, 256), (len(groups), 256, n), (len(groups), n, 256), (rows, n)),
+                                       jnp.bfloat16)
   real = real_rows(topo)[:, None]
-  pre = jnp.where(real, jax.random.normal(keys[3], (rows, n), jnp.bfloat16), jnp.nan)
+  pre = jnp.where(real, pre, jnp.nan)
   cfgs = _pingpong_gmm_configs(slots)
   if bands:
     cfgs = _with_expert_bands(cfgs, width=2)
   want = gmm_reference(lhs, rhs, topo)
-  check_rows(mosaic.gmm(lhs, rhs, topo, False, jnp.bfloat16, cfgs), want, topo, TOL[jnp.bfloat16])
-  check_rows(mosaic.gmm(lhs, rhs_t, topo, True, jnp.bfloat16, cfgs),
+  gmm = jax.jit(lambda l, r, t, transpose: mosaic.gmm(l, r, t, transpose, jnp.bfloat16, cfgs), static_argnums=3)
+  act = jax.jit(lambda l, r, t, f: mosaic.gmm_act(l, r, t, f, cfgs), static_argnums=3)
+  dact = jax.jit(lambda l, r, t, p, f: mosaic.gmm_dact(l, r, t, p, f, cfgs), static_argnums=4)
+  check_rows(gmm(lhs, rhs, topo, False), want, topo, TOL[jnp.bfloat16])
+  check_rows(gmm(lhs, rhs_t, topo, True),
              gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[jnp.bfloat16])
-  p, h = mosaic.gmm_act(lhs, rhs, topo, jax.nn.gelu, cfgs)
+  p, h = act(lhs, rhs, topo, jax.nn.gelu)
   check_rows(p, want, topo, TOL[jnp.bfloat16])
   check_rows(h, jax.nn.gelu(want.astype(jnp.float32)), topo, TOL[jnp.bfloat16])
-  d = mosaic.gmm_dact(lhs, rhs_t, topo, pre, jax.nn.gelu, cfgs)
+  d = dact(lhs, rhs_t, topo, pre, jax.nn.gelu)
   dh = gmm_reference(lhs, rhs_t, topo, transpose_rhs=True).astype(jnp.float32)
   want_d = dh * DERIVATIVES[jax.nn.gelu](pre.astype(jnp.float32))
   check_rows(d, jnp.where(real, want_d, 0.0), topo, TOL[jnp.bfloat16])
   # The saved-derivative forms: gmm_act's first output act'(pre), gmm_dact's product times pre as given.
-  sd, h2 = mosaic.gmm_act(lhs, rhs, topo, mosaic.SaveDerivative(jax.nn.gelu), cfgs)
+  sd, h2 = act(lhs, rhs, topo, mosaic.SaveDerivative(jax.nn.gelu))
   check_rows(sd, jnp.where(real, DERIVATIVES[jax.nn.gelu](want.astype(jnp.float32)), 0.0), topo, TOL[jnp.bfloat16])
   np.testing.assert_array_equal(np.asarray(h2)[np.asarray(real[:, 0])], np.asarray(h)[np.asarray(real[:, 0])])
-  d2 = mosaic.gmm_dact(lhs, rhs_t, topo, pre, None, cfgs)
+  d2 = dact(lhs, rhs_t, topo, pre, None)
   check_rows(d2, jnp.where(real, dh * pre.astype(jnp.float32), 0.0), topo, TOL[jnp.bfloat16])
 
 
@@ -622,7 +637,7 @@ def test_mosaic_streamed_tgmm_across_tiles(monkeypatch, epi_slots, minor, out_dt
                             grid_minor_dim=minor)
   monkeypatch.setattr(mosaic, "INTERPRET_CONFIGS", dataclasses.replace(mosaic.INTERPRET_CONFIGS, tgmm=cfg))
   topo, lhs, _, _, dout = _operands([0, 257, 70], jnp.bfloat16, 256, 520, 6)
-  dw = G.tgmm(lhs, dout, topo, out_dtype=out_dtype, backend="mosaic")
+  dw = jax.jit(lambda l, d, t: G.tgmm(l, d, t, out_dtype=out_dtype, backend="mosaic"))(lhs, dout, topo)
   assert dw.shape == (3, 256, 520) and dw.dtype == out_dtype
   assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[jnp.bfloat16]
   assert np.all(np.asarray(dw)[0] == 0)
@@ -641,8 +656,8 @@ def test_triton_gradients_match_reference(groups):
   topo, lhs, rhs, _, _ = _operands(groups, jnp.float32, 32, 16, len(groups) + sum(groups))
   ct = jax.random.normal(jax.random.key(5), (lhs.shape[0], 16))
   loss = lambda f: lambda a, b: jnp.sum(jnp.tanh(f(a, b, topo)) * ct)
-  g = jax.grad(loss(lambda a, b, t: G.gmm(a, b, t, backend="triton")), argnums=(0, 1))(lhs, rhs)
-  g_ref = jax.grad(loss(G.gmm_reference), argnums=(0, 1))(lhs, rhs)
+  g = jax.jit(jax.grad(loss(lambda a, b, t: G.gmm(a, b, t, backend="triton")), argnums=(0, 1)))(lhs, rhs)
+  g_ref = jax.jit(jax.grad(loss(G.gmm_reference), argnums=(0, 1)))(lhs, rhs)
   for a, b in zip(g, g_ref):
     assert rel_err(a, b) < 2e-5
 
@@ -730,7 +745,7 @@ def test_mosaic_gmm_act_takes_the_epilogue_warpgroup_for_long_experts(monkeypatc
   assert configs.gmm_for("gmm_act", lhs.shape[0], 2) == want
   assert configs.gmm_for("gmm_dact", lhs.shape[0], 2) == (configs.gmm_dact_long if epilogue_wg else configs.gmm_dact)
   assert configs.gmm_for("gmm", lhs.shape[0], 2) == configs.gmm
-  mosaic.gmm_act(lhs, w, topo, jax.nn.gelu, configs)
+  jax.eval_shape(lambda l, w, t: mosaic.gmm_act(l, w, t, jax.nn.gelu, configs), lhs, w, topo)  # traced
   assert seen[0][0] == ("epilogue_wg" if epilogue_wg else "pingpong") and seen[0][1].epilogue_wg == epilogue_wg
 
 
@@ -741,5 +756,5 @@ def test_mosaic_gmm_glu_takes_the_pingpong_kernel_for_short_experts(monkeypatch,
   seen, topo, lhs, w = _spy_on_gmm_schedules(monkeypatch, rows_per_expert, num_out=3)
   configs = mosaic.DEFAULT_CONFIGS
   assert configs.gmm_for("gmm_glu", lhs.shape[0], 2) == (configs.gmm_glu_short if short else configs.gmm_glu)
-  mosaic.gmm_glu(lhs, w, w, topo, jax.nn.silu, configs)
+  jax.eval_shape(lambda l, w, t: mosaic.gmm_glu(l, w, w, t, jax.nn.silu, configs), lhs, w, topo)  # traced
   assert [kernel for kernel, _ in seen] == ["pingpong" if short else "cooperative"]
