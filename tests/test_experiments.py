@@ -283,8 +283,13 @@ def test_skinny_matmul_sweep_checks_every_config_on_the_cpu():
   assert all("error" not in r and r["rel_err"] < 1e-5 for r in rows)
 
 
-def test_decode_attention_probe_checks_every_config_against_the_reference():
+def test_decode_attention_probe_checks_every_config_against_the_reference(monkeypatch):
+  import jax
   import probe_decode_attention
+  from sparsejax.kernels.decode_attention import op
+  # Test speed only: each config's kernel traced and lowered once a program, not once per layer of the probe's
+  # chain (interpreted, its lowering was most of this test's time). The config is static; the program is the same.
+  monkeypatch.setattr(op, "_split_kernel", jax.jit(op._split_kernel, static_argnums=5))
   report = probe_decode_attention.main(["--smoke", "--focused", "--stages", "1,2"])
   assert set(report) == {"tiny-moe_b1", "tiny-moe_b8"}
   for case in report.values():
@@ -943,11 +948,14 @@ def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
   with pytest.raises(SystemExit):  # argparse's one-line error for a variant it does not have
     probe.main(["--variants", "fulll"])
   num, W = 128, probe.W
-  dep, qkv, att, w_o, exp = probe.inputs(jax.random.key(3), num, 1)
-  f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
-  bf = lambda x: f32(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16))
+  # The inputs and the reference, jitted: op by op, their many small ops compiled one program each.
+  dep, qkv, att, w_o, exp = jax.jit(probe.inputs, static_argnums=(1, 2))(jax.random.key(3), num, 1)
+  reference = jax.jit(probe.reference, static_argnames="reads")
+  f32 = lambda x: np.asarray(x, np.float32).astype(np.float64)  # on the host, as the casts below
+  bf = lambda x: f32(np.asarray(x, np.float32).astype(jnp.bfloat16))
+  slabs = {"qkv": np.asarray(qkv), "attention": np.asarray(att), "w_o": np.asarray(w_o), "expert": np.asarray(exp)}
   for reads in ("window", "row", 8, None):
-    got = np.asarray(probe.reference(dep, qkv, att, w_o, exp, reads=reads), np.float64)
+    got = np.asarray(reference(dep, qkv, att, w_o, exp, reads=reads), np.float64)
     p = 70  # in the second window
     def v_of(prev):
       if reads == "window":
@@ -965,10 +973,10 @@ def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
         a = f32(slab)[first * W:(first + n) * W].reshape(n, W, W)
         return np.einsum("cmk,k->m", a, bf(v)) / np.sqrt(W * n)
       if name == "expert":
-        slab = exp[0, int(v.sum() > 0), p]
+        slab = slabs["expert"][0, int(v.sum() > 0), p]
         want = product(slab, chunks // 2, chunks // 2, product(slab, 0, chunks // 2, v))
       elif chunks:
-        want = product({"qkv": qkv, "attention": att, "w_o": w_o}[name][0, p], 0, chunks, v)
+        want = product(slabs[name][0, p], 0, chunks, v)
       else:
         want = v * probe.LIGHT_SCALE[reads]
       np.testing.assert_allclose(got[k, p], want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"{reads} {name}")
