@@ -2,6 +2,7 @@
 copy AdamW writes instead of casting the float32 params, with the old step's numbers bit for bit;
 the copy is what cast_dtypes says the forward casts, stays cast(params), never reaches a checkpoint,
 and lies on a mesh as its params do."""
+import functools
 import re
 import shutil
 
@@ -24,6 +25,15 @@ is_none = lambda v: v is None
 
 def _model(**overrides):
   return functional(Transformer(get_preset("tiny-moe", **overrides), rngs=nnx.Rngs(0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _old_and_new_steps(dtype: str):
+  """The tiny model ("bf16" or "float32"), its optimizer, and the step without the copy and with it: shared by the
+  tests of one dtype, so that each step compiles once for its shapes (a compile is most of such a test's time)."""
+  apply, params = _model(**(BF16 if dtype == "bf16" else TINY))
+  tx = make_optimizer(TrainConfig(lr=1e-2, warmup=1, steps=30))
+  return apply, params, tx, make_steps(apply, tx, seed=0)[0], make_steps(apply, tx, seed=0, with_copy=True)[0]
 
 
 def _tokens(steps, seed=0, batch=4):
@@ -83,11 +93,8 @@ def test_a_weight_used_other_than_by_one_cast_gets_no_copy():
 def test_steps_with_the_copy_match_the_old_step_bit_for_bit(overrides):
   """Four steps: params, optimizer state and every metric equal the old step's exactly, and after
   each step the copy is cast(params)."""
-  apply, params = _model(**overrides)
-  tx = make_optimizer(TrainConfig(lr=1e-2, warmup=1, steps=30))
+  apply, params, tx, old, new = _old_and_new_steps("bf16" if overrides is BF16 else "float32")
   tok = _tokens(4)
-  old, _ = make_steps(apply, tx, seed=0)
-  new, _ = make_steps(apply, tx, seed=0, with_copy=True)
   dtypes = cast_dtypes(apply, params, tok[0, :, :-1], rng=jax.random.key(0))
   a = jax.tree.map(jnp.copy, (params, tx.init(params)))  # the steps donate their state
   b = jax.tree.map(jnp.copy, (params, tx.init(params)))
@@ -109,12 +116,9 @@ def _entry_casts(hlo: str) -> list[str]:
 def test_the_compiled_step_casts_no_param_in_its_forward():
   """XLA:CPU's optimized HLO: the old step converts each float32 weight to bf16 on entry; the step
   with the copy converts none (its casts read the updated params, at the end of the step)."""
-  apply, params = _model(**BF16)
-  tx = make_optimizer(TrainConfig(lr=1e-2, warmup=1, steps=30))
+  apply, params, tx, old, new = _old_and_new_steps("bf16")
   opt_state = tx.init(params)
   x, y = _tokens(1)[0, :, :-1], _tokens(1)[0, :, 1:]
-  old, _ = make_steps(apply, tx, seed=0)
-  new, _ = make_steps(apply, tx, seed=0, with_copy=True)
   copy = compute_copy(params, cast_dtypes(apply, params, x, rng=jax.random.key(0)))
   before = _entry_casts(old.lower(params, opt_state, x, y, jnp.int32(0)).compile().as_text())
   after = _entry_casts(new.lower(params, opt_state, x, y, jnp.int32(0), copy).compile().as_text())
