@@ -33,8 +33,9 @@ def rand(rng: np.random.Generator, shape, scale=1.0) -> np.ndarray:
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
-  """The float32 values a bfloat16 cast keeps (so f32 references see the same inputs)."""
-  return np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32))
+  """The float32 values a bfloat16 cast keeps (so f32 references see the same inputs). On the host, rounded as
+  jnp.asarray(a, jnp.bfloat16) rounds (through float32): a cast on the device compiled a program per shape."""
+  return np.asarray(a, np.float32).astype(jnp.bfloat16).astype(np.float32)
 
 
 # ---------------------------------------------------------------------------- numpy oracle

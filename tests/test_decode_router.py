@@ -160,7 +160,7 @@ def test_folded_norm_routes_the_normalized_rows(name, dtype):
   g = jnp.asarray(1.0 + 0.3 * np.random.default_rng(seed_of("g", name)).standard_normal(d), jnp.float32)
   ids, wts = jax.jit(lambda x, w, g: decode_router(x, w, k, renormalize=renorm, norm=(g, 1e-6),
                                                    impl="triton"))(x, w, g)
-  xn = rms_norm(x, g, 1e-6)
+  xn = jax.jit(rms_norm, static_argnums=2)(x, g, 1e-6)
   want_ids, want_wts = _oracle(xn.astype(jnp.float32), w, k, renorm)
   np.testing.assert_array_equal(np.asarray(ids), want_ids)
   np.testing.assert_allclose(np.asarray(wts), want_wts, **TOL)
@@ -199,8 +199,10 @@ def test_logit_parts_are_the_first_kernel_and_select_as_the_router(name, norm):
     xn = xn / np.sqrt(np.mean(xn * xn, axis=1, keepdims=True) + 1e-6) * np.asarray(g, np.float64)
   want = np.einsum("tsr,sre->tse", xn.reshape(t, splits, -1), np.asarray(w, np.float64).reshape(splits, -1, e))
   np.testing.assert_allclose(np.asarray(parts), want, rtol=1e-5, atol=1e-5)
-  want_ids, want_wts = decode_router(x, w, k, renormalize=renorm, norm=nrm, impl="triton")
-  for ids, wts in (select_from_parts(parts, k, renorm), select_logit_parts(parts, k, renormalize=renorm)):
+  # Each jitted: op by op, every case's shapes compiled dozens of small programs.
+  want_ids, want_wts = jax.jit(lambda x, w: decode_router(x, w, k, renormalize=renorm, norm=nrm, impl="triton"))(x, w)
+  for ids, wts in (jax.jit(select_from_parts, static_argnums=(1, 2))(parts, k, renorm),
+                   jax.jit(lambda p: select_logit_parts(p, k, renormalize=renorm))(parts)):
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
     np.testing.assert_allclose(np.asarray(wts), np.asarray(want_wts), **TOL)
 
@@ -213,9 +215,10 @@ def test_logit_parts_gradients_and_errors():
   ct = jnp.asarray(np.random.default_rng(5).standard_normal((2, splits, 16)), jnp.float32)
   from sparsejax.kernels.decode_router.reference import logit_parts_reference
   from sparsejax.norm import rms_norm
-  got = jax.grad(lambda x, w, g: jnp.sum(router_logit_parts(x, w, norm=(g, 1e-6)) * ct), argnums=(0, 1, 2))(x, w, g)
-  want = jax.grad(lambda x, w, g: jnp.sum(logit_parts_reference(rms_norm(x, g, 1e-6), w, splits) * ct),
-                  argnums=(0, 1, 2))(x, w, g)
+  got = jax.jit(jax.grad(lambda x, w, g: jnp.sum(router_logit_parts(x, w, norm=(g, 1e-6)) * ct),
+                         argnums=(0, 1, 2)))(x, w, g)
+  want = jax.jit(jax.grad(lambda x, w, g: jnp.sum(logit_parts_reference(rms_norm(x, g, 1e-6), w, splits) * ct),
+                          argnums=(0, 1, 2)))(x, w, g)
   for a, b in zip(got, want):
     assert float(jnp.max(jnp.abs(b))) > 0
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -243,7 +246,8 @@ def test_logit_parts_add_a_pending_product_first(name, dtype):
   assert h.dtype == dtype and h.shape == x.shape
   np.testing.assert_allclose(np.asarray(h, np.float64), want_h, **(TOL if dtype == jnp.float32 else dict(rtol=1e-2)))
   # bf16: the normalized row's rounding may flip an ulp between the two programs (a logit moves ~1e-2)
-  np.testing.assert_allclose(np.asarray(parts), np.asarray(router_logit_parts(h, w, norm=(g, 1e-6))),
+  np.testing.assert_allclose(np.asarray(parts), np.asarray(jax.jit(lambda h, w, g: router_logit_parts(
+                                 h, w, norm=(g, 1e-6)))(h, w, g)),
                              **(TOL if dtype == jnp.float32 else dict(rtol=2e-2, atol=2e-2)))
   if dtype == jnp.float32:
     ct = jnp.asarray(rng.standard_normal(parts.shape), jnp.float32)
@@ -257,8 +261,8 @@ def test_logit_parts_add_a_pending_product_first(name, dtype):
     from sparsejax.norm import rms_norm
     kernel = lambda x, w, g, p: router_logit_parts(x, w, norm=(g, 1e-6), pending=p)
     ref = lambda x, w, g, p: (logit_parts_reference(rms_norm(_added(x, p), g, 1e-6), w, parts.shape[1]), _added(x, p))
-    got = jax.grad(loss(kernel), argnums=range(4))(x, w, g, pending)
-    want = jax.grad(loss(ref), argnums=range(4))(x, w, g, pending)
+    got = jax.jit(jax.grad(loss(kernel), argnums=range(4)))(x, w, g, pending)
+    want = jax.jit(jax.grad(loss(ref), argnums=range(4)))(x, w, g, pending)
     for a, b in zip(got, want):
       assert float(jnp.max(jnp.abs(b))) > 0
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
@@ -282,8 +286,8 @@ def test_select_logit_parts_gradients_and_errors():
   """The select kernel alone: the weights' cotangents to the parts are the reference's; bad parts fail in one line."""
   parts = jnp.asarray(np.random.default_rng(6).standard_normal((3, 4, 16)), jnp.float32)
   ct = jnp.asarray(np.random.default_rng(7).standard_normal((3, 2)), jnp.float32)
-  got = jax.grad(lambda p: jnp.sum(select_logit_parts(p, 2)[1] * ct))(parts)
-  want = jax.grad(lambda p: jnp.sum(select_from_parts(p, 2, True)[1] * ct))(parts)
+  got = jax.jit(jax.grad(lambda p: jnp.sum(select_logit_parts(p, 2)[1] * ct)))(parts)
+  want = jax.jit(jax.grad(lambda p: jnp.sum(select_from_parts(p, 2, True)[1] * ct)))(parts)
   assert float(jnp.max(jnp.abs(want))) > 0
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
   for bad, msg in ((parts[0], "parts must be"), (parts.astype(jnp.int32), "parts")):

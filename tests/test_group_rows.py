@@ -9,6 +9,8 @@ from sparsejax.kernels import group_rows as gr
 from tests.moe_testing import seed_of
 
 G = 16
+# The reference, one jitted program (op by op, every case's shapes compiled dozens of small ones).
+_reference = jax.jit(gr.group_rows_reference, static_argnums=(2, 3))
 # (tokens, k, experts, d, how ids are drawn)
 CASES = {
     "medium_b32": (32, 1, 64, 512, "uniform"),  # two 256-column blocks
@@ -61,16 +63,17 @@ def test_kernel_equals_the_reference_and_the_loop(name, dtype):
   groups = gr.row_groups(ids.shape[0], e, G)
   assert xs.shape == (groups, G, x.shape[1]) and xs.dtype == x.dtype
   assert experts.dtype == slot.dtype == counts.dtype == jnp.int32 and slot.shape == ids.shape
-  for got, want in zip((xs, experts, slot, counts), gr.group_rows_reference(x, ids, e, G)):
+  for got, want in zip((xs, experts, slot, counts), _reference(x, ids, e, G)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # integers and moved rows: bit-exact
   i = np.asarray(ids)
   np.testing.assert_array_equal(np.asarray(counts), np.bincount(i[(i >= 0) & (i < e)], minlength=e))
   want_experts, rows, want_slot = _placement_loop(np.asarray(ids), x.shape[0], e)
   np.testing.assert_array_equal(np.asarray(experts), want_experts)
   np.testing.assert_array_equal(np.asarray(slot), want_slot)
+  xs = np.asarray(xs)  # indexed on the host
   for g, toks in enumerate(rows):
-    np.testing.assert_array_equal(np.asarray(xs[g, :len(toks)]), np.asarray(x)[toks])
-    assert not np.any(np.asarray(xs[g, len(toks):]))
+    np.testing.assert_array_equal(xs[g, :len(toks)], np.asarray(x)[toks])
+    assert not np.any(xs[g, len(toks):])
 
 
 def test_every_pair_without_an_expert():
@@ -86,14 +89,14 @@ def test_gradient_is_the_reference_one():
   cot = jnp.asarray(np.random.default_rng(2).standard_normal((gr.row_groups(ids.shape[0], e, G), G, x.shape[1])),
                     jnp.float32)
   loss = lambda impl: lambda x: jnp.sum(gr.group_rows(x, ids, e, impl=impl)[0] * cot)
-  got, want = jax.grad(loss("triton"))(x), jax.grad(loss("xla"))(x)
+  got, want = jax.jit(jax.grad(loss("triton")))(x), jax.jit(jax.grad(loss("xla")))(x)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
   # dx[t] sums the cotangent rows of token t's k pairs
   _, rows, _ = _placement_loop(np.asarray(ids), x.shape[0], e)
-  oracle = np.zeros(x.shape)
+  oracle, cot = np.zeros(x.shape), np.asarray(cot)
   for g, toks in enumerate(rows):
     for r, t in enumerate(toks):
-      oracle[t] += np.asarray(cot[g, r])
+      oracle[t] += cot[g, r]
   np.testing.assert_allclose(np.asarray(got), oracle, rtol=1e-6, atol=1e-6)
 
 

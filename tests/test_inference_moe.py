@@ -1,4 +1,6 @@
 """The small-batch MoE path and int8 experts: equal to moe_mlp, and clear errors on bad input."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,12 +24,18 @@ def _case(tokens, experts, k, d=16, f=24, dtype=jnp.float32, glu=False, seed=0, 
        for n, s in (("w_in", (experts, d, f)), ("w_out", (experts, f, d)), ("w_gate", (experts, d, f)))}
   if not glu:
     del w["w_gate"]
-  cast = lambda a: jnp.asarray(a, dtype)
+  cast = lambda a: jax.device_put(np.asarray(a).astype(dtype))  # cast and moved with no small program per shape
   return cast(x), jnp.asarray(ids, jnp.int32), cast(cw), {n: cast(v) for n, v in w.items()}
 
 
+@functools.partial(jax.jit, static_argnames="act")
+def _moe_mlp_and_stats(x, ids, cw, w, act=jax.nn.gelu):
+  """moe_mlp's (y, stats): the reference, one jitted program (op by op, each shape compiled dozens)."""
+  return moe_mlp(x, ids, cw, w["w_in"], w["w_out"], w_gate=w.get("w_gate"), activation=act)
+
+
 def _moe_mlp(x, ids, cw, w, act=jax.nn.gelu):
-  return moe_mlp(x, ids, cw, w["w_in"], w["w_out"], w_gate=w.get("w_gate"), activation=act)[0]
+  return _moe_mlp_and_stats(x, ids, cw, w, act=act)[0]
 
 
 def _decode(x, ids, cw, w, act=jax.nn.gelu):
@@ -86,10 +94,9 @@ def test_grouped_rows_placed_by_the_kernel(name, dtype, monkeypatch):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(xla, np.float32))
   # the layer's tokens_per_expert, the kernel's own counts: moe_mlp's
   np.testing.assert_array_equal(stats.tokens_per_expert, xla_stats.tokens_per_expert)
-  np.testing.assert_array_equal(stats.tokens_per_expert, moe_mlp(x, ids, cw, w["w_in"], w["w_out"],
-                                                                 w_gate=w.get("w_gate"))[1].tokens_per_expert)
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(_moe_mlp(x, ids, cw, w), np.float32),
-                             **TOL[dtype])
+  want, want_stats = _moe_mlp_and_stats(x, ids, cw, w)
+  np.testing.assert_array_equal(stats.tokens_per_expert, want_stats.tokens_per_expert)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
 
 
 def test_padding_slots_hold_no_expert(monkeypatch):
@@ -122,12 +129,14 @@ def test_grouped_rows_give_each_expert_its_own_tokens(monkeypatch):
   xs, experts = seen[-1]
   assert xs.shape == (row_groups(20, 8, decode_moe.ROW_GROUP), 16, 16)
   np.testing.assert_array_equal(np.asarray(experts), [1, 5, 5] + [8] * (xs.shape[0] - 3))
-  np.testing.assert_array_equal(np.asarray(xs[0, :2]), np.asarray(x[jnp.array([17, 19])]))  # expert 1's tokens
-  np.testing.assert_array_equal(np.asarray(xs[2, 0]), np.asarray(x[16]))  # expert 5's 17th token opens its 2nd group
-  assert not np.any(np.asarray(xs[0, 2:])) and not np.any(np.asarray(xs[2, 1:]))
+  xs, x_np = np.asarray(xs), np.asarray(x)  # indexed on the host
+  np.testing.assert_array_equal(xs[0, :2], x_np[[17, 19]])  # expert 1's tokens
+  np.testing.assert_array_equal(xs[2, 0], x_np[16])  # expert 5's 17th token opens its 2nd group
+  assert not np.any(xs[0, 2:]) and not np.any(xs[2, 1:])
   np.testing.assert_allclose(np.asarray(got), np.asarray(_moe_mlp(x, ids, cw, w)), **TOL[jnp.float32])
   monkeypatch.setattr(decode_moe, "COMPACT_ROWS", False)
-  np.testing.assert_allclose(np.asarray(_decode(x, ids, cw, w)), np.asarray(got), **TOL[jnp.float32])
+  shared = jax.jit(lambda x, cw: _decode(x, ids, cw, w))(x, cw)  # traced afresh, under the flag
+  np.testing.assert_allclose(np.asarray(shared), np.asarray(got), **TOL[jnp.float32])
   assert seen[-1][0].shape == x.shape  # the shared-x form
 
 
@@ -138,15 +147,17 @@ def test_grouped_rows_at_shapes_the_kernels_take(dtype, int8):
   reference there): 24 tokens, top-2 of 4 experts, expert 0 chosen by 20 tokens (two groups)."""
   x, _, cw, w = _case(24, 4, 2, d=64, f=128, glu=True, seed=7)
   ids = jnp.asarray(np.stack([np.zeros(24, int), 1 + np.arange(24) % 3], 1)).at[20:, 0].set(3)
+  x, cw = x.astype(dtype), cw.astype(dtype)
   if int8:
     qs = {n: quantize_weight(v) for n, v in w.items()}
     w = {n: dequantize(q, s, dtype) for n, (q, s) in qs.items()}
-    got = decode_moe_mlp(x.astype(dtype), ids, cw.astype(dtype), qs["w_in"][0], qs["w_out"][0], w_gate=qs["w_gate"][0],
-                         w_in_scale=qs["w_in"][1], w_out_scale=qs["w_out"][1], w_gate_scale=qs["w_gate"][1])[0]
+    got = jax.jit(lambda x, cw, q, s: decode_moe_mlp(
+        x, ids, cw, q["w_in"], q["w_out"], w_gate=q["w_gate"], w_in_scale=s["w_in"], w_out_scale=s["w_out"],
+        w_gate_scale=s["w_gate"])[0])(x, cw, {n: v[0] for n, v in qs.items()}, {n: v[1] for n, v in qs.items()})
   else:
     w = {n: v.astype(dtype) for n, v in w.items()}
-    got = _decode(x.astype(dtype), ids, cw.astype(dtype), w)
-  want = _moe_mlp(x.astype(dtype), ids, cw.astype(dtype), w)
+    got = jax.jit(lambda x, cw, w: _decode(x, ids, cw, w))(x, cw, w)
+  want = _moe_mlp(x, ids, cw, w)
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **TOL[dtype])
 
 

@@ -27,6 +27,7 @@ T, D, F, K = 64, 8, 16, 2
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))  # one program, not a dozen small ones for each problem
 def _routing(kind, num_experts, key):
   """uniform: random logits; skewed: most weight on experts 0 and 1; one: every token's first pick is expert E-1."""
   logits = jax.random.normal(key, (T, num_experts))
@@ -535,7 +536,7 @@ def test_module_with_mesh_matches_single_device():
   single, sharded = _modules(config, mesh)
   _shard_module(sharded, mesh, 4)
   x = jax.random.normal(jax.random.key(7), (4, 16, D))
-  y0, s0 = single(x)
+  y0, s0 = nnx.jit(lambda m, x: m(x))(single, x)
   y1, s1 = nnx.jit(lambda m, x: m(x))(sharded, x)
   np.testing.assert_allclose(y1, y0, **TOL)
   np.testing.assert_allclose(s1.aux_loss, s0.aux_loss, **TOL)

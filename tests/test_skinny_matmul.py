@@ -12,6 +12,13 @@ from tests.moe_testing import seed_of
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
+def _rounded(a, dtype) -> np.ndarray:
+  """a in dtype, rounded as jnp.asarray(a, dtype) rounds it (float64 through float32), but on the host: a cast on
+  the device compiled a small program for every shape (jax.device_put, not jnp.asarray, moves it: jnp.asarray's
+  copy compiles one too)."""
+  return np.asarray(a, np.float32).astype(dtype)
+
+
 def _oracle(x, w, experts, scale=None):
   """float64: y[s] = x_s @ (W[e_s] * scale[e_s]), with the weight rounded to x's dtype first; y[s] = 0 for an
   id outside [0, E). W = w, or w^T for int8 w (stored k-major, as quantize_weight stores it)."""
@@ -19,7 +26,7 @@ def _oracle(x, w, experts, scale=None):
   ids = np.asarray(experts)
   present = (ids >= 0) & (ids < w.shape[0])
   ids = np.where(present, ids, 0)
-  ws = np.asarray(jnp.asarray(w).astype(x.dtype), np.float64)[ids]
+  ws = np.asarray(_rounded(w, x.dtype), np.float64)[ids]
   if jnp.asarray(w).dtype == jnp.int8:
     ws = np.swapaxes(ws, -1, -2)
   xs = x64 if x64.ndim == 3 else np.broadcast_to(x64, (len(ids),) + x64.shape)
@@ -30,8 +37,8 @@ def _oracle(x, w, experts, scale=None):
 
 
 def _draw(seed, shape, dtype):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 1 else 1),
-                     dtype)
+  return jax.device_put(_rounded(np.random.default_rng(seed).standard_normal(shape)
+                                / np.sqrt(shape[-2] if len(shape) > 1 else 1), dtype))
 
 
 # (m, k, n, experts, slot ids): k, n >= 300 cross several column blocks and K slabs; m = 1 takes the
@@ -279,12 +286,12 @@ def _ffn_oracle(x, w_in, w_out, ids, act, w_gate=None, scales=(None, None, None)
   s_in, s_gate, s_out = scales
   u = _oracle(x, w_in, ids, s_in)
   if w_gate is not None:
-    h = act(np.asarray(jnp.asarray(_oracle(x, w_gate, ids, s_gate), dtype), np.float64)) * np.asarray(
-        jnp.asarray(u, dtype), np.float64)
+    h = act(np.asarray(_rounded(_oracle(x, w_gate, ids, s_gate), dtype), np.float64)) * np.asarray(
+        _rounded(u, dtype), np.float64)
   else:
-    h = act(np.asarray(jnp.asarray(u, dtype), np.float64))
-  h = np.asarray(jnp.asarray(h, dtype), np.float64)
-  return _oracle(jnp.asarray(h, dtype), w_out, ids, s_out)
+    h = act(np.asarray(_rounded(u, dtype), np.float64))
+  h = np.asarray(_rounded(h, dtype), np.float64)
+  return _oracle(_rounded(h, dtype), w_out, ids, s_out)
 
 
 # (m, d, f, E, ids, form): "row" is one kernel of hidden-layer slabs (one row, d in power-of-two pieces); "split" the
@@ -625,7 +632,7 @@ def test_split_k_parts_sum_to_the_product(m, k):
 
 def _residual_oracle(y64, combine, residual, dtype):
   """float64 residual + round(sum_s combine[:, s] round(y[s])), round to dtype, the sum to residual's dtype."""
-  rnd = lambda v, dt: np.asarray(jnp.asarray(v, dt), np.float64)
+  rnd = lambda v, dt: np.asarray(_rounded(v, dt), np.float64)
   z = np.einsum("ms,smd->md", np.asarray(combine, np.float64), rnd(y64, dtype))
   return rnd(np.asarray(residual, np.float64) + rnd(z, dtype), residual.dtype)
 
@@ -653,7 +660,7 @@ def test_ffn_residual_equals_the_oracle(name, dtype, row_form_at_any_size):
   d, f, e, ids, w_dtype, gated, fused = RESIDUAL_CASES[name]
   seed = seed_of("ffn_residual", name, str(dtype))
   rng = np.random.default_rng(seed)
-  x, residual = _draw(seed, (1, d), dtype), jnp.asarray(rng.standard_normal((1, d)), dtype)
+  x, residual = _draw(seed, (1, d), dtype), jax.device_put(_rounded(rng.standard_normal((1, d)), dtype))
   valid = (np.asarray(ids) >= 0) & (np.asarray(ids) < e)
   combine = jnp.asarray(np.where(valid, rng.uniform(0.1, 1.0, (1, len(ids))), np.nan), jnp.float32)
   experts = jnp.asarray(ids, jnp.int32)
@@ -748,7 +755,7 @@ def _routed_case(name, dtype):
   d, f, e, k, splits, renormalize, w_dtype, gated, fused = ROUTED_CASES[name]
   seed = seed_of("routed_ffn", name, str(dtype))
   rng = np.random.default_rng(seed)
-  x, residual = _draw(seed, (1, d), dtype), jnp.asarray(rng.standard_normal((1, d)), dtype)
+  x, residual = _draw(seed, (1, d), dtype), jax.device_put(_rounded(rng.standard_normal((1, d)), dtype))
   parts = jnp.asarray(rng.standard_normal((1, splits, e)), jnp.float32)
   ws = [_draw(seed + i, shape, jnp.float32) for i, shape in enumerate([(e, d, f), (e, d, f), (e, f, d)], 1)]
   if w_dtype == jnp.int8:
@@ -777,7 +784,8 @@ def test_routed_ffn_residual_selects_as_the_router_and_equals_the_oracle(name, d
   got, ids = call("triton")(x, residual, parts)
   want_ids, want_wts = _select64(parts, k, renormalize)
   np.testing.assert_array_equal(np.asarray(ids), want_ids)
-  np.testing.assert_array_equal(np.asarray(ids), np.asarray(select_from_parts(parts, k, renormalize)[0][0]))
+  np.testing.assert_array_equal(np.asarray(ids), np.asarray(
+      jax.jit(select_from_parts, static_argnums=(1, 2))(parts, k, renormalize)[0][0]))
   assert got.dtype == residual.dtype and got.shape == (1, d) and ids.dtype == jnp.int32
   y = _ffn_oracle(x, w_in, w_out, jnp.asarray(want_ids), _silu64 if gated else _gelu64, w_gate=kw["w_gate"],
                   scales=scales, dtype=dtype)
