@@ -210,15 +210,16 @@ def nth_thresholds(u: Int[Array, "experts width"], tt: Int[Array, "experts width
 
 
 def _key_table(probs, expert, nxt):
-  """(bits, keys): p's bits [T, E], and the [E, T_pow2] key table (a candidate's key with the sign bit; NONE
-  for a pair that is neither, and for the padding)."""
+  """(bits, keys, assigned, candidate): p's bits [T, E]; the [E, T_pow2] key table (a candidate's key with the
+  sign bit; NONE for a pair that is neither, and for the padding); and the [T, E] masks it was built from."""
   num_tokens, num_experts = probs.shape
   tp = pl.next_power_of_2(num_tokens)
   bits = jax.lax.bitcast_convert_type(probs, jnp.int32)  # >= 0, ordered as the probabilities
   experts = jnp.arange(num_experts, dtype=jnp.int32)
   assigned = jnp.any(expert[:, :, None] == experts, axis=1)
-  key = jnp.where(assigned, bits, jnp.where(nxt[:, None] == experts, bits | SIGN, NONE))
-  return bits, jnp.pad(key.T, ((0, 0), (0, tp - num_tokens)), constant_values=NONE)
+  candidate = nxt[:, None] == experts
+  key = jnp.where(assigned, bits, jnp.where(candidate, bits | SIGN, NONE))
+  return bits, jnp.pad(key.T, ((0, 0), (0, tp - num_tokens)), constant_values=NONE), assigned, candidate
 
 
 def _apply(bits, expert, nxt, mode, v, i, token, tt_max):
@@ -240,7 +241,7 @@ def block_moves(probs: Float[Array, "tokens experts"], expert: Int[Array, "token
   """(keep, add) of op.block_moves: the key table in one XLA fusion, the thresholds by the kernel, then one compare
   per item. probs: float32 without -0.0."""
   num_tokens, num_experts = probs.shape
-  bits, keys = _key_table(probs, expert, nxt)
+  bits, keys, _, _ = _key_table(probs, expert, nxt)
   mode, v, i = thresholds(keys, num_experts, block, cfg, interpret=interpret)
   tp = keys.shape[1]
   return _apply(bits, expert, nxt, mode, v, i, jnp.arange(num_tokens, dtype=jnp.int32), tp - 1)
@@ -254,10 +255,8 @@ def group_moves(probs: Float[Array, "tokens experts"], expert: Int[Array, "token
   two; an all_gather of 2 E b ints), and the group's n-th among them (nth_thresholds) is the group's n-th. Ties go by the group's token,
   device index * T + t."""
   num_tokens, num_experts = probs.shape
-  bits, keys = _key_table(probs, expert, nxt)
-  experts = jnp.arange(num_experts, dtype=jnp.int32)
-  local = jnp.stack([jnp.sum(jnp.any(expert[:, :, None] == experts, axis=1), axis=0, dtype=jnp.int32),
-                     jnp.sum(nxt[:, None] == experts, axis=0, dtype=jnp.int32)])
+  bits, keys, assigned, candidate = _key_table(probs, expert, nxt)
+  local = jnp.stack([jnp.sum(assigned, axis=0, dtype=jnp.int32), jnp.sum(candidate, axis=0, dtype=jnp.int32)])
   counts, candidates = jax.lax.psum(local, axis_name)
   keep_n, add_n = move_counts(counts, candidates, block)
   zero = jnp.zeros((), jnp.int32)
