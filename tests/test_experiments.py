@@ -1070,14 +1070,17 @@ def test_rounding_group_probe_checks_each_variant(tmp_path):
 
 
 def test_rounding_ep_layer_probe_checks_each_variant(tmp_path):
-  """probe_rounding_ep_layer on the CPU: the one-device expert-parallel rounded layer, its moves either way, equals
-  the single-device rounded layer, and the sort's patch is undone."""
+  """probe_rounding_ep_layer on the CPU, two host devices: the expert-parallel rounded layer, its moves either way,
+  equals the single-device rounded layer on the joined tokens, the dropless one the single-device dropless layer,
+  and the sort's patch is undone."""
   import probe_rounding_ep_layer
   from sparsejax.kernels.block_rounding import op
   before = op.runs_kernel
-  records = probe_rounding_ep_layer.main(["--smoke", "--rounds", "1", "--out", str(tmp_path)])
+  records = probe_rounding_ep_layer.main(["--smoke", "--gpus", "2", "--rounds", "1", "--out", str(tmp_path)])
   assert op.runs_kernel is before
-  assert [r["variant"] for r in records] == ["ep_kernel", "ep_sort", "single"]
+  assert [r["variant"] for r in records] == ["ep_kernel", "ep_sort", "ep_dropless", "single", "single_dropless"]
+  assert [r["devices_used"] for r in records] == [2, 2, 2, 1, 1]
   assert all(r["check_ok"] for r in records) and records[0]["num_dropped"] > 0
+  assert records[2]["num_dropped"] == 0
   dev = probe_rounding_ep_layer.jax.devices()[0].device_kind.replace(" ", "_")
-  assert (tmp_path / f"rounding_ep_layer_probe_{dev}_smoke.json").exists()
+  assert (tmp_path / f"rounding_ep_layer_probe_{dev}_x2_smoke.json").exists()
