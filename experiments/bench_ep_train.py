@@ -11,7 +11,8 @@ since 2026-11-27; "dense": the whole static buffer). With
 `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense) all-to-all, as
 `sparsejax-train --mesh` runs it. --buffer-factors sizes each peer's exchange buffer
 (ExpertParallelConfig.buffer_factor: "none" is the safe T_local * k rows, f is f times the mean; a
-step that overflows it reruns the exchange with the safe one).
+step that overflows it reruns the exchange with the safe one). --dispatches measures each exchange with
+each ExpertParallelConfig.dispatch ("auto", the library's default, is left out of the name).
 
 Timing: after --warmup steps, --steps steps back to back (as the training loop runs them), one
 sync at the end; the median of --repeats such windows. Then --steps more are traced with
@@ -65,7 +66,7 @@ from ep_balance import shard_load  # noqa: E402
 from profile_step import CATEGORIES, load_trace, op_categories, op_times, stream_kernels  # noqa: E402
 from sparsejax.cli import parse_overrides  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
-from sparsejax.parallel import ExpertParallelConfig  # noqa: E402
+from sparsejax.parallel import DISPATCHES, ExpertParallelConfig  # noqa: E402
 from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_axes, expert_parallel_state,  # noqa: E402
                              functional, global_batch, init_model, make_optimizer, make_steps, mesh_from_config)
 
@@ -86,6 +87,9 @@ def parse_args(argv=None):
   p.add_argument("--expert-groups", default="",
                  help="comma list of G: each GPU count n > G that G divides is also run on the two-level mesh "
                       "(G groups of n/G) with the hierarchical exchange")
+  p.add_argument("--dispatches", default="auto",
+                 help="comma list of ExpertParallelConfig.dispatch (auto, assignments, tokens): each multi-GPU "
+                      "exchange is measured with each")
   p.add_argument("--ragged-chunks", type=int, default=ExpertParallelConfig.ragged_chunks)
   p.add_argument("--token-chunks", default="1",
                  help="comma list: each multi-GPU exchange is measured with each (ExpertParallelConfig.token_chunks)")
@@ -124,6 +128,11 @@ def parse_args(argv=None):
     p.error(f"--buffer-factors takes 'none' or positive numbers, got {a.buffer_factors!r}")
   if any(f is not None and f <= 0 for f in a.buffer_factors):
     p.error(f"--buffer-factors takes 'none' or positive numbers, got {a.buffer_factors}")
+  dispatches = a.dispatches.split(",")
+  if any(d not in DISPATCHES for d in dispatches):
+    p.error(f"--dispatches takes a comma list of {', '.join(DISPATCHES)}, got {a.dispatches!r}")
+  if "tokens" in dispatches and any(f is not None for f in a.buffer_factors):
+    p.error("--dispatches tokens sends T_local rows a peer: it takes no --buffer-factors")
   return a
 
 
@@ -206,7 +215,7 @@ def mesh_spec(n: int, groups: int | None) -> str | None:
 
 
 def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
-          buffer_factor: float | None = None):
+          buffer_factor: float | None = None, dispatch: str = "auto"):
   overrides = {**(SMOKE_MODEL if args.smoke else {}), **args.overrides}
   cfg = TrainConfig(preset=args.preset, batch_size=args.batch_per_gpu * n, seq_len=args.seq_len,
                     steps=10**6, model_overrides=overrides, mesh=mesh_spec(n, groups))
@@ -218,7 +227,7 @@ def build(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=Non
   compact = exchange == "ragged_compact"  # "ragged" names the block send, as in the earlier tables
   parallel = None if exchange is None else ExpertParallelConfig(
       exchange="ragged" if compact else exchange, compact_send=compact, ragged_chunks=args.ragged_chunks,
-      token_chunks=chunks, buffer_factor=buffer_factor, **two_level)
+      token_chunks=chunks, buffer_factor=buffer_factor, dispatch=dispatch, **two_level)
   model = init_model(cfg, model_cfg, mesh, parallel)
   apply, params = functional(model)
   tx = make_optimizer(cfg)
@@ -253,9 +262,9 @@ def pretrain(args, corpus) -> tuple:
 
 
 def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
-            buffer_factor: float | None = None) -> dict:
+            buffer_factor: float | None = None, dispatch: str = "auto") -> dict:
   cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start,
-                                                                         groups, buffer_factor)
+                                                                         groups, buffer_factor, dispatch)
   first = args.pretrain_steps if start is not None else 0  # the step index the schedule sees
   t0 = time.perf_counter()
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(first), copy).compile()
@@ -286,7 +295,10 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     name = f"{exchange}, hierarchical {groups}x{n // groups}"
   if buffer_factor is not None:
     name += f", buffer {buffer_factor:g}x mean"
+  if n > 1 and dispatch != "auto":
+    name += f", dispatch {dispatch}"
   rec = {"gpus": n, "exchange": name, "expert_groups": groups, "buffer_factor": buffer_factor, "token_chunks": chunks,
+         "dispatch": dispatch if n > 1 else None,
          "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "pretrain_steps": first,
          "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
@@ -397,9 +409,10 @@ def main(argv=None) -> dict:
   for n, exchange, groups in configs(counts, args.exchanges.split(","), args.expert_groups):
     for chunks in ([1] if n == 1 else [int(c) for c in args.token_chunks.split(",")]):
       for factor in ([None] if n == 1 else args.buffer_factors):
-        rec = measure(args, corpus, n, exchange, chunks, start, groups, factor)
-        report["runs"].append(rec)
-        print(json.dumps(rec), flush=True)
+        for dispatch in (["auto"] if n == 1 else args.dispatches.split(",")):
+          rec = measure(args, corpus, n, exchange, chunks, start, groups, factor, dispatch)
+          report["runs"].append(rec)
+          print(json.dumps(rec), flush=True)
   base = next((r for r in report["runs"] if r["gpus"] == 1), None)
   for r in report["runs"]:
     r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None

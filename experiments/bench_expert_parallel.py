@@ -57,11 +57,15 @@ def parse_args():
                  help="dropless exchanges to time: ragged (real rows only) and/or dense (whole buffer)")
   p.add_argument("--buffer-factors", default="none",
                  help="dropless exchange buffers to time: none = the safe worst-case bound")
+  p.add_argument("--dispatches", default="assignments",
+                 help="comma list of ExpertParallelConfig.dispatch: assignments (a row per token and expert), "
+                      "tokens (a row per token and peer)")
   p.add_argument("--capacity-factor", type=float, default=1.25, help="capacity-mode baseline; 0 = skip")
   p.add_argument("--gpus", default="", help="comma list of device counts (default 1, 2, 4, ... up to all)")
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--skip-equivalence", action="store_true", help="timings only (an earlier run checked)")
+  p.add_argument("--tag", default="", help="suffix of the JSON's name")
   p.add_argument("--budget-s", type=float, default=300.0, help="skip remaining timings past this")
   a = p.parse_args()
   if a.smoke:
@@ -128,10 +132,12 @@ def equivalence(n, args):
   d, f = (32, 64) if args.smoke else (256, 512)
   prob = make_problem(jax.random.key(1), tokens, d, f, args.experts, max(args.top_k, 2), jnp.float32)
   results = {}
-  modes = [(f"dropless {ex}", None, ex) for ex in args.exchanges.split(",")] + [("capacity", 1.0, "auto")]
-  for mode, cf, ex in modes:
+  modes = [(f"dropless {ex}" + ("" if dp == "assignments" else f" dispatch={dp}"), None, ex, dp)
+           for dp in args.dispatches.split(",") for ex in args.exchanges.split(",")]
+  for mode, cf, ex, dp in modes + [("capacity", 1.0, "auto", "assignments")]:
     with jax.default_matmul_precision("highest"):
-      ep = fwd_bwd(ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(exchange=ex), cf))(*prob)[0]
+      config = parallel.ExpertParallelConfig(exchange=ex, dispatch=dp)
+      ep = fwd_bwd(ep_layer(mesh, args.impl, config, cf))(*prob)[0]
       with jax.default_device(devices[0]):
         one = fwd_bwd(single_layer(args.impl, cf, 1 if cf is None else n))(
             *jax.device_put(prob, devices[0]))[0]
@@ -140,9 +146,10 @@ def equivalence(n, args):
   return results
 
 
-def a2a_time(layout, slots, d, dtype, args, expert_ids, hierarchical=False, exchange="dense"):
+def a2a_time(layout, slots, d, dtype, args, expert_ids, hierarchical=False, exchange="dense", dispatch="assignments"):
   """Seconds of one exchange of a [P, S, d] buffer per device (the dispatch, alone). Ragged: the
-  rows the routing `expert_ids` really places per peer, after the exchange of their counts."""
+  rows the routing `expert_ids` really places per peer (a row per assignment or per token and
+  peer, as `dispatch`), after the exchange of their counts."""
   p = layout.num_peers
   shards = layout.mesh.devices.size
   spec = layout.tokens
@@ -153,9 +160,12 @@ def a2a_time(layout, slots, d, dtype, args, expert_ids, hierarchical=False, exch
     b = b.reshape(p, slots, d)
     if exchange == "dense":
       return dense_all_to_all(b, layout, hierarchical).reshape(-1, d)
-    _, sent = parallel.peer_placement(ids, args.experts, p, slots)
+    if dispatch == "tokens":
+      _, sent = parallel.peer_token_placement(ids, args.experts, p)
+    else:
+      sent = parallel.peer_placement(ids, args.experts, p, slots)[1].sum(axis=1)
     recv = dense_all_to_all(sent, layout, False)
-    return ragged_all_to_all_rows(b, sent.sum(axis=1), recv.sum(axis=1), layout,
+    return ragged_all_to_all_rows(b, sent, recv, layout,
                                   chunks=parallel.ExpertParallelConfig.ragged_chunks).reshape(-1, d)
   f = jax.jit(parallel._shard_map(body, layout.mesh, (spec, spec), spec, check=False))
   return time_fn(f, buf, expert_ids, warmup=args.warmup, iters=args.iters)
@@ -169,7 +179,8 @@ def main():
       c for c in (1, 2, 4, 8) if c <= ndev and args.experts % c == 0]
   kind = jax.devices()[0].device_kind.lower().replace(" ", "_").replace("nvidia_", "")
   # top-k beyond 1 in the name, so a top-2 run does not overwrite the top-1 one.
-  gpu = f"{'cpu_smoke' if args.smoke else kind}_x{max(counts)}" + (f"_top{args.top_k}" if args.top_k != 1 else "")
+  gpu = (f"{'cpu_smoke' if args.smoke else kind}_x{max(counts)}" + (f"_top{args.top_k}" if args.top_k != 1 else "")
+         + args.tag)
   print(f"devices: {ndev} x {jax.devices()[0].device_kind}; jax {jax.__version__}; counts {counts}",
         flush=True)
   report = {"gpu": gpu, "jax": jax.__version__, "device_kind": jax.devices()[0].device_kind,
@@ -200,11 +211,13 @@ def main():
         variants.append((f"moe_mlp capacity {args.capacity_factor}",
                          single_layer(args.impl, args.capacity_factor), None, None, layout, False))
     else:
-      for bf in factors:
-        for ex in args.exchanges.split(","):
-          cfg = parallel.ExpertParallelConfig(buffer_factor=bf, exchange=ex)
-          variants.append((f"EP dropless {ex} buffer={'safe' if bf is None else bf}",
-                           ep_layer(mesh, args.impl, cfg), bf, None, layout, False))
+      for dispatch in args.dispatches.split(","):
+        for bf in factors if dispatch == "assignments" else [None]:  # tokens: T_local rows a peer
+          for ex in args.exchanges.split(","):
+            cfg = parallel.ExpertParallelConfig(buffer_factor=bf, exchange=ex, dispatch=dispatch)
+            variants.append((f"EP dropless {ex} buffer={'safe' if bf is None else bf}"
+                             + ("" if dispatch == "assignments" else f" dispatch={dispatch}"),
+                             ep_layer(mesh, args.impl, cfg), bf, None, layout, False))
       if args.capacity_factor:
         variants.append((f"EP capacity {args.capacity_factor}",
                          ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(), args.capacity_factor),
@@ -228,10 +241,11 @@ def main():
              "tokens_per_s": t * n / sec, "finite": finite}
       if n > 1:
         experts_per_peer = args.experts // n
-        slots = (parallel.buffer_slots(t, k, n, experts_per_peer, bf) if cf is None
+        dispatch = "tokens" if "dispatch=tokens" in name else "assignments"
+        slots = (t if dispatch == "tokens" else parallel.buffer_slots(t, k, n, experts_per_peer, bf) if cf is None
                  else experts_per_peer * sj.capacity(t, args.experts, k, cf))
         ex = "ragged" if cf is None and " ragged " in name else "dense"
-        a2a = a2a_time(var_layout, slots, d, dtype, args, prob[1], hierarchical, ex)
+        a2a = a2a_time(var_layout, slots, d, dtype, args, prob[1], hierarchical, ex, dispatch)
         run.update(slots_per_peer=slots, a2a_ms=a2a * 1e3, a2a_share=4 * a2a / sec,
                    exchange_overflow=int(stats.exchange_overflow),
                    assignments=int(stats.tokens_per_expert.sum()), num_dropped=int(stats.num_dropped))

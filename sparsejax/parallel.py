@@ -77,6 +77,7 @@ from sparsejax.topology import BLOCK_SIZE
 from sparsejax.topology import make_topology
 
 ON_OVERFLOW = ("fallback", "raise")
+DISPATCHES = ("auto", "assignments", "tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,16 @@ class ExpertParallelConfig:
     H100s (xs-moe step) it took the row moves from 3.16 to 2.47 ms a GPU and the step from 37.48 to
     36.79 ms (experiments/results/ep_train_h100_80gb_hbm3_x4_trained_compact.*). True with the dense
     exchange is an error.
+  dispatch: what one row of the dropless exchange carries. "assignments": one row per (token, expert)
+    pair, combined with the weights back on the token's device (T_local * min(k, E/P) rows a peer at
+    most). "tokens": one row per (token, peer) pair whose peer holds any of the token's experts, with
+    the token's local expert ids and weights beside it; the peer computes all of them and returns
+    their weighted sum, one row (T_local rows a peer at most; DeepEP's dispatch). For k > 1 it moves
+    up to min(k, E/P) times fewer rows each way. Same value; in bf16 each peer's partial sum is
+    rounded once before the sum over peers (for k = 1 bit for bit the same). "tokens" takes the
+    default buffer (buffer_factor=None). "auto" (the default): "tokens", or "assignments" where
+    buffer_factor is set. On 2 H200s (E64, forward+backward) "tokens" took top-8 from 8.52 to
+    4.75 ms, top-1 from 3.44 to 3.06 (experiments/results/expert_parallel_h200_x2*_dispatch.json).
   token_chunks: dropless only: split each device's tokens into this many contiguous chunks, each
     with its own placement, exchange and expert products. The chunks' chains are independent, so
     the scheduler may run one chunk's all-to-all under another's products; each chunk's products
@@ -121,6 +132,7 @@ class ExpertParallelConfig:
   exchange: str = "auto"
   ragged_chunks: int = 64
   compact_send: bool | None = None
+  dispatch: str = "auto"
   token_chunks: int = 1
 
   def __post_init__(self):
@@ -135,8 +147,20 @@ class ExpertParallelConfig:
     if self.compact_send is True and self.exchange == "dense":
       raise ValueError("compact_send is a form of the ragged exchange: set exchange='ragged' or 'auto' "
                        "(got 'dense').")
+    if self.dispatch not in DISPATCHES:
+      raise ValueError(f"dispatch must be one of {DISPATCHES}; got {self.dispatch!r}.")
+    if self.dispatch == "tokens" and self.buffer_factor is not None:
+      raise ValueError("dispatch='tokens' sends each token at most once a peer, so its buffer is T_local "
+                       f"rows a peer: buffer_factor must be None (got {self.buffer_factor!r}).")
     if self.hierarchical and (isinstance(self.expert_axis, str) or len(self.expert_axis) != 2):
       raise ValueError("hierarchical=True needs expert_axis=(group_axis, device_axis).")
+
+  @property
+  def dropless_dispatch(self) -> str:
+    """The dispatch "auto" stands for: "tokens", or "assignments" with a buffer_factor."""
+    if self.dispatch != "auto":
+      return self.dispatch
+    return "assignments" if self.buffer_factor is not None else "tokens"
 
 
 @flax.struct.dataclass
@@ -228,18 +252,56 @@ def peer_placement(
   return placement, sent.astype(jnp.int32)
 
 
+def peer_token_placement(
+    expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int
+) -> tuple[permute.Placement, Int[Array, "peers"]]:
+  """Send-buffer rows of the token dispatch: (t, p), for each peer p = e // (E/P) holding any of t's
+  experts, lands at p*T + (earlier tokens that also go to p); rows [T, P], row P*T where t sends p
+  nothing. Also returns the rows each peer gets, [P]."""
+  tokens = expert_ids.shape[0]
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  owner = jnp.where(valid, expert_ids // (num_experts // num_peers), num_peers)
+  hit = jnp.any(owner[:, :, None] == jnp.arange(num_peers)[None, None, :], axis=1)  # [T, P]
+  rank = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1
+  rows = jnp.where(hit, jnp.arange(num_peers, dtype=jnp.int32) * tokens + rank, num_peers * tokens)
+  sent = jnp.sum(hit, axis=0, dtype=jnp.int32)
+  placement = permute.Placement(rows.astype(jnp.int32), sent, sent, jnp.zeros((), jnp.int32),
+                                num_peers * tokens)
+  return placement, sent
+
+
+def peer_local_routing(
+    expert_ids: Int[Array, "tokens k"], combine_weights: Float[Array, "tokens k"], num_experts: int,
+    num_peers: int
+) -> tuple[Int[Array, "tokens peers width"], Float[Array, "tokens peers width"]]:
+  """Each (token, peer) pair's experts as that peer sees them: column c holds the c-th of t's experts
+  on p (in t's column order) as the local id e - p E/P with its weight, NO_EXPERT and 0 past them;
+  width = min(k, E/P). Needs distinct ids a token (merge_repeats), else a peer could hold more."""
+  experts_per_peer = num_experts // num_peers
+  width = min(expert_ids.shape[1], experts_per_peer)
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  owner = jnp.where(valid, expert_ids // experts_per_peer, num_peers)
+  mine = owner[:, :, None] == jnp.arange(num_peers)[None, None, :]  # [T, k, P]
+  column = jnp.cumsum(mine, axis=1, dtype=jnp.int32) - 1
+  at = mine[..., None] & (column[..., None] == jnp.arange(width))  # [T, k, P, width]
+  local = (expert_ids % experts_per_peer + 1)[:, :, None, None]
+  ids = jnp.sum(jnp.where(at, local, 0), axis=1) - 1  # NO_EXPERT = -1 where no column lands
+  weights = jnp.sum(jnp.where(at, combine_weights.astype(jnp.float32)[:, :, None, None], 0.0), axis=1)
+  return ids.astype(jnp.int32), weights
+
+
 def compact_send_placement(
-    block: permute.Placement, sent_rows: Int[Array, "peers"], slots: int
+    block: permute.Placement, sent_rows: Int[Array, "peers"], slots: int, num_rows: int | None = None
 ) -> tuple[permute.Placement, Int[Array, "peers"]]:
   """peer_placement's assignments without the blocks' padding: row p*S + i moves to offsets[p] + i.
 
   offsets = the exclusive cumsum of sent_rows (the rows each peer gets), so the buffer is the
-  T * k assignment slots, peer by peer; unsent assignments stay unplaced (row T * k). Also returns
-  offsets, where each peer's rows start.
+  T * k assignment slots, peer by peer (num_rows, when a smaller bound on the placed rows holds);
+  unsent assignments stay unplaced (row num_rows). Also returns offsets, where each peer's rows start.
   """
   num_peers = sent_rows.shape[0]
   offsets = (jnp.cumsum(sent_rows) - sent_rows).astype(jnp.int32)
-  num_rows = block.rows.size
+  num_rows = block.rows.size if num_rows is None else num_rows
   placed = block.rows < num_peers * slots
   peer = jnp.minimum(block.rows // slots, num_peers - 1)
   rows = jnp.where(placed, offsets[peer] + block.rows % slots, num_rows).astype(jnp.int32)
@@ -299,22 +361,34 @@ class _Static:
 
 def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int):
   """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement), whose
-  num_dropped counts the assignments the buffer could not hold (and so were not computed)."""
+  num_dropped counts the assignments the buffer could not hold (and so were not computed). With
+  dispatch="tokens" (slots = T_local, distinct ids a token) a row is a (token, peer) pair instead."""
   layout = st.layout
   num_peers, d = layout.num_peers, x.shape[1]
   experts_per_peer = st.num_experts // num_peers
-  send, sent_counts = peer_placement(expert_ids, st.num_experts, num_peers, slots)
-  recv_counts = dense_all_to_all(sent_counts, layout, st.config.hierarchical)
-  sent_rows, recv_rows = sent_counts.sum(axis=1), recv_counts.sum(axis=1)
+  by_token = st.config.dropless_dispatch == "tokens"
+  if by_token:
+    send, sent_rows = peer_token_placement(expert_ids, st.num_experts, num_peers)
+    local_ids, local_weights = peer_local_routing(expert_ids, combine_weights, st.num_experts, num_peers)
+    width = local_ids.shape[2]
+    # Ids and weights travel as one float32 array beside the rows (small ints are exact in float32).
+    meta = jnp.concatenate([local_ids.astype(jnp.float32), local_weights], axis=2).reshape(-1, 2 * width)
+    recv_rows = dense_all_to_all(sent_rows, layout, st.config.hierarchical)
+  else:
+    send, sent_counts = peer_placement(expert_ids, st.num_experts, num_peers, slots)
+    recv_counts = dense_all_to_all(sent_counts, layout, st.config.hierarchical)
+    sent_rows, recv_rows = sent_counts.sum(axis=1), recv_counts.sum(axis=1)
+  blocked = lambda rows: rows.reshape(num_peers, slots, *rows.shape[1:])
 
   if st.exchange == "ragged" and st.config.compact_send is not False:
-    send, offsets = compact_send_placement(send, sent_rows, slots)
+    # A token goes to at most min(k, P) peers: that many rows a token bound the compact buffer.
+    bound = x.shape[0] * min(expert_ids.shape[1], num_peers) if by_token else None
+    send, offsets = compact_send_placement(send, sent_rows, slots, bound)
     back = dense_all_to_all(offsets, layout, False)  # back[s]: where source s keeps the rows it sent here
     blocks = jnp.arange(num_peers, dtype=jnp.int32) * slots  # block s of a receive buffer: source s's rows
     mine = jnp.full((num_peers,), peer_index(layout) * slots, jnp.int32)  # this device's block on each peer
     ragged = functools.partial(ragged_rows, layout=layout, max_rows=slots, chunks=st.config.ragged_chunks)
-    to_peers = lambda rows: ragged(rows, sent_rows, offsets, mine, recv_rows, num_peers * slots).reshape(
-        num_peers, slots, d)
+    to_peers = lambda rows: blocked(ragged(rows, sent_rows, offsets, mine, recv_rows, num_peers * slots))
     from_peers = lambda buf: ragged(buf.reshape(-1, d), recv_rows, blocks, back, sent_rows, send.num_rows)
   else:
     def exchange(buf, send_sizes, recv_sizes):
@@ -322,25 +396,37 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
         return ragged_all_to_all_rows(buf, send_sizes, recv_sizes, layout, chunks=st.config.ragged_chunks)
       return dense_all_to_all(buf, layout, st.config.hierarchical)
 
-    to_peers = lambda rows: exchange(rows.reshape(num_peers, slots, d), sent_rows, recv_rows)
+    to_peers = lambda rows: exchange(blocked(rows), sent_rows, recv_rows)
     from_peers = lambda buf: exchange(buf, recv_rows, sent_rows)
 
-  x_recv = to_peers(permute.gather_rows(x, send))
-  x_recv, recv_counts = _gather_slices(x_recv, layout), _gather_slices(recv_counts, layout)
-
+  x_recv = _gather_slices(to_peers(permute.gather_rows(x, send)), layout)
   block = BLOCK_SIZE if st.impl in BLOCK_IMPLS else 1
-  local = permute.dropless_placement(received_expert_ids(recv_counts, slots)[:, None],
-                                     experts_per_peer, block_size=block)
+  if by_token:
+    src = permute.source_slots(send)  # the (t, p) pair that fills each send row
+    meta_recv = _gather_slices(to_peers(jnp.take(meta, src, axis=0, mode="fill", fill_value=0)), layout)
+    # Past a source's rows the buffer is padding (zeros, or unwritten by a ragged exchange): no expert.
+    real = jnp.arange(slots)[None, :] < _gather_slices(recv_rows, layout)[:, None]
+    recv_ids = jnp.where(real[..., None], meta_recv[..., :width].astype(jnp.int32), NO_EXPERT).reshape(-1, width)
+    recv_weights = meta_recv[..., width:].reshape(-1, width)
+  else:
+    recv_ids = received_expert_ids(_gather_slices(recv_counts, layout), slots)[:, None]
+  local = permute.dropless_placement(recv_ids, experts_per_peer, block_size=block)
   rows = permute.gather_rows(x_recv.reshape(-1, d), local)
   # As in moe_mlp: on the Pallas path one block topology serves all three products. Its row blocks
   # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
   topology = (make_topology(local.group_sizes, local.num_rows, block, local.tokens_per_expert)
               if st.impl in BLOCK_IMPLS else None)
   out = _ffn(rows, local.group_sizes, weights, st, topology)
-  y_recv = permute.ungather_rows(out, local).reshape(x_recv.shape)
+  if by_token:  # each received token's weighted sum over this device's experts
+    y_recv = permute.scatter_rows(out, local, recv_weights, x.dtype).reshape(x_recv.shape)
+  else:
+    y_recv = permute.ungather_rows(out, local).reshape(x_recv.shape)
 
   # Back the way the rows came: block s (peer s's rows, recv_rows[s] of them) returns to s.
   y_send = from_peers(_reduce_slices(y_recv, layout))
+  if by_token:  # the sum over peers of the partial sums (ones derived from rows: they vary as the tokens)
+    ones = (send.rows >= 0).astype(jnp.float32)
+    return permute.scatter_rows(y_send.reshape(-1, d), send, ones, x.dtype), send
   y = permute.scatter_rows(y_send.reshape(-1, d), send, combine_weights, x.dtype)
   return y, send
 
@@ -426,7 +512,9 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
     slots = buffer_slots(chunk, k, layout.num_peers, experts_per_peer, cfg.buffer_factor)
     if router_probs is not None:
       slots = rounded_slots(chunk, k, experts_per_peer, slots)
-    if slots >= worst:
+    if cfg.dropless_dispatch == "tokens":  # one row a token and peer: T_local rows a peer always suffice
+      y, dropped = run(chunk, *merge_repeats(expert_ids, combine_weights, st.num_experts))
+    elif slots >= worst:
       y, dropped = run(worst)
     elif cfg.buffer_factor is None:  # the distinct-ids bound holds once repeats are merged: no cond
       y, dropped = run(slots, *merge_repeats(expert_ids, combine_weights, st.num_experts))

@@ -124,14 +124,17 @@ def test_ep_train_bench_runs_the_hierarchical_exchange_to_the_flat_ones_losses(t
 @pytest.mark.devices(2)
 def test_ep_train_bench_sets_model_fields_for_every_run(tmp_path, monkeypatch):
   """--set token_rounding=true reaches the expert-parallel step (it rounds over the exchange group); the JSON and
-  the table's title name the override."""
+  the table's title name the override. --dispatches: the step with each, same losses, named."""
   import bench_ep_train as b
   from sparsejax import token_rounding
   calls, real = [], token_rounding.round_to_blocks
   monkeypatch.setattr(token_rounding, "round_to_blocks", lambda *a, **kw: calls.append(kw) or real(*a, **kw))
   report = b.main(["--smoke", "--no-trace", "--gpus", "2", "--exchanges", "dense", "--set", "token_rounding=true",
-                   "--out", str(tmp_path)])
+                   "--dispatches", "assignments,tokens", "--out", str(tmp_path)])
   assert report["model_overrides"] == {"token_rounding": True}
+  by_row, by_token = report["runs"]
+  assert (by_row["exchange"], by_token["exchange"]) == ("dense, dispatch assignments", "dense, dispatch tokens")
+  assert abs(by_row["loss_first"] - by_token["loss_first"]) < 1e-5 and abs(by_row["loss_last"] - by_token["loss_last"]) < 1e-4
   assert calls and all(kw.get("axis_name") == ("expert",) for kw in calls)
   table = (tmp_path / "ep_train_cpu_smoke_x2.md").read_text()
   assert "token_rounding=True" in table

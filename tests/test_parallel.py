@@ -6,6 +6,7 @@ contiguous blocks over (data, expert[, expert_slice]) in mesh order), concatenat
 """
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -165,14 +166,18 @@ def test_merge_repeats_sums_a_tokens_repeated_expert_into_its_first_column():
 def test_default_buffer_takes_no_fallback_cond():
   """E/P = 1 < k: the default buffer is the distinct-ids bound, below the worst case. With repeats merged it
   needs no overflow fallback, whose lax.cond cost the rounded E64 layer 20% (its branches' residuals); the
-  rounded layer (k + 1 columns) neither. A buffer_factor buffer keeps its fallback."""
+  rounded layer (k + 1 columns) neither; nor the token dispatch (T_local rows a peer). A buffer_factor
+  buffer keeps its fallback."""
   mesh = meshlib.make_expert_mesh(1, 8)
   x, ids, cw, w_in, w_out, _, _ = _problem()
   probs = jax.nn.softmax(jax.random.normal(jax.random.key(0), (T, 8)))
+  by_assignment = ExpertParallelConfig(dispatch="assignments")
   layers = {
-      "dropless": lambda x, w_in: expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh)[0],
+      "dropless": lambda x, w_in: expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh,
+                                                          parallel=by_assignment)[0],
       "rounded": lambda x, w_in: sj.rounded_moe_mlp(
-          x, sj.TokenChoiceRouting(ids, cw, probs, probs), w_in, w_out, mesh=mesh)[0],
+          x, sj.TokenChoiceRouting(ids, cw, probs, probs), w_in, w_out, mesh=mesh, parallel=by_assignment)[0],
+      "tokens": lambda x, w_in: expert_parallel_moe_mlp(x, ids, cw, w_in, w_out, mesh=mesh, parallel=TOKENS)[0],
       "buffer_factor": lambda x, w_in: expert_parallel_moe_mlp(
           x, ids, cw, w_in, w_out, mesh=mesh, parallel=ExpertParallelConfig(buffer_factor=1.0))[0],
   }
@@ -199,16 +204,20 @@ MESHES = [(1, 8), (2, 4), (4, 2)]
 KINDS = ["uniform", "skewed", "one"]  # looped inside a test, so that the three share one compile
 
 
+@pytest.mark.parametrize("dispatch", ["assignments", "tokens"])
 @pytest.mark.parametrize("shape", MESHES)
-def test_dropless_matches_single_device(shape):
+def test_dropless_matches_single_device(shape, dispatch):
+  """A row an assignment, or a row a (token, peer) pair summed on the peer."""
   mesh = meshlib.make_expert_mesh(*shape)
+  config = ExpertParallelConfig(dispatch=dispatch)
   for kind in KINDS:
-    _check_matches(mesh, _problem(kind))
+    _check_matches(mesh, _problem(kind), config=config)
   # Ids moe_mlp accepts that a router would not give (same compile). On (1, 8), E/P = 1 < k: the
-  # default buffer holds distinct ids, so a token's repeats are merged first (merge_repeats).
+  # default buffer holds distinct ids, so a token's repeats are merged first (merge_repeats); the token
+  # dispatch merges them too, so that a peer's columns hold all of a token's experts there.
   x, _, cw, w_in, w_out, w_gate, g = _problem()
   for name, ids in _ids_moe_mlp_accepts().items():
-    _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g))
+    _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, w_gate, g), config=config)
     assert int(stats.exchange_overflow) == 0, name
 
 
@@ -423,7 +432,8 @@ def test_ragged_reference_is_jax_ragged_all_to_all():
   np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want)
 
 
-RAGGED = ExpertParallelConfig(exchange="ragged", compact_send=False)  # the block send (COMPACT: the default)
+# The block send (COMPACT: the default), a row an assignment (the token dispatch has its own test below).
+RAGGED = ExpertParallelConfig(exchange="ragged", compact_send=False, dispatch="assignments")
 
 
 def test_ragged_exchange_matches_single_device():
@@ -435,7 +445,7 @@ def test_ragged_exchange_matches_single_device():
   _check_matches(mesh, (x, _ids_moe_mlp_accepts()["block_twice"], cw, w_in, w_out, w_gate, g), config=RAGGED)
 
 
-COMPACT = ExpertParallelConfig(exchange="ragged", compact_send=True, ragged_chunks=3)
+COMPACT = ExpertParallelConfig(exchange="ragged", compact_send=True, ragged_chunks=3, dispatch="assignments")
 
 
 def test_compact_send_matches_single_device():
@@ -475,6 +485,54 @@ def test_ragged_exchange_over_two_axes_and_expert_slices():
   _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed", num_experts=2, glu=True), config=RAGGED)
 
 
+TOKENS = ExpertParallelConfig(dispatch="tokens")
+
+
+def test_peer_token_placement_sends_a_token_once_a_peer():
+  # 8 experts on 2 peers (4 each); token 0 uses both peers, token 1 peer 0 twice, token 2 only NO_EXPERT,
+  # token 3 peer 1 once (and an id past the last expert).
+  ids = jnp.array([[1, 6], [0, 3], [-1, -1], [9, 5]])
+  send, sent = parallel.peer_token_placement(ids, 8, 2)
+  np.testing.assert_array_equal(sent, [2, 2])
+  np.testing.assert_array_equal(send.rows, [[0, 4], [1, 8], [8, 8], [8, 5]])  # row p*T + rank; 8: none
+  local, weights = parallel.peer_local_routing(ids, jnp.array([[.1, .2], [.3, .4], [.5, .6], [.7, .8]]), 8, 2)
+  np.testing.assert_array_equal(local, [[[1, -1], [2, -1]], [[0, 3], [-1, -1]], [[-1, -1], [-1, -1]],
+                                        [[-1, -1], [1, -1]]])
+  np.testing.assert_allclose(weights, [[[.1, 0], [.2, 0]], [[.3, .4], [0, 0]], [[0, 0], [0, 0]],
+                                       [[0, 0], [.8, 0]]], rtol=1e-6)
+  # E/P = 1 < k: a peer's width is one column.
+  assert parallel.peer_local_routing(ids, jnp.ones((4, 2)), 8, 8)[0].shape == (4, 8, 1)
+
+
+def test_token_dispatch_through_every_exchange_and_layout():
+  """Ragged (block and compact, 3 uneven updates), two token chunks, two expert axes in one and two
+  stages, expert slicing with GLU (E < P), k = E, and the Pallas kernels (interpreted) inside shard_map."""
+  skewed = _problem("skewed")
+  mesh = meshlib.make_expert_mesh(1, 8)
+  _check_matches(mesh, skewed, config=dataclasses.replace(RAGGED, dispatch="tokens"))
+  _check_matches(meshlib.make_expert_mesh(2, 4), skewed,
+                 config=dataclasses.replace(COMPACT, dispatch="tokens", token_chunks=2))
+  for hierarchical in (False, True):
+    _check_matches(meshlib.make_expert_mesh(2, 2, expert_groups=2), skewed, config=ExpertParallelConfig(
+        expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT), hierarchical=hierarchical, dispatch="tokens"))
+  _check_matches(mesh, _problem("skewed", num_experts=2, glu=True), config=TOKENS)  # k = E, sliced d_ff
+  _check_matches(meshlib.make_expert_mesh(2, 4), skewed, impl="pallas", config=TOKENS)
+
+
+def test_token_dispatch_moves_fewer_rows_for_top_k():
+  """The point of it: the dense exchange's blocks hold T_local rows, not T_local * min(k, E/P)."""
+  x, ids, cw, w_in, w_out, w_gate, g = _problem()
+  layer = lambda config: jax.jit(lambda x, ids, cw, w_in, w_out: expert_parallel_moe_mlp(
+      x, ids, cw, w_in, w_out, mesh=meshlib.make_expert_mesh(1, 2), parallel=config)[0])
+  # The all_to_all results' types in the traced program, e.g. "f32[2,64,8]".
+  shapes = lambda config: set(re.findall(r"(\w+\[[\d,]+\])(?:\{[^}]*\})? = all_to_all", str(
+      jax.make_jaxpr(layer(config))(x, ids, cw, w_in, w_out))))
+  # 32 tokens a device, k = 2, 4 experts a peer: blocks of 32 * 2 assignment rows, or 32 token rows.
+  by_assignment = ExpertParallelConfig(dispatch="assignments")
+  assert {"f32[2,64,8]"} <= shapes(by_assignment) and "f32[2,32,8]" not in shapes(by_assignment)
+  assert {"f32[2,32,8]"} <= shapes(TOKENS) and "f32[2,64,8]" not in shapes(TOKENS)
+
+
 @pytest.mark.parametrize("peers,want", [(2, "dense"), (8, "ragged")])
 def test_auto_exchange_takes_the_layouts_peer_count(monkeypatch, peers, want):
   """The layer resolves "auto" with its all-to-all group's size: on a platform with ragged-all-to-all
@@ -492,6 +550,12 @@ def test_auto_exchange_takes_the_layouts_peer_count(monkeypatch, peers, want):
 
 
 def test_exchange_choice_and_bad_options():
+  with pytest.raises(ValueError, match="dispatch must be one of"):
+    ExpertParallelConfig(dispatch="rows")
+  with pytest.raises(ValueError, match="buffer_factor must be None"):
+    ExpertParallelConfig(dispatch="tokens", buffer_factor=1.0)
+  assert ExpertParallelConfig().dropless_dispatch == "tokens"
+  assert ExpertParallelConfig(buffer_factor=1.0).dropless_dispatch == "assignments"
   choose = lambda ex, peers, platform="gpu", hierarchical=False: exchange.resolve_exchange(
       ex, hierarchical, num_peers=peers, platform=platform)
   # "auto": dense on 2 GPUs (where it measured faster), ragged from 4 (where it did), dense on the

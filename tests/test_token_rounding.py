@@ -407,16 +407,20 @@ def _per_group(x, logits, w_in, w_out, k, groups, impl="auto"):
 
 
 @pytest.mark.devices(8)
-@pytest.mark.parametrize("shape,k", [((1, 8), 1), ((2, 4), 2)])
-def test_expert_parallel_rounded_layer_is_the_rounded_layer_on_each_group(shape, k):
-  """Values, four gradients and the statistics equal rounded_moe_mlp run on each data slice's tokens."""
+@pytest.mark.parametrize("shape,k,dispatch", [((1, 8), 1, "assignments"), ((2, 4), 2, "assignments"),
+                                              ((2, 4), 2, "tokens")])
+def test_expert_parallel_rounded_layer_is_the_rounded_layer_on_each_group(shape, k, dispatch):
+  """Values, four gradients and the statistics equal rounded_moe_mlp run on each data slice's tokens
+  (the exchange sending a row an assignment, or a row a token and peer)."""
   from sparsejax import mesh as meshlib
+  from sparsejax.parallel import ExpertParallelConfig
   x, logits, w_in, w_out, ct = _ep_problem(k=k)
   mesh = meshlib.make_expert_mesh(*shape)
   groups = np.split(np.arange(x.shape[0]), shape[0])
 
   def sharded(x, logits, w_in, w_out):
-    return sj.rounded_moe_mlp(x, sj.top_k_routing(logits, k), w_in, w_out, mesh=mesh)
+    return sj.rounded_moe_mlp(x, sj.top_k_routing(logits, k), w_in, w_out, mesh=mesh,
+                              parallel=ExpertParallelConfig(dispatch=dispatch))
 
   def single(x, logits, w_in, w_out):
     return _per_group(x, logits, w_in, w_out, k, groups)

@@ -73,8 +73,12 @@ def test_layer_with_each_exchange_matches_one_device(kind):
   # "auto" is the ragged exchange from RAGGED_FROM_PEERS GPUs up, the dense one below.
   assert exchange.resolve_exchange("auto", False, num_peers=N, platform=jax.devices()[0].platform) == (
       "ragged" if N >= exchange.RAGGED_FROM_PEERS else "dense")
-  configs = {ex: ExpertParallelConfig(exchange=ex) for ex in ("ragged", "dense", "auto")}  # compact send
-  configs["ragged, block send"] = ExpertParallelConfig(exchange="ragged", compact_send=False)
+  configs = {}
+  for dispatch in ("assignments", "tokens"):  # a row an assignment, or a row a token and peer
+    configs.update({f"{ex}, {dispatch}": ExpertParallelConfig(exchange=ex, dispatch=dispatch)
+                    for ex in ("ragged", "dense", "auto")})  # compact send
+    configs[f"ragged, block send, {dispatch}"] = ExpertParallelConfig(exchange="ragged", compact_send=False,
+                                                                     dispatch=dispatch)
   for ex, config in configs.items():
     got = value_and_grads(functools.partial(parallel.expert_parallel_moe_mlp, mesh=mesh, parallel=config))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
