@@ -11,13 +11,20 @@ Every device holds its own tokens (sharded over the data and expert axes) and E/
                Pallas on GPU) as one device;
   4. return:   the inverse all-to-all, then the usual weighted combine in token order.
 
+That is dispatch="assignments", a row per (token, expert) pair. The default, dispatch="tokens" (DeepEP's):
+a row per (token, peer) pair whose peer holds any of the token's experts (S = T_local, in token order),
+with the token's local expert ids and weights beside it; the receiver runs steps 3 and the weighted
+combine on what it got, and returns one row a token; the sender sums its peers' rows. For top-k it moves
+up to min(k, E/P) times fewer rows (E64 top-8 on 2 H200s: 8.52 -> 4.75 ms forward+backward).
+
 The exchange (`sparsejax.exchange`). Dense (the default): an all-to-all of the whole static
 [P, S, d] buffer, which runs everywhere but moves P * S rows even when fewer are real. Ragged
 (opt-in): the per-peer counts go first, then `ragged_all_to_all` moves only the real rows of each
 block, into the same [P, S, d] layout on the receiver. XLA:CPU lacks the ragged op, so there the
 ragged way runs a dense emulation of it (tests).
 
-The bound S (dropless mode). A sender can put at most S_worst = T_local * k rows on one peer (all its
+The bound S (dropless mode, a row an assignment; the token dispatch's S = T_local always holds).
+A sender can put at most S_worst = T_local * k rows on one peer (all its
 assignments), and at most T_local * min(k, E/P) when every token lists k distinct experts, which
 routers ensure but `moe_mlp` does not require (a token may list an expert twice, and is then
 computed twice). The default buffer is S = T_local * min(k, E/P): where that is below S_worst, a
@@ -89,8 +96,8 @@ class ExpertParallelConfig:
   hierarchical: with a pair of expert axes, do the all-to-all in two stages (across groups, then
     within); otherwise one all-to-all over both axes.
   buffer_factor: None = T_local * min(k, E/P) rows per peer (enough for distinct ids per token;
-    a token's repeated expert is merged into one assignment first); f > 0 = ceil(f * T_local * k / P)
-    rows per peer.
+    a token's repeated expert is merged into one assignment first; the token dispatch: T_local);
+    f > 0 = ceil(f * T_local * k / P) rows per peer, a row an assignment.
   on_overflow: what a call whose routing overflows buffer_factor's buffer does: "fallback" reruns
     the exchange with the worst-case buffer T_local * k (exact, slower for that call), "raise"
     raises at run time. With buffer_factor=None nothing overflows.
