@@ -52,16 +52,18 @@ def _order_key(x: Shaped[Array, "*batch n"]) -> Shaped[Array, "*batch n"]:
   return bits ^ ((bits >> (bits.dtype.itemsize * 8 - 1)) & magnitude)
 
 
+def _better(a, b):
+  """The reduction's step: the pair with the larger key, the smaller order on a tie. Module-level, so that
+  lax.reduce traces it once, not on every eager call."""
+  (ka, oa), (kb, ob) = a, b
+  a_wins = (ka > kb) | ((ka == kb) & (oa < ob))
+  return lax.select(a_wins, ka, kb), lax.select(a_wins, oa, ob)
+
+
 def _first_max(keys: Shaped[Array, "*batch n"], order: Int[Array, "*batch n"]):
   """(max key, least order among the entries holding it) along the last axis: one variadic reduction."""
-
-  def better(a, b):
-    (ka, oa), (kb, ob) = a, b
-    a_wins = (ka > kb) | ((ka == kb) & (oa < ob))
-    return lax.select(a_wins, ka, kb), lax.select(a_wins, oa, ob)
-
   init = (np.array(np.iinfo(keys.dtype).min, keys.dtype), np.array(np.iinfo(np.int32).max, np.int32))
-  return lax.reduce((keys, order), init, better, (keys.ndim - 1,))
+  return lax.reduce((keys, order), init, _better, (keys.ndim - 1,))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
