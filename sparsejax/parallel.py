@@ -272,6 +272,7 @@ def peer_token_placement(
   rank = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1
   rows = jnp.where(hit, jnp.arange(num_peers, dtype=jnp.int32) * tokens + rank, num_peers * tokens)
   sent = jnp.sum(hit, axis=0, dtype=jnp.int32)
+  # Its "groups" are the peers: group_sizes and tokens_per_expert both hold the rows each peer gets.
   placement = permute.Placement(rows.astype(jnp.int32), sent, sent, jnp.zeros((), jnp.int32),
                                 num_peers * tokens)
   return placement, sent
@@ -411,7 +412,8 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   if by_token:
     src = permute.source_slots(send)  # the (t, p) pair that fills each send row
     meta_recv = _gather_slices(to_peers(jnp.take(meta, src, axis=0, mode="fill", fill_value=0)), layout)
-    # Past a source's rows the buffer is padding (zeros, or unwritten by a ragged exchange): no expert.
+    # Past a source's rows the buffer is padding (zeros, or unwritten by a ragged exchange), whose ids
+    # would read as local expert 0 and cost it products: no expert.
     real = jnp.arange(slots)[None, :] < _gather_slices(recv_rows, layout)[:, None]
     recv_ids = jnp.where(real[..., None], meta_recv[..., :width].astype(jnp.int32), NO_EXPERT).reshape(-1, width)
     recv_weights = meta_recv[..., width:].reshape(-1, width)
