@@ -11,6 +11,8 @@
    Efficiency(n) = tokens/s(n) / (n * tokens/s(1)).
 3. All-to-all alone: a jitted function doing only the exchange of one [n, S, d] buffer, timed the
    same way; a forward+backward does four of them (dispatch and return, and their transposes).
+--dispatches measures each dropless exchange with each ExpertParallelConfig.dispatch: "assignments" (a
+row per token and expert, S = T min(k, E/n)) and "tokens" (a row per token and peer, S = T).
 Warm-up, then the median of timed calls (each blocked on). Prints a markdown table last; writes JSON to
 experiments/results/expert_parallel_<gpu>_x<n>[_top<k>].json and to $OUT if set.
 """
