@@ -70,7 +70,7 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from sparsejax import _checks, permute, token_rounding
 from sparsejax.exchange import (check_exchange, dense_all_to_all, exchange_platform, ragged_all_to_all_rows,
@@ -259,6 +259,13 @@ def peer_placement(
   return placement, sent.astype(jnp.int32)
 
 
+def _on_peer(expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int) -> Bool[Array, "tokens k peers"]:
+  """[t, j, p]: t's j-th expert lives on peer p = e // (E/P) (ids that are no expert live nowhere)."""
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  owner = jnp.where(valid, expert_ids // (num_experts // num_peers), num_peers)
+  return owner[:, :, None] == jnp.arange(num_peers)[None, None, :]
+
+
 def peer_token_placement(
     expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int
 ) -> tuple[permute.Placement, Int[Array, "peers"]]:
@@ -266,9 +273,7 @@ def peer_token_placement(
   experts, lands at p*T + (earlier tokens that also go to p); rows [T, P], row P*T where t sends p
   nothing. Also returns the rows each peer gets, [P]."""
   tokens = expert_ids.shape[0]
-  valid = (expert_ids >= 0) & (expert_ids < num_experts)
-  owner = jnp.where(valid, expert_ids // (num_experts // num_peers), num_peers)
-  hit = jnp.any(owner[:, :, None] == jnp.arange(num_peers)[None, None, :], axis=1)  # [T, P]
+  hit = jnp.any(_on_peer(expert_ids, num_experts, num_peers), axis=1)  # [T, P]
   rank = jnp.cumsum(hit, axis=0, dtype=jnp.int32) - 1
   rows = jnp.where(hit, jnp.arange(num_peers, dtype=jnp.int32) * tokens + rank, num_peers * tokens)
   sent = jnp.sum(hit, axis=0, dtype=jnp.int32)
@@ -287,9 +292,7 @@ def peer_local_routing(
   width = min(k, E/P). Needs distinct ids a token (merge_repeats), else a peer could hold more."""
   experts_per_peer = num_experts // num_peers
   width = min(expert_ids.shape[1], experts_per_peer)
-  valid = (expert_ids >= 0) & (expert_ids < num_experts)
-  owner = jnp.where(valid, expert_ids // experts_per_peer, num_peers)
-  mine = owner[:, :, None] == jnp.arange(num_peers)[None, None, :]  # [T, k, P]
+  mine = _on_peer(expert_ids, num_experts, num_peers)  # [T, k, P]
   column = jnp.cumsum(mine, axis=1, dtype=jnp.int32) - 1
   at = mine[..., None] & (column[..., None] == jnp.arange(width))  # [T, k, P, width]
   local = (expert_ids % experts_per_peer + 1)[:, :, None, None]
