@@ -70,6 +70,9 @@ def parse_args():
   p.add_argument("--tag", default="", help="suffix of the JSON's name")
   p.add_argument("--budget-s", type=float, default=300.0, help="skip remaining timings past this")
   a = p.parse_args()
+  bad = [x for x in a.dispatches.split(",") if x not in parallel.DISPATCHES]
+  if bad:
+    p.error(f"--dispatches takes a comma list of {', '.join(parallel.DISPATCHES)}; got {bad}")
   if a.smoke:
     a.tokens_per_gpu, a.d_model, a.d_ff, a.experts, a.dtype = 64, 32, 64, 8, "float32"
     a.warmup, a.iters = 1, 3
@@ -208,30 +211,32 @@ def main():
     prob = make_problem(jax.random.key(0), t * n, d, args.d_ff, args.experts, k, dtype, layout=layout)
     variants = []
     if n == 1:
-      variants.append(("moe_mlp (1 device)", single_layer(args.impl), None, None, layout, False))
+      variants.append(("moe_mlp (1 device)", single_layer(args.impl), None, None, layout, False, None))
       if args.capacity_factor:
         variants.append((f"moe_mlp capacity {args.capacity_factor}",
-                         single_layer(args.impl, args.capacity_factor), None, None, layout, False))
+                         single_layer(args.impl, args.capacity_factor), None, None, layout, False, None))
     else:
       for dispatch in args.dispatches.split(","):
-        for bf in factors if dispatch == "assignments" else [None]:  # tokens: T_local rows a peer
+        for bf in factors if dispatch != "tokens" else [None]:  # tokens: T_local rows a peer
           for ex in args.exchanges.split(","):
             cfg = parallel.ExpertParallelConfig(buffer_factor=bf, exchange=ex, dispatch=dispatch)
             variants.append((f"EP dropless {ex} buffer={'safe' if bf is None else bf}"
                              + ("" if dispatch == "assignments" else f" dispatch={dispatch}"),
-                             ep_layer(mesh, args.impl, cfg), bf, None, layout, False))
+                             ep_layer(mesh, args.impl, cfg), bf, None, layout, False, cfg.dropless_dispatch))
       if args.capacity_factor:
         variants.append((f"EP capacity {args.capacity_factor}",
                          ep_layer(mesh, args.impl, parallel.ExpertParallelConfig(), args.capacity_factor),
-                         None, args.capacity_factor, layout, False))
+                         None, args.capacity_factor, layout, False, None))
       if n >= 4 and n % 2 == 0:  # SMILE's two-level exchange, groups of n/2 devices standing for hosts
         mesh2 = meshlib.make_expert_mesh(1, n // 2, expert_groups=2, devices=devices)
         cfg2 = parallel.ExpertParallelConfig(expert_axis=(meshlib.EXPERT_GROUP, meshlib.EXPERT),
                                              hierarchical=True, buffer_factor=factors[0])
         variants.append((f"EP dropless hierarchical 2x{n // 2} buffer={factors[0] or 'safe'}",
                          ep_layer(mesh2, args.impl, cfg2), factors[0], None,
-                         meshlib.expert_layout(mesh2, args.experts, expert_axis=cfg2.expert_axis), True))
-    for name, layer, bf, cf, var_layout, hierarchical in variants:
+                         meshlib.expert_layout(mesh2, args.experts, expert_axis=cfg2.expert_axis), True,
+                         cfg2.dropless_dispatch))
+    # dispatch: the dropless variants' resolved ExpertParallelConfig.dispatch, which sizes their buffer.
+    for name, layer, bf, cf, var_layout, hierarchical, dispatch in variants:
       if time.perf_counter() - START > args.budget_s:
         print(f"time budget spent; skipping {name}", flush=True)
         continue
@@ -243,11 +248,12 @@ def main():
              "tokens_per_s": t * n / sec, "finite": finite}
       if n > 1:
         experts_per_peer = args.experts // n
-        dispatch = "tokens" if "dispatch=tokens" in name else "assignments"
-        slots = (t if dispatch == "tokens" else parallel.buffer_slots(t, k, n, experts_per_peer, bf) if cf is None
-                 else experts_per_peer * sj.capacity(t, args.experts, k, cf))
+        if cf is not None:
+          slots = experts_per_peer * sj.capacity(t, args.experts, k, cf)
+        else:
+          slots = t if dispatch == "tokens" else parallel.buffer_slots(t, k, n, experts_per_peer, bf)
         ex = "ragged" if cf is None and " ragged " in name else "dense"
-        a2a = a2a_time(var_layout, slots, d, dtype, args, prob[1], hierarchical, ex, dispatch)
+        a2a = a2a_time(var_layout, slots, d, dtype, args, prob[1], hierarchical, ex, dispatch or "assignments")
         run.update(slots_per_peer=slots, a2a_ms=a2a * 1e3, a2a_share=4 * a2a / sec,
                    exchange_overflow=int(stats.exchange_overflow),
                    assignments=int(stats.tokens_per_expert.sum()), num_dropped=int(stats.num_dropped))
