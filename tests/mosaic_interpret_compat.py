@@ -116,6 +116,17 @@ def compile_thread_bodies_once() -> None:
   thread_map._run_jaxpr = run_jaxpr
 
 
+def _host_copy(a):
+  """A numpy copy of a callback operand; an integer scalar as a Python int.
+
+  jax 0.11's interpreter rebuilds its thread locations from the operands with a check that takes
+  jax arrays and Python ints only (numpy scalars and 0-d arrays raise); the ids it reads are
+  integer scalars, and every interpreter reads them through int() either way.
+  """
+  c = np.array(a)
+  return int(c) if c.ndim == 0 and np.issubdtype(c.dtype, np.integer) else c
+
+
 def _numpy_callback_operands() -> None:
   """Runs the GPU interpreter's io_callbacks on numpy copies of their operands.
 
@@ -144,7 +155,7 @@ def _numpy_callback_operands() -> None:
   def io_callback_impl(*args, callback, **params):
     if not interpreters(callback):
       return original(*args, callback=callback, **params)
-    return tree_util.tree_map(np.asarray, callback(*(np.array(a) for a in args)))
+    return tree_util.tree_map(np.asarray, callback(*(_host_copy(a) for a in args)))
 
   io_callback_impl.sparsejax_compat = True
   jax_callback.io_callback_impl = io_callback_impl

@@ -1072,6 +1072,7 @@ def test_rounding_group_probe_checks_each_variant(tmp_path):
   assert (tmp_path / f"rounding_group_probe_{probe_rounding_group.jax.devices()[0].device_kind.replace(' ', '_')}.json").exists()
 
 
+@pytest.mark.devices(2)
 def test_rounding_ep_layer_probe_checks_each_variant(tmp_path):
   """probe_rounding_ep_layer on the CPU, two host devices: the expert-parallel rounded layer, its moves either way,
   equals the single-device rounded layer on the joined tokens, the dropless one the single-device dropless layer,

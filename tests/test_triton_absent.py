@@ -181,8 +181,10 @@ def _child() -> dict:
 
 
 def _run_child() -> dict:
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  # The child's sys.path starts at tests/, so a checkout that is not pip-installed (a GPU machine) needs the root.
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
   r = subprocess.run([sys.executable, os.path.abspath(__file__)], capture_output=True, text=True, env=env,
                      cwd=root, timeout=300)
   assert r.returncode == 0, r.stderr[-4000:]
