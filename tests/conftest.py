@@ -13,6 +13,8 @@ relative of the other emitters' (a few ulp), far inside every tolerance here.
 import gc
 import os
 
+import pytest
+
 
 def _jaxlib_version() -> tuple[int, ...]:
   from importlib import metadata
@@ -70,7 +72,6 @@ def pytest_configure(config):
 
 def pytest_runtest_setup(item):
   import jax
-  import pytest
 
   for mark in item.iter_markers("devices"):
     if jax.device_count() < mark.args[0]:
@@ -92,3 +93,11 @@ def _has_cpu_device() -> bool:
     return bool(jax.devices("cpu"))
   except RuntimeError:
     return False
+
+
+@pytest.fixture(autouse=True)
+def _no_results_copy(monkeypatch):
+  # The experiment scripts copy their results to $OUT when it is set (the device machine hands back what lies
+  # there). A test writes under its tmp_path, so a shell's $OUT must not collect copies of its outputs; a test
+  # that checks the copy sets OUT itself.
+  monkeypatch.delenv("OUT", raising=False)

@@ -17,8 +17,7 @@ from peers import common, xla  # noqa: E402
 
 
 @pytest.mark.cpu_suite("it checks that auto picks Triton, interpreted, where no GPU is")
-def test_smoke_run_checks_times_and_writes(tmp_path, monkeypatch):
-  monkeypatch.delenv("OUT", raising=False)
+def test_smoke_run_checks_times_and_writes(tmp_path):
   variants = "torch_grouped_mm,balanced_bmm,sparsejax_pallas,sparsejax_triton,jax_ragged_dot_mgpu"
   results = bench.main(["--smoke", "--shapes", "smoke_skewed", "--variants", variants,
                         "--out-dir", str(tmp_path)])
