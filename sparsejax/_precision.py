@@ -21,6 +21,15 @@ import jax.numpy as jnp
 FLOAT32_BY_BF16_PASSES = jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
 
 
+def float32_by_bf16_passes():
+  """FLOAT32_BY_BF16_PASSES, or HIGHEST on a GPU before sm_80 (T4, V100). XLA:GPU refuses the bf16-pass
+  algorithms there ("Unsupported algorithm on the current device", xla/service/algorithm_util.cc: bf16
+  tensor cores start at sm_80), and with no TF32 either a float32 dot is already exact at HIGHEST."""
+  from sparsejax import kernels  # the GPU's generation; the module reads it when called, so tests can set it
+
+  return jax.lax.Precision.HIGHEST if kernels.gpu_before_ampere() else FLOAT32_BY_BF16_PASSES
+
+
 def dot_precision(*operands):
   """HIGHEST when the operands (arrays or dtypes) promote to float32 or wider, else None."""
   dtype = jnp.result_type(*operands)

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks
 from sparsejax._precision import full_precision
-from sparsejax.kernels import auto_takes_triton, pallas_triton_available, require_triton
+from sparsejax.kernels import auto_takes_triton, require_triton
 
 IMPLS = ("auto", "reference", "ragged_dot", "pallas", "mosaic", "triton")
 # The Pallas kernels: "pallas" is the best of them for the GPU at hand (Mosaic GPU on Hopper,
@@ -24,19 +24,20 @@ BLOCK_IMPLS = ("pallas", "mosaic", "triton")
 
 
 def resolve_impl(impl: str, dtype=None) -> str:
-  """Map "auto" to the fastest backend for the default device: Pallas on GPU, ragged_dot elsewhere. Where this jax
-  has no Pallas Triton backend and the Pallas kernels for operands of dtype would be Triton's (every GPU but
-  Hopper, and float32 on it; dtype None: not float32), "auto" takes ragged_dot and "pallas" / "triton" raise."""
+  """Map "auto" to the fastest backend for the default device: Pallas on GPU, ragged_dot elsewhere. Where the
+  Pallas kernels for operands of dtype would be Triton's (every GPU but Hopper, and float32 on it; dtype None: not
+  float32) and cannot run (no Pallas Triton backend in this jax, or a GPU before sm_80), "auto" takes ragged_dot;
+  without the backend "pallas" / "triton" raise."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}; got {impl!r}.")
   if impl == "auto" and jax.default_backend() != "gpu":
     return "ragged_dot"
   pallas = "pallas" if impl == "auto" else impl
-  if pallas in ("pallas", "triton") and not pallas_triton_available() and _runs_triton(pallas, dtype):
+  if pallas in ("pallas", "triton") and _runs_triton(pallas, dtype):
     if impl != "auto":
       require_triton(f"grouped_matmul(impl={impl!r})", "impl='auto' or impl='ragged_dot'")
-    auto_takes_triton()  # False here: it warns once that the XLA path runs
-    return "ragged_dot"
+    elif not auto_takes_triton():  # it warns once that the XLA path runs
+      return "ragged_dot"
   return pallas
 
 

@@ -80,7 +80,7 @@ def router_logits(
   # x's gradient is rounded to x's dtype: for bf16 x the backend's default (TF32 on a GPU, 2e-4
   # relative) is already far below bf16's rounding, so only a float32 x pays for full accuracy.
   half = jnp.finfo(x.dtype).bits < 32
-  return _float32_product(xin, w_router.astype(jnp.float32), None if half else _precision.FLOAT32_BY_BF16_PASSES)
+  return _float32_product(xin, w_router.astype(jnp.float32), None if half else _precision.float32_by_bf16_passes())
 
 
 def _matmul(a: Float[Array, "m k"], b: Float[Array, "k n"], precision) -> Float[Array, "m n"]:
@@ -107,7 +107,7 @@ def _float32_product(
   passes are as accurate as a float32 dot and cheaper than HIGHEST (_precision.py). x is kept in
   its own dtype for the backward, not as a float32 copy.
   """
-  return _matmul(x.astype(jnp.float32), w, _precision.FLOAT32_BY_BF16_PASSES)
+  return _matmul(x.astype(jnp.float32), w, _precision.float32_by_bf16_passes())
 
 
 def _float32_product_fwd(x, w, dx_precision):
@@ -117,7 +117,7 @@ def _float32_product_fwd(x, w, dx_precision):
 def _float32_product_bwd(dx_precision, res, g):
   x, w = res
   dx = _matmul(g, w.T, dx_precision).astype(x.dtype)
-  dw = _matmul(x.astype(jnp.float32).T, g, _precision.FLOAT32_BY_BF16_PASSES)
+  dw = _matmul(x.astype(jnp.float32).T, g, _precision.float32_by_bf16_passes())
   return dx, dw
 
 

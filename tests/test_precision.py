@@ -166,3 +166,23 @@ def test_decode_moe_mlp(dtype):
     assert_float32_dots_highest(found, 4)
   else:
     assert all(p is None for _, p, _ in found), found
+
+
+@pytest.mark.parametrize("cc,passes", [("7.5", False), ("7.0", False), ("8.0", True), ("9.0", True)])
+def test_before_sm80_the_router_asks_for_highest_and_attention_leaves_cudnn(monkeypatch, cc, passes):
+  """XLA:GPU refuses the six-bf16-pass algorithm before sm_80 (no bf16 tensor cores: T4, V100) and cuDNN's flash
+  attention needs sm_80 too, so on such a GPU the router's three float32 dots ask for HIGHEST (exact there: no TF32
+  either) and "auto" attention runs XLA's. The GPU's generation is set, the program traced on the CPU."""
+  import sparsejax.kernels
+  monkeypatch.setattr(sparsejax.kernels, "gpu_compute_capability", lambda: cc)
+  rng = np.random.default_rng(seed_of("router_before_sm80", cc))
+  x, w, g = (jnp.asarray(rand(rng, s)) for s in [(8, D), (D, E), (8, E)])
+  loss = lambda x, w: jnp.sum(sj.router_logits(x, w) * g)
+  found = [str(p) for _, p, _ in dot_precisions(jax.grad(loss, argnums=(0, 1)), x, w)]
+  want = str(jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6 if passes else (jax.lax.Precision.HIGHEST,) * 2)
+  assert found == [want] * 3, found
+  exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+  np.testing.assert_allclose(np.asarray(sj.router_logits(x, w)), exact, rtol=1e-5, atol=1e-6)
+  cfg = TransformerConfig(vocab_size=16, d_model=D, num_heads=2, num_layers=1, d_ff=F, dtype="bfloat16")
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert attention_impl(cfg) == ("cudnn" if passes else None)

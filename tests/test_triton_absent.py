@@ -1,4 +1,5 @@
-"""A jax without Pallas' Triton backend (deprecated in JAX 0.11 for removal): "auto" takes the XLA paths.
+"""Where the Triton kernels cannot run, "auto" takes the XLA paths: a jax without Pallas' Triton backend (deprecated
+in JAX 0.11 for removal), or a GPU before sm_80 (no bf16 tensor cores: T4, V100).
 
 The absent backend is simulated in a child process (this file run as a script), so no module state leaks into
 the other tests: its modules are set to None in sys.modules before sparsejax is imported. The child runs the
@@ -14,21 +15,29 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 # What a jax without the backend lacks: the public module, Pallas' lowering package and jaxlib's dialect.
 ABSENT = ("jax.experimental.pallas.triton", "jax._src.pallas.triton", "jax._src.pallas.triton.lowering",
           "jax._src.pallas.triton.core", "jax._src.pallas.triton.pallas_call_registration", "jax._src.lib.triton")
 NO_TRITON = "no Pallas Triton backend"
+# Each decode-side kernel's "does auto run it" answer, all False: where none runs.
+_NO_KERNELS = {name: False for name in ("decode_qkv", "row_moves", "group_rows", "decode_router", "splits_logits",
+                                        "skinny_matmul", "folds_norm", "fuses_hidden", "runs_row_ffn",
+                                        "fuses_residual", "decode_attention")}
 
 
-def _gpu_decisions(monkeypatch_setattr, hopper: bool) -> dict:
-  """The GPU's "auto" choices for shapes every kernel takes, with jax.default_backend() "gpu" (and sm_90 or not)."""
+def _gpu_decisions(monkeypatch_setattr, cc: str) -> dict:
+  """The GPU's "auto" choices for shapes every kernel takes, with jax.default_backend() "gpu" of compute capability
+  cc ("9.0": Hopper)."""
+  import sparsejax.kernels
   from sparsejax.grouped_matmul import resolve_impl
   from sparsejax.kernels import decode_qkv, decode_router, group_rows, row_moves, skinny_matmul
   from sparsejax.kernels.gmm import op as gmm_op
 
   monkeypatch_setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch_setattr(gmm_op, "_gpu_compute_capability", lambda: "9.0" if hopper else "8.0")
+  monkeypatch_setattr(gmm_op, "_gpu_compute_capability", lambda: cc)
+  monkeypatch_setattr(sparsejax.kernels, "gpu_compute_capability", lambda: cc)
   f32, bf16 = jnp.float32, jnp.bfloat16
   return {
       "decode_qkv": decode_qkv.runs_kernel(64),
@@ -41,7 +50,8 @@ def _gpu_decisions(monkeypatch_setattr, hopper: bool) -> dict:
       "fuses_hidden": skinny_matmul.fuses_hidden(1, 1024, 4096, jax.nn.gelu),
       "runs_row_ffn": skinny_matmul.runs_row_ffn(1, 1024, 4096, jax.nn.silu),
       "fuses_residual": skinny_matmul.fuses_residual(1, 1024, 4096, jax.nn.silu),
-      "decode_attention": "pallas_call" in str(jax.make_jaxpr(_attention)(*_attention_args())),
+      # a new function each time: make_jaxpr caches its trace per function, and the choice happens while tracing
+      "decode_attention": "pallas_call" in str(jax.make_jaxpr(lambda *a: _attention(*a))(*_attention_args())),
       "impl_auto": resolve_impl("auto"),
       "impl_auto_f32": resolve_impl("auto", f32),
       "impl_auto_bf16": resolve_impl("auto", bf16),
@@ -174,8 +184,8 @@ def _child() -> dict:
     result["errors"] = _explicit_triton_errors()
     count = lambda: sum(NO_TRITON in str(m.message) and m.category is RuntimeWarning for m in seen)
     result["warnings_on_cpu"] = count()
-    result["gpu"] = _gpu_decisions(setattr, hopper=False)
-    result["hopper"] = _gpu_decisions(setattr, hopper=True)
+    result["gpu"] = _gpu_decisions(setattr, "8.0")
+    result["hopper"] = _gpu_decisions(setattr, "9.0")
     result["warnings_on_gpu"] = count()
   return result
 
@@ -196,17 +206,45 @@ def test_the_backend_is_there_and_auto_takes_its_kernels_on_a_gpu(monkeypatch):
   assert pallas_triton_available()
   with warnings.catch_warnings():
     warnings.simplefilter("error", RuntimeWarning)  # no fallback warning where the kernels run
-    gpu = _gpu_decisions(monkeypatch.setattr, hopper=False)
-    hopper = _gpu_decisions(monkeypatch.setattr, hopper=True)
-  kernels = {name: True for name in ("decode_qkv", "row_moves", "group_rows", "decode_router", "splits_logits",
-                                     "skinny_matmul", "folds_norm", "fuses_hidden", "runs_row_ffn", "fuses_residual",
-                                     "decode_attention")}
+    gpu = _gpu_decisions(monkeypatch.setattr, "8.0")
+    hopper = _gpu_decisions(monkeypatch.setattr, "9.0")
+  kernels = dict.fromkeys(_NO_KERNELS, True)
   assert gpu == dict(kernels, impl_auto="pallas", impl_auto_f32="pallas", impl_auto_bf16="pallas",
                      gmm_auto="triton", gmm_auto_f32="triton", gmm_mosaic_f32="mosaic", moe_f32="pallas",
                      moe_bf16="pallas")
   assert hopper == dict(kernels, impl_auto="pallas", impl_auto_f32="pallas", impl_auto_bf16="pallas",
                         gmm_auto="mosaic", gmm_auto_f32="mosaic", gmm_mosaic_f32="mosaic", moe_f32="pallas",
                         moe_bf16="pallas")
+
+
+@pytest.mark.parametrize("cc", ["7.5", "7.0"])
+def test_before_sm80_auto_takes_xla_with_one_warning_and_an_explicit_triton_runs_the_kernels(monkeypatch, cc):
+  import sparsejax.kernels
+  from sparsejax.grouped_matmul import resolve_impl
+  from sparsejax.kernels.gmm import op as gmm_op
+
+  sparsejax.kernels._warn_before_ampere.cache_clear()
+  with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    got = _gpu_decisions(monkeypatch.setattr, cc)
+    got_again = _gpu_decisions(monkeypatch.setattr, cc)
+    explicit = (resolve_impl("triton"), resolve_impl("triton", jnp.float32), gmm_op.resolve_backend("triton"))
+  assert got == got_again == dict(_NO_KERNELS, impl_auto="ragged_dot", impl_auto_f32="ragged_dot",
+                                  impl_auto_bf16="ragged_dot", gmm_auto="xla", gmm_auto_f32="xla",
+                                  gmm_mosaic_f32="xla", moe_f32="ragged_dot", moe_bf16="ragged_dot")
+  assert explicit == ("triton", "triton", "triton")
+  warned = [str(m.message) for m in seen if m.category is RuntimeWarning and "predates sm_80" in str(m.message)]
+  assert len(warned) == 1 and f"compute capability {cc}" in warned[0] and "\n" not in warned[0], warned
+
+
+@pytest.mark.parametrize("cc", ["8.6", "8.9", "10.0", "12.0"])
+def test_from_sm80_auto_takes_the_triton_kernels_off_hopper(monkeypatch, cc):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    got = _gpu_decisions(monkeypatch.setattr, cc)
+  assert got == dict(dict.fromkeys(_NO_KERNELS, True), impl_auto="pallas", impl_auto_f32="pallas",
+                     impl_auto_bf16="pallas", gmm_auto="triton", gmm_auto_f32="triton", gmm_mosaic_f32="mosaic",
+                     moe_f32="pallas", moe_bf16="pallas")
 
 
 def test_without_the_backend_auto_takes_xla_and_triton_is_a_one_line_error():
@@ -216,9 +254,7 @@ def test_without_the_backend_auto_takes_xla_and_triton_is_a_one_line_error():
     assert gap < 1e-4, (op, gap)
   for op, err in got["errors"].items():
     assert err is not None and err.startswith("RuntimeError: ") and NO_TRITON in err and "\n" not in err, (op, err)
-  no_kernels = {name: False for name in ("decode_qkv", "row_moves", "group_rows", "decode_router", "splits_logits",
-                                         "skinny_matmul", "folds_norm", "fuses_hidden", "runs_row_ffn",
-                                         "fuses_residual", "decode_attention")}
+  no_kernels = _NO_KERNELS
   # Off Hopper every Pallas choice is Triton's: XLA. On Hopper bf16 keeps Mosaic; float32, which Mosaic hands to
   # Triton, takes XLA: the MoE layer ragged_dot (it resolves with its dtype), a direct gmm call the padded "xla".
   assert got["gpu"] == dict(no_kernels, impl_auto="ragged_dot", impl_auto_f32="ragged_dot",

@@ -23,14 +23,38 @@ def pallas_triton_available() -> bool:
   return True
 
 
+# The Triton kernels are written for bf16 tensor cores (sm_80 and later; compiled and tested on sm_90 only).
+MIN_TRITON_COMPUTE_CAPABILITY = (8, 0)
+
+
+def gpu_before_ampere() -> bool:
+  """Whether the default device is a GPU older than sm_80 (T4, V100): no bf16 tensor cores."""
+  cc = gpu_compute_capability()
+  try:
+    return cc is not None and tuple(int(p) for p in str(cc).split(".")[:2]) < MIN_TRITON_COMPUTE_CAPABILITY
+  except ValueError:  # a capability string this code does not know: leave the choice to the kernels
+    return False
+
+
 def auto_takes_triton() -> bool:
-  """For an "auto" choice that would run a Pallas Triton kernel: whether it can (pallas_triton_available). Where it
-  cannot on a GPU, warns once per process that the XLA path runs instead."""
+  """For an "auto" choice that would run a Pallas Triton kernel: whether it can, i.e. this jax has the backend
+  (pallas_triton_available) and the GPU is sm_80 or later. Where it cannot on a GPU, warns once per process that
+  the XLA path runs instead."""
+  if gpu_before_ampere():
+    _warn_before_ampere(str(gpu_compute_capability()))
+    return False
   if pallas_triton_available():
     return True
   if jax.default_backend() == "gpu":
     _warn_no_triton()
   return False
+
+
+@functools.cache
+def _warn_before_ampere(cc: str) -> None:
+  warnings.warn(f"this GPU (compute capability {cc}) predates sm_80's bf16 tensor cores, for which sparsejax's "
+                "Triton kernels are written, so their XLA paths run instead (impl='triton' forces the kernels).",
+                RuntimeWarning, stacklevel=4)
 
 
 @functools.cache

@@ -20,6 +20,7 @@ from sparsejax._precision import dot_precision, dot_precision_scope
 from sparsejax.models.config import DTYPES, TransformerConfig
 from sparsejax.norm import rms_norm
 from sparsejax.rope import rotary
+from sparsejax import kernels
 from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
 from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
@@ -53,10 +54,11 @@ class RMSNorm(nnx.Module):
 
 
 def attention_impl(cfg: TransformerConfig) -> str | None:
-  """cuDNN flash attention on GPU for half precision (it supports nothing else); XLA otherwise."""
+  """cuDNN flash attention on GPU for half precision (it supports nothing else) from sm_80 on (cuDNN's fused flash
+  attention needs Ampere or later); XLA otherwise."""
   if cfg.attention_impl == "auto":
     half = cfg.dtype in ("bfloat16", "float16")
-    return "cudnn" if half and jax.default_backend() == "gpu" else None
+    return "cudnn" if half and jax.default_backend() == "gpu" and not kernels.gpu_before_ampere() else None
   return None if cfg.attention_impl == "xla" else "cudnn"
 
 

@@ -44,15 +44,15 @@ def runs_triton(backend: str, dtype=None) -> bool:
 
 
 def resolve_backend(backend: str, dtype=None) -> str:
-  """"auto": Mosaic GPU on Hopper (sm_90), Triton on other GPUs and (interpret mode) off the GPU. Where this jax
-  has no Pallas Triton backend, "xla" wherever that would run Triton kernels for dtype (runs_triton), and an
-  explicit "triton" raises."""
+  """"auto": Mosaic GPU on Hopper (sm_90), Triton on other GPUs and (interpret mode) off the GPU. "xla" wherever
+  that would run Triton kernels for dtype (runs_triton) that cannot run here: no Pallas Triton backend in this jax
+  (where an explicit "triton" raises), or a GPU before sm_80 (where an explicit "triton" still runs them)."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}.")
   if backend == "triton":
     require_triton("gmm(backend='triton')", "backend='auto' or backend='xla'")
   resolved = _auto() if backend == "auto" else backend
-  return "xla" if runs_triton(resolved, dtype) and not auto_takes_triton() else resolved
+  return "xla" if backend != "triton" and runs_triton(resolved, dtype) and not auto_takes_triton() else resolved
 
 
 def _xla_group_rows(topo):
