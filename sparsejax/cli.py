@@ -37,7 +37,7 @@ HELP = {
     "adam_mu_dtype": "dtype of AdamW's first moment: float32 or bfloat16 (saves 4 of the ~28 bytes per "
                      "parameter an MoE's optimizer moves each step; the second moment stays float32)",
     "seed": "seed of the initialization, the batches and the router jitter",
-    "dtype": f"compute dtype: {', '.join(COMPUTE_DTYPES)}",
+    "dtype": f"compute dtype: {', '.join(COMPUTE_DTYPES)} (float16 trains with dynamic loss scaling)",
     "eval_every": "evaluate every this many steps (0: only at the end)",
     "eval_every_s": "also evaluate every this many seconds of training",
     "eval_batches": "validation batches per evaluation",

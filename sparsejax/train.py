@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from sparsejax import distributed
+from sparsejax import distributed, loss_scale
 from sparsejax.checkpoint import Checkpointer
 from sparsejax.cli import main, parse_args  # noqa: F401  (sparsejax.train:main, the old entry point)
 from sparsejax.mesh import DATA, EXPERT, EXPERT_GROUP, expert_layout, logical_to_mesh, make_expert_mesh
@@ -59,19 +59,22 @@ def functional(model: nnx.Module) -> tuple[Callable, dict]:
   return apply, nnx.to_pure_dict(state)
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: TrainConfig, *, loss_scaling: bool = False) -> optax.GradientTransformation:
   """clip(g, grad_clip) -> AdamW(b2=0.95) with lr: linear warm-up, cosine decay to min_lr_ratio * lr.
 
   Weight decay skips vectors (norm scales): decaying them only shrinks the residual stream.
   adam_mu_dtype="bfloat16" stores the first moment in bf16 (optax's mu_dtype; the update math
   stays float32), for optimizer steps bound by the bytes of many expert parameters.
+  loss_scaling=True (float16 compute; run() sets it) wraps the chain in loss_scale.dynamic_loss_scale, whose
+  scale make_steps' train_step reads from the state.
   """
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, cfg.lr, max(1, cfg.warmup), max(cfg.steps, cfg.warmup + 1), cfg.lr * cfg.min_lr_ratio)
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)
-  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask,
-                                 mu_dtype=jnp.dtype(cfg.adam_mu_dtype)))
+  tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                   optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decay_mask,
+                               mu_dtype=jnp.dtype(cfg.adam_mu_dtype)))
+  return loss_scale.dynamic_loss_scale(tx) if loss_scaling else tx
 
 
 def cast_dtypes(apply: Callable, params: dict, *args, **kwargs) -> dict:
@@ -133,6 +136,8 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
   gradients, one update per batch (eval_step also runs a microbatch at a time). The loss and the
   float stats are the microbatches' means, the counts (tokens per expert) their sums. Each
   microbatch's auxiliary losses are its own, as in Megatron; A=1 is the plain step, bit for bit.
+  Where tx keeps a loss scale S (loss_scale.dynamic_loss_scale), the gradients are those of S times the loss,
+  divided by S before tx sees them, and the metrics carry S after the update (halved: the step was skipped).
   """
 
   def loss_fn(params, x, y, rng):
@@ -140,16 +145,33 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     ce = cross_entropy(logits, y)
     return ce + stats.aux_loss, (ce, stats)
 
-  def loss_and_grads(params, x, y, rng):
-    return jax.value_and_grad(loss_fn, has_aux=True)(params, x, y, rng)
+  def value_and_grad(f, scale):
+    """jax.value_and_grad(f, has_aux=True), of scale * f's loss where scale is not None (the value unscaled)."""
+    if scale is None:
+      return jax.value_and_grad(f, has_aux=True)
 
-  def loss_and_grads_via_copy(params, copy, x, y, rng):
+    def scaled(*args):
+      loss, aux = f(*args)
+      return loss * scale.astype(loss.dtype), (loss, aux)
+
+    def value_and_grads(*args):
+      (_, value), grads = jax.value_and_grad(scaled, has_aux=True)(*args)
+      return value, grads
+    return value_and_grads
+
+  def loss_and_grads(params, x, y, rng, scale=None):
+    return value_and_grad(loss_fn, scale)(params, x, y, rng)
+
+  def loss_and_grads_via_copy(params, copy, x, y, rng, scale=None):
     """loss_and_grads, the forward reading the copy: dL/dp = upcast(dL/dw_c) where a copy stands in."""
     rest = jax.tree.map(lambda c, p: p if c is None else None, copy, params, is_leaf=_is_none)
     merge = lambda w: jax.tree.map(lambda c, p: p if c is None else c, *w, is_leaf=_is_none)
-    value, (g_copy, g_rest) = jax.value_and_grad(lambda w: loss_fn(merge(w), x, y, rng), has_aux=True)((copy, rest))
+    value, (g_copy, g_rest) = value_and_grad(lambda w: loss_fn(merge(w), x, y, rng), scale)((copy, rest))
     return value, jax.tree.map(lambda g, r, p: r if g is None else g.astype(p.dtype), g_copy, g_rest, params,
                                is_leaf=_is_none)
+
+  def unscaled(grads, scale):
+    return grads if scale is None else jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
 
   def split(a):
     """[B, ...] -> [A, B / A, ...], microbatch i = rows i, i + A, ...: with the batch split over devices
@@ -178,20 +200,23 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     metrics = dict(loss=loss, ce=ce, aux_loss=stats.aux_loss, lb_loss=stats.load_balancing_loss,
                    z_loss=stats.router_z_loss, grad_norm=_global_norm(grads),
                    tokens_per_expert=stats.tokens_per_expert, dropped_fraction=stats.dropped_fraction)
+    if loss_scale.loss_scale(opt_state) is not None:
+      metrics["loss_scale"] = loss_scale.loss_scale(opt_state)
     return params, opt_state, metrics
 
   if with_copy:
     def train_step(params, opt_state, x, y, step, copy):
-      rng = jax.random.fold_in(jax.random.key(seed), step)
+      rng, scale = jax.random.fold_in(jax.random.key(seed), step), loss_scale.loss_scale(opt_state)
       (loss, (ce, stats)), grads = accumulated(
-          lambda xb, yb, r: loss_and_grads_via_copy(params, copy, xb, yb, r), x, y, rng)
-      params, opt_state, metrics = update(params, opt_state, loss, ce, stats, grads)
+          lambda xb, yb, r: loss_and_grads_via_copy(params, copy, xb, yb, r, scale), x, y, rng)
+      params, opt_state, metrics = update(params, opt_state, loss, ce, stats, unscaled(grads, scale))
       return params, opt_state, metrics, compute_copy(params, jax.tree.map(lambda c: c.dtype, copy))
   else:
     def train_step(params, opt_state, x, y, step):
-      rng = jax.random.fold_in(jax.random.key(seed), step)
-      (loss, (ce, stats)), grads = accumulated(lambda xb, yb, r: loss_and_grads(params, xb, yb, r), x, y, rng)
-      return update(params, opt_state, loss, ce, stats, grads)
+      rng, scale = jax.random.fold_in(jax.random.key(seed), step), loss_scale.loss_scale(opt_state)
+      (loss, (ce, stats)), grads = accumulated(lambda xb, yb, r: loss_and_grads(params, xb, yb, r, scale), x, y,
+                                               rng)
+      return update(params, opt_state, loss, ce, stats, unscaled(grads, scale))
 
   def eval_step(params, x, y):
     """The batch's mean cross-entropy; with grad_accum, a microbatch at a time (the same memory as
@@ -488,7 +513,7 @@ def run(plan: Plan, *, mesh=None) -> dict:
   model = (build_model(cfg, model_cfg, expert_mesh) if resuming
            else init_model(cfg, model_cfg, expert_mesh))
   apply, params = functional(model)
-  tx = make_optimizer(cfg)
+  tx = make_optimizer(cfg, loss_scaling=model_cfg.dtype == "float16")
   if expert_mesh is not None:
     params, opt_state, shardings = expert_parallel_state(model, params, tx, expert_mesh, model_cfg.num_experts)
   else:
@@ -574,6 +599,8 @@ def run(plan: Plan, *, mesh=None) -> dict:
                   grad_norm=float(m["grad_norm"]), tokens_per_s=tps, mfu=run_mfu,
                   dropped_fraction=m["dropped_fraction"].tolist(),
                   tokens_per_expert=m["tokens_per_expert"].tolist())
+      if "loss_scale" in m:
+        last["loss_scale"] = float(m["loss_scale"])
       log.write(kind="train", **last)
       bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{tps:,.0f}",
                       mfu="n/a" if run_mfu is None else f"{100 * run_mfu:.1f}%")
