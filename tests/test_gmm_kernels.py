@@ -114,6 +114,43 @@ def test_triton_kernels_match_reference(groups, dtype, k, n):
   assert np.all(np.asarray(dw)[empty] == 0)
 
 
+def test_triton_pipelines_fit_each_gpus_shared_memory():
+  """Triton stops on a pipeline that asks for more shared memory than the GPU has (an A100 163 KiB a block, sm_86
+  and sm_89 cards 99 KiB; the defaults were an H100's). The estimate reproduces what Triton asked on an H100, the
+  tiles fit every listed card from sm_80 on in bf16 and float32, and those that fit (Hopper's) are unchanged."""
+  from sparsejax.kernels.gmm import triton as T
+  assert T.pipeline_bytes(128, 64, 256, 3, 4, tgmm=False) == 288 * 1024  # triton.py's _for_dtype note
+  for dtype in (jnp.bfloat16, jnp.float32):
+    size = jnp.dtype(dtype).itemsize
+    unfitted = T._for_dtype(T.DEFAULT_TILING, dtype)  # off the GPU: no limit
+    for cc, kib in T._SHARED_MEMORY_KIB.items():
+      if cc < (8, 0):
+        continue
+      t = T.fit_shared_memory(unfitted, size, kib * 1024)
+      assert T.pipeline_bytes(128, t.block_k, t.block_n, t.num_stages, size, tgmm=False) <= kib * 1024, (cc, t)
+      assert T.pipeline_bytes(128, t.tgmm_block_k, t.tgmm_block_n, t.tgmm_num_stages, size, tgmm=True) <= kib * 1024
+      assert (t == unfitted) == (kib >= 227), (cc, dtype, t)
+  a100 = T.fit_shared_memory(T.DEFAULT_TILING, 2, 163 * 1024)
+  assert (a100.num_stages, a100.block_n, a100.tgmm_block_n, a100.tgmm_block_k) == (3, 256, 128, 128)
+  ada = T.fit_shared_memory(T.DEFAULT_TILING, 2, 99 * 1024)
+  assert (ada.num_stages, ada.block_n, ada.block_k, ada.tgmm_block_n, ada.tgmm_block_k) == (2, 256, 64, 64, 128)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_triton_kernels_on_a_99_kib_gpus_tiles_match_reference(monkeypatch, dtype):
+  """gmm, the transposed gmm and tgmm on the tiles an sm_86 / sm_89 card gets (fewer stages, narrower tiles: 64
+  and 32 wide in float32), interpreted, against the reference across several K and N tiles."""
+  from sparsejax.kernels.gmm import triton as T
+  monkeypatch.setattr(T, "_shared_memory_limit", lambda: 99 * 1024)
+  assert T._for_dtype(T.DEFAULT_TILING, dtype) != T.DEFAULT_TILING
+  groups = GROUPS[0]
+  topo, lhs, rhs, rhs_t, dout = _operands(groups, dtype, 300, 330, 7, GROUPS_ROWS)
+  out, out_t, dw = _triton_products(lhs, rhs, rhs_t, dout, topo)
+  check_rows(out, gmm_reference(lhs, rhs, topo), topo, TOL[dtype])
+  check_rows(out_t, gmm_reference(lhs, rhs_t, topo, transpose_rhs=True), topo, TOL[dtype])
+  assert rel_err(dw, tgmm_reference(lhs, dout, topo)) < TOL[dtype]
+
+
 def _check_fused_expert_mlp(groups, activation, glu, seed):
   """expert_mlp on the Mosaic backend (with glu, the gated form) against the float32 reference:
   values and every gradient, bf16 out, zero rows where an active block holds no token, zero

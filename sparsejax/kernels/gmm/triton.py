@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from sparsejax._precision import dot_precision
+from sparsejax.kernels import gpu_compute_capability
 from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.topology import Topology
@@ -50,12 +51,71 @@ DEFAULT_TILING = Tiling()
 
 def _for_dtype(tiling: Tiling, dtype) -> Tiling:
   """float32 tiles take twice the shared memory of bf16 ones: halve the wide ones so a pipelined
-  K loop fits in the 227 KiB of an H100 (the bf16 defaults asked for 288 KiB at float32)."""
-  if jnp.dtype(dtype).itemsize < 4:
-    return tiling
-  return dataclasses.replace(tiling, block_n=min(tiling.block_n, 128),
-                             tgmm_block_k=min(tiling.tgmm_block_k, 64),
-                             tgmm_block_n=min(tiling.tgmm_block_n, 128))
+  K loop fits in the 227 KiB of an H100 (the bf16 defaults asked for 288 KiB at float32). Then, on a
+  GPU with less shared memory a block than an H100, fit_shared_memory."""
+  if jnp.dtype(dtype).itemsize >= 4:
+    tiling = dataclasses.replace(tiling, block_n=min(tiling.block_n, 128),
+                                 tgmm_block_k=min(tiling.tgmm_block_k, 64),
+                                 tgmm_block_n=min(tiling.tgmm_block_n, 128))
+  limit = _shared_memory_limit()
+  return tiling if limit is None else fit_shared_memory(tiling, jnp.dtype(dtype).itemsize, limit)
+
+
+# The most shared memory one block may use (the opt-in maximum, bytes) by compute capability (CUDA C++ Programming
+# Guide, "Technical Specifications per Compute Capability"). Triton stops with "out of resource: shared memory"
+# where a kernel's pipeline asks for more. The default tiles (an H100's) ask 144 KiB (gmm) and 192 KiB (tgmm) in
+# bf16: more than an A100's 163 KiB for tgmm, and than the 99 KiB of sm_86 / sm_89 / sm_120 cards for both.
+_SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
+                      (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99}
+
+
+def _shared_memory_limit() -> int | None:
+  """Bytes of shared memory a block may use on this GPU; None off the GPU (interpret mode has no limit). A
+  capability missing from the table gets the least of sm_80 and later (99 KiB): smaller tiles, never a failure."""
+  cc = gpu_compute_capability()
+  if cc is None:
+    return None
+  try:
+    key = tuple(int(p) for p in str(cc).split(".")[:2])
+  except ValueError:
+    key = None
+  return _SHARED_MEMORY_KIB.get(key, 99) * 1024
+
+
+def pipeline_bytes(block_m: int, block_k: int, block_n: int, num_stages: int, itemsize: int, *, tgmm: bool) -> int:
+  """Shared memory of a kernel's pipelined K loop: num_stages buffers of its two operand tiles. gmm loads lhs
+  [block_m, block_k] and rhs [block_k, block_n]; tgmm lhs [block_m, block_k] and dout [block_m, block_n]. (On an
+  H100, Triton asked 288 KiB for gmm's bf16 defaults at float32: 3 * (128 * 64 + 64 * 256) * 4 bytes.)"""
+  return num_stages * (block_m * block_k + (block_m if tgmm else block_k) * block_n) * itemsize
+
+
+def fit_shared_memory(tiling: Tiling, itemsize: int, limit: int, block_m: int = 128) -> Tiling:
+  """The tiling, shrunk until each kernel's pipeline fits `limit` bytes: gmm first drops a stage (to 2), then
+  halves block_n (to 64), then block_k (to 32); tgmm halves its block_n (to 64), then block_k (to 32), then
+  drops stages (to 1). A tiling that fits comes back unchanged."""
+  t = tiling
+  gmm_bytes = lambda t: pipeline_bytes(block_m, t.block_k, t.block_n, t.num_stages, itemsize, tgmm=False)
+  while gmm_bytes(t) > limit:
+    if t.num_stages > 2:
+      t = dataclasses.replace(t, num_stages=t.num_stages - 1)
+    elif t.block_n > 64:
+      t = dataclasses.replace(t, block_n=t.block_n // 2)
+    elif t.block_k > 32:
+      t = dataclasses.replace(t, block_k=t.block_k // 2)
+    else:
+      break
+  tgmm_bytes = lambda t: pipeline_bytes(block_m, t.tgmm_block_k, t.tgmm_block_n, t.tgmm_num_stages, itemsize,
+                                        tgmm=True)
+  while tgmm_bytes(t) > limit:
+    if t.tgmm_block_n > 64:
+      t = dataclasses.replace(t, tgmm_block_n=t.tgmm_block_n // 2)
+    elif t.tgmm_block_k > 32:
+      t = dataclasses.replace(t, tgmm_block_k=t.tgmm_block_k // 2)
+    elif t.tgmm_num_stages > 1:
+      t = dataclasses.replace(t, tgmm_num_stages=t.tgmm_num_stages - 1)
+    else:
+      break
+  return t
 
 
 def _interpret() -> bool:
