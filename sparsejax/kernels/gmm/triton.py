@@ -49,7 +49,7 @@ class Tiling:
 DEFAULT_TILING = Tiling()
 
 
-def _for_dtype(tiling: Tiling, dtype) -> Tiling:
+def _for_dtype(tiling: Tiling, dtype, block_m: int = 128) -> Tiling:
   """float32 tiles take twice the shared memory of bf16 ones: halve the wide ones so a pipelined
   K loop fits in the 227 KiB of an H100 (the bf16 defaults asked for 288 KiB at float32). Then, on a
   GPU with less shared memory a block than an H100, fit_shared_memory."""
@@ -58,7 +58,7 @@ def _for_dtype(tiling: Tiling, dtype) -> Tiling:
                                  tgmm_block_k=min(tiling.tgmm_block_k, 64),
                                  tgmm_block_n=min(tiling.tgmm_block_n, 128))
   limit = _shared_memory_limit()
-  return tiling if limit is None else fit_shared_memory(tiling, jnp.dtype(dtype).itemsize, limit)
+  return tiling if limit is None else fit_shared_memory(tiling, jnp.dtype(dtype).itemsize, limit, block_m)
 
 
 # The most shared memory one block may use (the opt-in maximum, bytes) by compute capability (CUDA C++ Programming
@@ -179,7 +179,7 @@ def gmm(
     tiling: Tiling | None = None,
 ) -> Float[Array, "rows n"]:
   """out[r] = lhs[r] @ rhs[e(r)] (rhs[e(r)]^T with transpose_rhs); zero rows past the active blocks."""
-  tiling = _for_dtype(tiling or DEFAULT_TILING, lhs.dtype)
+  tiling = _for_dtype(tiling or DEFAULT_TILING, lhs.dtype, topo.block_size)
   k = lhs.shape[1]
   n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
   block_m = topo.block_size
@@ -251,7 +251,7 @@ def tgmm(
     tiling: Tiling | None = None,
 ) -> Float[Array, "experts k n"]:
   """out[e] = lhs[rows of e]^T @ dout[rows of e]: the weight gradient (MegaBlocks' DS^T D); f32 accumulate."""
-  tiling = _for_dtype(tiling or DEFAULT_TILING, lhs.dtype)
+  tiling = _for_dtype(tiling or DEFAULT_TILING, lhs.dtype, topo.block_size)
   k, n = lhs.shape[1], dout.shape[1]
   block_k, block_n = _tile(k, tiling.tgmm_block_k), _tile(n, tiling.tgmm_block_n)
   lhs_p, dout_p = pad_to(lhs, 1, block_k), pad_to(dout, 1, block_n)
