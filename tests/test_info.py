@@ -8,7 +8,7 @@ import jax
 import pytest
 
 from sparsejax import info, kernels
-from sparsejax.kernels.gmm import op as gmm_op, triton as gmm_triton
+from sparsejax.kernels.gmm import op as gmm_op
 
 
 def test_on_the_cpu_it_runs_as_a_module_and_prints_xla_everywhere():
@@ -31,8 +31,7 @@ def test_on_the_cpu_it_runs_as_a_module_and_prints_xla_everywhere():
 ])
 def test_each_gpu_generation_gets_its_choices(monkeypatch, cc, want):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  for module, name in ((kernels, "gpu_compute_capability"), (gmm_op, "_gpu_compute_capability"),
-                       (gmm_triton, "gpu_compute_capability")):
+  for module, name in ((kernels, "gpu_compute_capability"), (gmm_op, "_gpu_compute_capability")):
     monkeypatch.setattr(module, name, lambda: cc)
   kernels._warn_before_ampere.cache_clear()
   got = info.choices()

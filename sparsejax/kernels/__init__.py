@@ -27,13 +27,20 @@ def pallas_triton_available() -> bool:
 MIN_TRITON_COMPUTE_CAPABILITY = (8, 0)
 
 
-def gpu_before_ampere() -> bool:
-  """Whether the default device is a GPU older than sm_80 (T4, V100): no bf16 tensor cores."""
+def gpu_capability_version() -> tuple[int, int] | None:
+  """gpu_compute_capability as (major, minor), e.g. (9, 0); None off the GPU or for a string this code does not
+  read (then the callers keep their defaults)."""
   cc = gpu_compute_capability()
   try:
-    return cc is not None and tuple(int(p) for p in str(cc).split(".")[:2]) < MIN_TRITON_COMPUTE_CAPABILITY
-  except ValueError:  # a capability string this code does not know: leave the choice to the kernels
-    return False
+    return None if cc is None else tuple(int(p) for p in str(cc).split(".")[:2])
+  except ValueError:
+    return None
+
+
+def gpu_before_ampere() -> bool:
+  """Whether the default device is a GPU older than sm_80 (T4, V100): no bf16 tensor cores."""
+  version = gpu_capability_version()
+  return version is not None and version < MIN_TRITON_COMPUTE_CAPABILITY
 
 
 def auto_takes_triton() -> bool:

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from sparsejax._precision import dot_precision
-from sparsejax.kernels import gpu_compute_capability
+from sparsejax import kernels  # read when called, so the GPU's generation can be set in a test
 from sparsejax.kernels.gmm.padding import pad_to
 from sparsejax.kernels.shared_lowering import shared_lowering
 from sparsejax.topology import Topology
@@ -72,14 +72,9 @@ _SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 1
 def _shared_memory_limit() -> int | None:
   """Bytes of shared memory a block may use on this GPU; None off the GPU (interpret mode has no limit). A
   capability missing from the table gets the least of sm_80 and later (99 KiB): smaller tiles, never a failure."""
-  cc = gpu_compute_capability()
-  if cc is None:
+  if kernels.gpu_compute_capability() is None:
     return None
-  try:
-    key = tuple(int(p) for p in str(cc).split(".")[:2])
-  except ValueError:
-    key = None
-  return _SHARED_MEMORY_KIB.get(key, 99) * 1024
+  return _SHARED_MEMORY_KIB.get(kernels.gpu_capability_version(), 99) * 1024
 
 
 def pipeline_bytes(block_m: int, block_k: int, block_n: int, num_stages: int, itemsize: int, *, tgmm: bool) -> int:
