@@ -200,8 +200,9 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     metrics = dict(loss=loss, ce=ce, aux_loss=stats.aux_loss, lb_loss=stats.load_balancing_loss,
                    z_loss=stats.router_z_loss, grad_norm=_global_norm(grads),
                    tokens_per_expert=stats.tokens_per_expert, dropped_fraction=stats.dropped_fraction)
-    if loss_scale.loss_scale(opt_state) is not None:
-      metrics["loss_scale"] = loss_scale.loss_scale(opt_state)
+    scale = loss_scale.loss_scale(opt_state)
+    if scale is not None:
+      metrics["loss_scale"] = scale
     return params, opt_state, metrics
 
   if with_copy:

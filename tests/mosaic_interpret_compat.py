@@ -121,7 +121,7 @@ def _host_copy(a):
 
   jax 0.11's interpreter rebuilds its thread locations from the operands with a check that takes
   jax arrays and Python ints only (numpy scalars and 0-d arrays raise); the ids it reads are
-  integer scalars, and every interpreter reads them through int() either way.
+  integer scalars, which jax 0.10's interpreter reads through int().
   """
   c = np.array(a)
   return int(c) if c.ndim == 0 and np.issubdtype(c.dtype, np.integer) else c
