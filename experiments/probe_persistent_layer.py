@@ -138,7 +138,8 @@ prefetch_p = jax_core.Primitive("probe_prefetch_l2")
 prefetch_p.multiple_results = True
 # A write effect on a ref it never writes, or jax drops an op whose results nobody uses.
 prefetch_p.def_effectful_abstract_eval(lambda ref, offsets: ([], {state.WriteEffect(0)}))
-state_discharge.register_discharge_rule(prefetch_p)(lambda in_avals, out_avals, ref, offsets: ((None, None), []))
+# Called (in_avals, out_avals, ref, offsets) by jax 0.10 and (ctx, ref, offsets) by 0.11; it changes neither operand.
+state_discharge.register_discharge_rule(prefetch_p)(lambda *args: ((None, None), []))
 
 
 @triton_lowering.register_lowering(prefetch_p)

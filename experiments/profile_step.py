@@ -196,7 +196,10 @@ def _trace_lines(trace: dict):
   meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
   procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
   threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in meta if e["name"] == "thread_name"}
-  devices = {pid for pid, name in procs.items() if name.startswith("/device:")}
+  # A device with no events is not the one that ran: jax 0.11 on a GPU machine names its GPU's process in a trace of
+  # the CPU backend (JAX_PLATFORMS=cpu), and the ops are then on the host's lines.
+  busy = {e["pid"] for e in events}
+  devices = {pid for pid, name in procs.items() if name.startswith("/device:") and pid in busy}
   return events, devices, lambda e: threads.get((e["pid"], e.get("tid")), "")
 
 

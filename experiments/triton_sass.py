@@ -1,10 +1,11 @@
 """A Pallas Triton kernel's SASS without a GPU: the TTIR jax lowers for CUDA, compiled by a triton wheel.
 
-jax lowers a Pallas Triton kernel to Triton IR on any machine (lowering_platforms=("cuda",)). The triton wheel
-(3.6 from the registry, in a side venv: it is not a dependency of this project) compiles that IR for sm_90, and
-its bundled cuobjdump and nvdisasm read the cubin. XLA's own Triton is another version, so the SASS is
-indicative, not the GPU's exact code; it showed the twenty-fifth session a merge that ran eight dependent L2
-round trips and a counting atomic with no CTA barrier ahead of it (experiments/notes_decode.md).
+jax lowers a Pallas Triton kernel to Triton IR on any machine (lowering_platforms=("cuda",); jax 0.11 needs the GPU
+named, and `lower_for_gpu` names an H100). The triton wheel (3.6 from the registry, in a side venv: it is not a
+dependency of this project) compiles that IR for sm_90, and its bundled cuobjdump and nvdisasm read the cubin.
+XLA's own Triton is another version, so the SASS is indicative, not the GPU's exact code; it showed the
+twenty-fifth session a merge that ran eight dependent L2 round trips and a counting atomic with no CTA barrier
+ahead of it (experiments/notes_decode.md).
 
   python experiments/triton_sass.py overlap_one_grid --out DIR                      # TTIR only (this venv)
   python experiments/triton_sass.py overlap_one_grid --out DIR --triton-python /path/to/venv/bin/python
@@ -21,6 +22,8 @@ import sys
 
 import jax
 import jax.numpy as jnp
+
+from sparsejax.kernels.pallas_triton_gpu import lower_for_gpu
 
 
 def _overlap_one_grid():
@@ -110,7 +113,7 @@ def ttir_of(fn, *args) -> list[str]:
 
   lowering.lower_jaxpr_to_triton_module = hook
   try:
-    jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",))
+    lower_for_gpu(lambda *a: fn(*a), *args)
   finally:
     lowering.lower_jaxpr_to_triton_module = real
   return texts

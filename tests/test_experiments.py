@@ -12,6 +12,7 @@ sys.path.insert(0, str(ROOT / "experiments"))
 import megablocks_repro  # noqa: E402
 import provenance  # noqa: E402
 import plot  # noqa: E402
+from sparsejax.kernels.pallas_triton_gpu import lower_for_gpu  # noqa: E402
 
 
 def test_megablocks_smoke(tmp_path):
@@ -314,8 +315,7 @@ def test_pdl_probe_puts_the_grid_wait_where_it_says_and_refuses_a_cpu():
   w = jax.ShapeDtypeStruct((probe_pdl.K, probe_pdl.N), jnp.bfloat16)
   for mode in probe_pdl.MODES[1:]:
     xin = jax.ShapeDtypeStruct((probe_pdl.N,), jnp.float32) if mode.endswith("_direct") else x
-    text = jax.jit(lambda x, w, mode=mode: probe_pdl.matvec(x, w, mode)).trace(xin, w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(lambda x, w, mode=mode: probe_pdl.matvec(x, w, mode), xin, w).as_text()
     assert ("griddepcontrol.wait" in text) == (mode in ("wait_first", "prefetch")), mode
     assert ("griddepcontrol.launch_dependents" in text) == mode.startswith("trigger"), mode
   with pytest.raises(SystemExit, match="needs a GPU"):
@@ -341,7 +341,7 @@ def test_dataflow_ffn_probe_matches_its_reference_across_calls_and_the_counters_
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((1, d), jnp.bfloat16)] * 2 + [
       ((1,), jnp.float32), ((1,), jnp.int32), ((4, d, f), jnp.bfloat16), ((4, f, d), jnp.bfloat16), ((), jnp.int32),
       (probe.counters(d, f).shape, jnp.int32)]]
-  text = jax.jit(probe.dataflow_ffn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(probe.dataflow_ffn, *shapes).as_text()
   assert text.count("xla.gpu.triton") == 1
 
 
@@ -554,8 +554,7 @@ def test_paired_tile_probe_matches_its_reference_in_every_mode_and_lowers(monkey
                                                     ((probe.ROW_BLOCKS, 2), jnp.int32)]]
     for name, mode, changes in probe.VARIANTS:
       c = probe.fitted(dataclasses.replace(mosaic.DEFAULT_CONFIGS.gmm, **changes), mode, k, n)
-      text = jax.jit(lambda *a, mode=mode, c=c: probe.tile_gmm(*a, mode=mode, cfg=c)).trace(*args).lower(
-          lowering_platforms=("cuda",)).as_text()
+      text = lower_for_gpu(lambda *a, mode=mode, c=c: probe.tile_gmm(*a, mode=mode, cfg=c), *args).as_text()
       assert "mosaic_gpu" in text, name
 
 
@@ -601,8 +600,8 @@ def test_paired_tile_probe_mixed_loop_pairs_light_blocks_and_matches_the_layout(
                                                   ((192 * probe.BLOCK, k), jnp.bfloat16),
                                                   ((probe.EXPERTS, k, n), jnp.bfloat16)]]
   for hoist in (False, True):
-    text = jax.jit(lambda *a, hoist=hoist: probe.mixed_gmm(*a, cfg=c, pair_n=c.tile_n // 2, hoist=hoist)).trace(
-        *args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(lambda *a, hoist=hoist: probe.mixed_gmm(*a, cfg=c, pair_n=c.tile_n // 2, hoist=hoist),
+        *args).as_text()
     assert "mosaic_gpu" in text, hoist
 
 
@@ -695,8 +694,7 @@ def test_slab_ffn_probe_matches_its_reference_and_lowers():
   assert set(errs) == set(probe.VARIANTS) | {"two_kernels"} and all(e <= 2 ** -7 for e in errs.values()), errs
   shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [((1, 1024), jnp.bfloat16), ((1,), jnp.int32),
                                                     ((4, 1024, 4096), jnp.bfloat16), ((4, 4096, 1024), jnp.bfloat16)]]
-  text = jax.jit(lambda *a: probe.slab_parts(*a, programs=128, num_warps=8)).trace(*shapes).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(lambda *a: probe.slab_parts(*a, programs=128, num_warps=8), *shapes).as_text()
   assert text.count("xla.gpu.triton") == 1
 
 
@@ -710,8 +708,7 @@ def test_tma_read_probe_tokens_equal_what_each_band_holds():
   errs = probe.check(interpret=True, variants=("tma_g128", "triton_g128"))
   assert errs == {"tma_g128": 0.0, "triton_g128": 0.0}, errs
   shapes = [jax.ShapeDtypeStruct((8192, probe.D), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.float32)]
-  text = jax.jit(lambda w, dep: probe.tma_read(w, dep, ctas=128)).trace(*shapes).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(lambda w, dep: probe.tma_read(w, dep, ctas=128), *shapes).as_text()
   assert "mosaic_gpu" in text
 
 
@@ -726,8 +723,7 @@ def test_pdl_mosaic_probe_token_holds_band_and_previous_output_and_every_form_lo
   shapes = [jax.ShapeDtypeStruct((2048, probe.D), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2, probe.TOK, probe.CHUNK), jnp.bfloat16)]
   for form in probe.FORMS:
-    text = jax.jit(lambda w, p, form=form: probe.step(w, p, ctas=128, form=form)).trace(*shapes).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(lambda w, p, form=form: probe.step(w, p, ctas=128, form=form), *shapes).as_text()
     assert "mosaic_gpu" in text, form
 
 
@@ -745,7 +741,7 @@ def test_overlap_phases_probe_matches_its_reference_and_counts_every_arrival():
                                                     ((probe.H, probe.C, probe.R, probe.DH), jnp.bfloat16),
                                                     ((probe.D, probe.D), jnp.bfloat16), ((), jnp.int32),
                                                     ((1,), jnp.int32)]]
-  text = jax.jit(probe.one_kernel_parts).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(probe.one_kernel_parts, *shapes).as_text()
   assert text.count("xla.gpu.triton") == 1
 
 
@@ -770,7 +766,7 @@ def test_persistent_layer_probe_matches_its_oracle_and_every_wait_survives_to_th
     jaxpr = str(jax.make_jaxpr(fn)(*args))
     assert jaxpr.count("while[") == (len(probe.PHASES) - 1 if wait else 0), name
     assert jaxpr.count("probe_prefetch_l2") == (2 if early == "l2" else 0), name  # the attention's and W_o's slabs
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(fn, *args).as_text()
     assert text.count("xla.gpu.triton") == 1, name
 
 
@@ -795,14 +791,14 @@ def test_persistent_layer_mgpu_probe_lowers_every_variant_and_refuses_a_cpu():
     waits = len(probe.PHASES) - 1 if scope else 0
     signal = "probe_semaphore_signal_gpu" if scope == "gpu" else "semaphore_signal"
     assert jaxpr.count("semaphore_wait") == waits and jaxpr.count(signal) == waits, name
-    text = jax.jit(fn).trace(dep, slabs).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(fn, dep, slabs).as_text()
     assert text.count("probe_persistent_layer_mgpu") >= 1, name
   stacked = [jax.ShapeDtypeStruct((3, *s.shape), s.dtype) for s in slabs]
   for name, (prefetch_next, scope) in probe.STEP_VARIANTS.items():
     fn = functools.partial(probe.step_mgpu, prefetch_next=prefetch_next, scope=scope, interpret=False)
     jaxpr = str(jax.make_jaxpr(fn)(dep, stacked))
     assert jaxpr.count("semaphore_wait") == (3 * len(probe.PHASES) - 1 if scope else 0), name
-    jax.jit(fn).trace(dep, stacked).lower(lowering_platforms=("cuda",))
+    lower_for_gpu(fn, dep, stacked)
 
 
 def test_chain_timing_harness_compares_times_and_traces_chains(tmp_path, capsys):
@@ -991,7 +987,7 @@ def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
     waits = len(probe.PHASES) - 1 if flags["barriers"] else 0
     assert jaxpr.count("semaphore_wait") == waits and jaxpr.count("probe_semaphore_signal_gpu") == waits, name
     assert ("wgmma" in jaxpr) == flags["mma"], name
-    text = jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(fn, *shapes).as_text()
     assert "probe_megakernel_skeleton" in text, name
 
 
@@ -1027,10 +1023,9 @@ def test_int8_weight_layout_probe_matches_the_product_in_every_form_and_lowers()
     cfg = probe.dot_config(32, pk, pn, 22)
     for layout in probe.LAYOUTS:
       w = jax.ShapeDtypeStruct((22, pn, pk) if layout == "k_major" else (22, pk, pn), jnp.int8)
-      text = jax.jit(lambda x, w, ids, layout=layout: probe.product_parts(
-          x, w, ids, layout=layout, float_bits=False, cfg=cfg)).trace(
-          jax.ShapeDtypeStruct((32, pk), jnp.bfloat16), w, jax.ShapeDtypeStruct((22,), jnp.int32)).lower(
-          lowering_platforms=("cuda",)).as_text()
+      text = lower_for_gpu(lambda x, w, ids, layout=layout: probe.product_parts(
+          x, w, ids, layout=layout, float_bits=False, cfg=cfg),
+          jax.ShapeDtypeStruct((32, pk), jnp.bfloat16), w, jax.ShapeDtypeStruct((22,), jnp.int32)).as_text()
       assert "probe_int8_weight_layout" in text, layout
 
 

@@ -16,6 +16,7 @@ from sparsejax.kernels.decode_attention import triton as attention
 from sparsejax.kernels.decode_qkv import triton as qkv
 from sparsejax.kernels.decode_router import triton as router
 from sparsejax.kernels.group_rows import triton as group_rows
+from sparsejax.kernels.pallas_triton_gpu import lower_for_gpu
 from sparsejax.kernels.row_moves import triton as row_moves
 from sparsejax.kernels.skinny_matmul import triton as skinny
 from sparsejax.kernels.skinny_matmul import triton_row_ffn as row_ffn
@@ -29,7 +30,7 @@ def _lowers(fn, *shapes, triggers="all"):
   launch first (launch_dependents; the decode step's small kernels do, the weight-streaming products and the
   training kernels do not), "all" or an int."""
   args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(fn, *args).as_text()
   kernels = text.count("xla.gpu.triton")
   assert kernels >= 1
   assert text.count("griddepcontrol.launch_dependents") == (kernels if triggers == "all" else triggers)
@@ -194,7 +195,7 @@ def _mosaic_lowers(monkeypatch, fn, *args):
   from sparsejax.kernels.gmm import mosaic
   monkeypatch.setattr(mosaic, "_interpret", lambda: None)
   monkeypatch.setattr(mosaic, "_num_sms", lambda: 132)
-  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(fn, *args).as_text()
   assert text.count("mosaic_gpu") >= 1
   return text
 
@@ -295,7 +296,7 @@ def test_triton_kernel_lowers_once_for_all_its_call_sites():
     return row_moves.gather_rows(x, ids, interpret=False)
 
   args = [jax.ShapeDtypeStruct(s, d) for s, d in (((1, 1024), bf16), ((4, 1024, 1024), bf16), ((2,), jnp.int32))]
-  text = jax.jit(layers).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(layers, *args).as_text()
   assert text.count("xla.gpu.triton") == 2
 
 
@@ -314,7 +315,7 @@ def test_triton_gmm_lowers_once_for_all_its_call_sites(monkeypatch):
 
   f32 = jnp.float32
   args = [jax.ShapeDtypeStruct(s, f32) for s in ((1024, 512), (4, 512, 512), (1024, 384))]
-  text = jax.jit(layers).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(layers, *args).as_text()
   assert text.count("xla.gpu.triton") == 3
 
 

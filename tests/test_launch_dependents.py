@@ -9,17 +9,21 @@ from jax.experimental.pallas import triton as plt
 
 from sparsejax.kernels import launch_dependents
 from sparsejax.kernels.decode_attention import triton as attention
+from sparsejax.kernels.pallas_triton_gpu import lower_for_gpu
 
 TRIGGER = "griddepcontrol.launch_dependents"
 
 
-def _doubling(interpret: bool):
+def _doubling(interpret: bool, traced_for_gpu: bool | None = None):
+  """traced_for_gpu: whether early() sees a compiled kernel (default: not interpret)."""
   def kernel(x_ref, o_ref):
     o_ref[...] = x_ref[...] * 2
 
+  compiled = not interpret if traced_for_gpu is None else traced_for_gpu
   return lambda x: pl.pallas_call(
-      launch_dependents.early(kernel, interpret, "doubling"), grid=(4,), in_specs=[pl.BlockSpec((16,), lambda i: (i,))],
-      out_specs=pl.BlockSpec((16,), lambda i: (i,)), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+      launch_dependents.early(kernel, not compiled, "doubling"), grid=(4,),
+      in_specs=[pl.BlockSpec((16,), lambda i: (i,))], out_specs=pl.BlockSpec((16,), lambda i: (i,)),
+      out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
       interpret=interpret, compiler_params=None if interpret else plt.CompilerParams(num_warps=4))(x)
 
 
@@ -28,10 +32,18 @@ def test_interpret_mode_runs_the_kernel_as_it_is():
   np.testing.assert_array_equal(_doubling(True)(x), 2 * x)
 
 
+def test_the_trigger_discharges_to_nothing(monkeypatch):
+  """A kernel body that holds the trigger, run by the interpreter, which discharges it (jax 0.10 calls the
+  discharge rule with the avals, 0.11 with a context): the values are the kernel's."""
+  monkeypatch.setattr(launch_dependents, "EARLY", True)
+  x = jax.random.normal(jax.random.key(1), (64,), jnp.float32)
+  assert "sparsejax_launch_dependents" in str(jax.make_jaxpr(_doubling(True, traced_for_gpu=True))(x))
+  np.testing.assert_array_equal(_doubling(True, traced_for_gpu=True)(x), 2 * x)
+
+
 def test_cuda_lowering_triggers_once_a_kernel(monkeypatch):
   monkeypatch.setattr(launch_dependents, "EARLY", ("doubling",))
-  text = jax.jit(_doubling(False)).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(_doubling(False), jax.ShapeDtypeStruct((64,), jnp.float32)).as_text()
   assert text.count(TRIGGER) == 1
 
 
@@ -46,7 +58,7 @@ def test_the_switch_reaches_a_kernel_already_lowered(monkeypatch):
   def triggers():
     cfg = attention.default_config(1, 16, 160)
     fn = lambda q, k, v, s, i: attention.split_attention(q, k, v, s, i, cfg, interpret=False)  # a new outer trace
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count(TRIGGER)
+    return lower_for_gpu(fn, *args).as_text().count(TRIGGER)
 
   assert triggers() == 1  # the default: the attention is one of the small kernels that trigger
   for early, want in [(False, 0), (("sparsejax_skinny_matmul",), 0), (True, 1), (False, 0)]:
@@ -60,6 +72,5 @@ def test_gpus_before_hopper_never_trigger(monkeypatch, cc, want):
   for CUDA as a Hopper would run it)."""
   monkeypatch.setattr(launch_dependents, "EARLY", True)
   monkeypatch.setattr(launch_dependents, "_compute_capability", lambda: cc)
-  text = jax.jit(_doubling(False)).trace(jax.ShapeDtypeStruct((64,), jnp.float32)).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = lower_for_gpu(_doubling(False), jax.ShapeDtypeStruct((64,), jnp.float32)).as_text()
   assert text.count(TRIGGER) == want

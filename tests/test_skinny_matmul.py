@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from sparsejax.inference import quantize_weight
+from sparsejax.kernels.pallas_triton_gpu import lower_for_gpu
 from sparsejax.kernels.skinny_matmul import MAX_ROWS, skinny_matmul, skinny_matmul_reference
 from sparsejax.kernels.skinny_matmul.triton import default_config
 from tests.moe_testing import seed_of
@@ -452,7 +453,7 @@ def test_a_patched_slab_width_reaches_a_row_kernel_already_lowered(monkeypatch):
   def programs():  # a new outer trace each time, as B's decoder is
     fn = lambda x, wi, wo, si, ids: triton_row_ffn.row_ffn_parts(
         (x,), skinny.Plain(per_slot=False), wi, None, wo, si, None, ids, jax.nn.gelu, jnp.bfloat16, interpret=False)
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).out_info.shape[1]
+    return lower_for_gpu(fn, *args).out_info.shape[1]
 
   # The wave the slab narrows to fill is a switch too: 32 columns make 32 programs here, and a wave of 64 holds twice
   # that (a wave of 0: no narrowing).

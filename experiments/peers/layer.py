@@ -209,7 +209,8 @@ def trace_device_times(path: str):
                        e.get("args", {}).get("name", "") for e in events
                        if e.get("ph") == "M" and e.get("name") == kind}
   procs, threads = meta("process_name"), meta("thread_name")
-  gpu = {pid for pid, n in procs.items() if "GPU" in n}
+  busy = {e.get("pid") for e in events if e.get("ph") == "X"}  # jax 0.11 names an idle GPU in a CPU trace
+  gpu = {pid for pid, n in procs.items() if "GPU" in n and pid in busy}
   pids = gpu or {pid for pid, n in procs.items() if "CPU" in n}
 
   def line(e):

@@ -45,16 +45,30 @@ def gpu_before_ampere() -> bool:
 
 def auto_takes_triton() -> bool:
   """For an "auto" choice that would run a Pallas Triton kernel: whether it can, i.e. this jax has the backend
-  (pallas_triton_available) and the GPU is sm_80 or later. Where it cannot on a GPU, warns once per process that
-  the XLA path runs instead."""
+  (pallas_triton_available), the GPU is sm_80 or later, and Pallas Triton can lower for it (_gpu_pallas_triton_lacks).
+  Where it cannot on a GPU, warns once per process that the XLA path runs instead."""
   if gpu_before_ampere():
     _warn_before_ampere(str(gpu_compute_capability()))
     return False
   if pallas_triton_available():
-    return True
+    unknown = _gpu_pallas_triton_lacks()
+    if unknown is None:
+      return True
+    _warn_unknown_gpu(unknown)
+    return False
   if jax.default_backend() == "gpu":
     _warn_no_triton()
   return False
+
+
+def _gpu_pallas_triton_lacks() -> str | None:
+  """The default GPU's kind where Pallas Triton cannot lower for it, else None. Off the GPU and on jax < 0.11 it
+  always can; jax 0.11 looks a GPU up by name, and can once register_device_gpu has entered a kind it lacks."""
+  from sparsejax.kernels import pallas_triton_gpu
+
+  pallas_triton_gpu.register_device_gpu()
+  gpu = pallas_triton_gpu.default_gpu()
+  return None if gpu is None or pallas_triton_gpu.knows_gpu(gpu[0]) else gpu[0]
 
 
 @functools.cache
@@ -62,6 +76,12 @@ def _warn_before_ampere(cc: str) -> None:
   warnings.warn(f"this GPU (compute capability {cc}) predates sm_80's bf16 tensor cores, for which sparsejax's "
                 "Triton kernels are written, so their XLA paths run instead (impl='triton' forces the kernels).",
                 RuntimeWarning, stacklevel=4)
+
+
+@functools.cache
+def _warn_unknown_gpu(kind: str) -> None:
+  warnings.warn(f"jax {jax.__version__}'s Pallas Triton does not know the GPU {kind!r} and sparsejax could not enter "
+                "it, so the XLA paths run instead of the Triton kernels.", RuntimeWarning, stacklevel=4)
 
 
 @functools.cache

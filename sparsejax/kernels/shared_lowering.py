@@ -24,6 +24,7 @@ import inspect
 import jax
 
 from sparsejax.kernels import launch_dependents
+from sparsejax.kernels.pallas_triton_gpu import register_device_gpu
 
 
 def module_switches() -> tuple:
@@ -56,6 +57,7 @@ def shared_lowering(*static_argnames: str):
     def call(*args, **kwargs):
       if kwargs.get("interpret", False):
         return fn(*args, **kwargs)
+      register_device_gpu()  # a GPU jax 0.11's Pallas Triton table lacks lowers by its own capability
       return jitted(*args, _switches=module_switches(), **kwargs)
 
     return call
@@ -67,6 +69,7 @@ def call_shared(kernel, *args, dynamic: dict | None = None, cache_key=(), **stat
   """kernel(*args, **dynamic, **static) under a jax.jit whose static arguments are the kernel,
   `static` (hashable) and cache_key (anything else the kernel's trace depends on, e.g. the SM count
   it reads itself). dynamic: keyword arguments that are arrays (or None)."""
+  register_device_gpu()
   return _call(args, dynamic or {}, kernel=kernel, static=tuple(sorted(static.items())), cache_key=cache_key)
 
 
