@@ -16,6 +16,7 @@ import pytest
 
 import mosaic_interpret_compat
 import sparsejax as sj
+from sparsejax import kernels
 from sparsejax.kernels import gmm as G
 from sparsejax.kernels.gmm import mosaic, mosaic_epilogue
 from sparsejax.topology import make_topology
@@ -123,7 +124,7 @@ def test_triton_pipelines_fit_each_gpus_shared_memory():
   for dtype in (jnp.bfloat16, jnp.float32):
     size = jnp.dtype(dtype).itemsize
     unfitted = T._for_dtype(T.DEFAULT_TILING, dtype)  # off the GPU: no limit
-    for cc, kib in T._SHARED_MEMORY_KIB.items():
+    for cc, kib in kernels.SHARED_MEMORY_KIB.items():
       if cc < (8, 0):
         continue
       t = T.fit_shared_memory(unfitted, size, kib * 1024)
@@ -141,7 +142,7 @@ def test_triton_kernels_on_a_99_kib_gpus_tiles_match_reference(monkeypatch, dtyp
   """gmm, the transposed gmm and tgmm on the tiles an sm_86 / sm_89 card gets (fewer stages, narrower tiles: 64
   and 32 wide in float32), interpreted, against the reference across several K and N tiles."""
   from sparsejax.kernels.gmm import triton as T
-  monkeypatch.setattr(T, "_shared_memory_limit", lambda: 99 * 1024)
+  monkeypatch.setattr(kernels, "shared_memory_limit", lambda: 99 * 1024)
   assert T._for_dtype(T.DEFAULT_TILING, dtype) != T.DEFAULT_TILING
   groups = GROUPS[0]
   topo, lhs, rhs, rhs_t, dout = _operands(groups, dtype, 300, 330, 7, GROUPS_ROWS)

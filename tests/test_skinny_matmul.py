@@ -1,12 +1,16 @@
 """skinny_matmul: the Pallas Triton kernel (interpret mode off the GPU) against a float64 numpy oracle."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparsejax import kernels
 from sparsejax.inference import quantize_weight
 from sparsejax.kernels.pallas_triton_gpu import lower_for_gpu
 from sparsejax.kernels.skinny_matmul import MAX_ROWS, skinny_matmul, skinny_matmul_reference
+from sparsejax.kernels.skinny_matmul import triton as skinny_triton
 from sparsejax.kernels.skinny_matmul.triton import default_config
 from tests.moe_testing import seed_of
 
@@ -824,3 +828,27 @@ def test_routed_ffn_residual_ties_gradients_and_bad_inputs(row_form_at_any_size)
     routed_ffn_residual(x, parts, w_in, w_out, jnp.ones((1, 128)), k=1, renormalize=False)
   with pytest.raises(ValueError, match="top_k|k="):
     routed_ffn_residual(x, parts, w_in, w_out, residual, k=9, renormalize=False)
+
+
+def test_tiles_fit_each_gpus_shared_memory(monkeypatch):
+  """Triton stops on a pipeline that asks more shared memory than the GPU has. The wide dot tiles (128 columns,
+  128 K rows a step, three stages) ask 108-144 KiB at 16-64 padded rows, over the 99 KiB of sm_86 / sm_89 / sm_120
+  cards. With the GPU's generation set, every default config fits its card; where the H100 sweep's tiles fit (Hopper,
+  the A100, and every tile but the wide ones on 99 KiB cards) they are unchanged."""
+  wide = skinny_triton.Config(block_n=128, block_k=128, rows_per_program=2048, use_dot=True)
+  assert skinny_triton.pipeline_bytes(wide, 64) == 144 * 1024 and skinny_triton.pipeline_bytes(wide, 2) == 108 * 1024
+  shapes = [(k, n, slots) for k, n in ((512, 2048), (1024, 4096), (4096, 1024), (768, 3072), (2048, 8192))
+            for slots in (1, 4, 22)]
+  for cc, kib in kernels.SHARED_MEMORY_KIB.items():
+    if cc < (8, 0):
+      continue
+    monkeypatch.setattr(kernels, "gpu_compute_capability", lambda cc=cc: f"{cc[0]}.{cc[1]}")
+    for m in (1, 2, 16, 32, MAX_ROWS):
+      for k, n, slots in shapes:
+        cfg, unfitted = default_config(m, k, n, slots), skinny_triton._tiles(m, k, n, slots)
+        assert skinny_triton.pipeline_bytes(cfg, m) <= kib * 1024, (cc, m, k, n, slots, cfg)
+        assert (cfg == unfitted) == (skinny_triton.pipeline_bytes(unfitted, m) <= kib * 1024), (cc, m, k, n, cfg)
+        assert cfg.num_stages == 3 or (kib < 163 and cfg.block_n == 128), (cc, m, k, n, slots, cfg)
+    ada = default_config(32, 4096, 1024, 22)
+    assert ada == (dataclasses.replace(skinny_triton._tiles(32, 4096, 1024, 22), num_stages=2)
+                   if kib == 99 else skinny_triton._tiles(32, 4096, 1024, 22))

@@ -37,6 +37,21 @@ def gpu_capability_version() -> tuple[int, int] | None:
     return None
 
 
+# The most shared memory one block may use (the opt-in maximum, KiB) by compute capability (CUDA C++ Programming
+# Guide, "Technical Specifications per Compute Capability"). Triton stops with "out of resource: shared memory"
+# where a kernel's pipeline asks for more; the Triton kernels' tiles are an H100's (227 KiB).
+SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
+                     (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99}
+
+
+def shared_memory_limit() -> int | None:
+  """Bytes of shared memory a block may use on this GPU; None off the GPU (interpret mode has no limit). A
+  capability missing from the table gets the least of sm_80 and later (99 KiB): smaller tiles, never a failure."""
+  if gpu_compute_capability() is None:
+    return None
+  return SHARED_MEMORY_KIB.get(gpu_capability_version(), 99) * 1024
+
+
 def gpu_before_ampere() -> bool:
   """Whether the default device is a GPU older than sm_80 (T4, V100): no bf16 tensor cores."""
   version = gpu_capability_version()

@@ -52,29 +52,14 @@ DEFAULT_TILING = Tiling()
 def _for_dtype(tiling: Tiling, dtype, block_m: int = 128) -> Tiling:
   """float32 tiles take twice the shared memory of bf16 ones: halve the wide ones so a pipelined
   K loop fits in the 227 KiB of an H100 (the bf16 defaults asked for 288 KiB at float32). Then, on a
-  GPU with less shared memory a block than an H100, fit_shared_memory."""
+  GPU with less shared memory a block than an H100, fit_shared_memory. (The defaults ask 144 KiB for gmm and
+  192 KiB for tgmm in bf16: more than an A100 allows tgmm, and than a 99 KiB card allows either.)"""
   if jnp.dtype(dtype).itemsize >= 4:
     tiling = dataclasses.replace(tiling, block_n=min(tiling.block_n, 128),
                                  tgmm_block_k=min(tiling.tgmm_block_k, 64),
                                  tgmm_block_n=min(tiling.tgmm_block_n, 128))
-  limit = _shared_memory_limit()
+  limit = kernels.shared_memory_limit()
   return tiling if limit is None else fit_shared_memory(tiling, jnp.dtype(dtype).itemsize, limit, block_m)
-
-
-# The most shared memory one block may use (the opt-in maximum, bytes) by compute capability (CUDA C++ Programming
-# Guide, "Technical Specifications per Compute Capability"). Triton stops with "out of resource: shared memory"
-# where a kernel's pipeline asks for more. The default tiles (an H100's) ask 144 KiB (gmm) and 192 KiB (tgmm) in
-# bf16: more than an A100's 163 KiB for tgmm, and than the 99 KiB of sm_86 / sm_89 / sm_120 cards for both.
-_SHARED_MEMORY_KIB = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
-                      (10, 0): 227, (10, 3): 227, (12, 0): 99, (12, 1): 99}
-
-
-def _shared_memory_limit() -> int | None:
-  """Bytes of shared memory a block may use on this GPU; None off the GPU (interpret mode has no limit). A
-  capability missing from the table gets the least of sm_80 and later (99 KiB): smaller tiles, never a failure."""
-  if kernels.gpu_compute_capability() is None:
-    return None
-  return _SHARED_MEMORY_KIB.get(kernels.gpu_capability_version(), 99) * 1024
 
 
 def pipeline_bytes(block_m: int, block_k: int, block_n: int, num_stages: int, itemsize: int, *, tgmm: bool) -> int:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int, Num
 
+from sparsejax import kernels  # read when called, so the GPU's generation can be set in a test
 from sparsejax._precision import dot_precision
 from sparsejax.kernels import launch_dependents, whole_row
 from sparsejax.kernels.shared_lowering import shared_lowering
@@ -86,8 +87,14 @@ def default_config(m: int, k: int, n: int, slots: int = 1) -> Config | None:
   """Tiles picked from H100 sweeps (experiments/results/skinny_matmul_sweep_H100*.json). One row: 64
   columns, 128 K rows a program for K <= 2048, else a dot over 512 rows. More rows (the dot form)
   through several experts: the widest of _WIDE_TILES that leaves slots x (n / block_n) x (k / rows) >=
-  _MIN_WIDE_PROGRAMS programs; else 64 columns by 256 (512 for K >= 2048) rows. None when k or n is not
-  a multiple of 16 (the caller then uses the reference)."""
+  _MIN_WIDE_PROGRAMS programs; else 64 columns by 256 (512 for K >= 2048) rows. Then fit_shared_memory on
+  this GPU. None when k or n is not a multiple of 16 (the caller then uses the reference)."""
+  cfg = _tiles(m, k, n, slots)
+  return None if cfg is None else fit_shared_memory(cfg, m, kernels.shared_memory_limit())
+
+
+def _tiles(m: int, k: int, n: int, slots: int = 1) -> Config | None:
+  """default_config's tiles, before the shared-memory fit."""
   block_n = _largest_dividing(n, (64, 32, 16))
   block_k = _largest_dividing(k, (128, 64, 32, 16))
   if block_n is None or block_k is None:
@@ -100,6 +107,21 @@ def default_config(m: int, k: int, n: int, slots: int = 1) -> Config | None:
   target = 128 if not use_dot else (512 if k >= 2048 else 256)
   rows = max(r for r in range(block_k, max(target, block_k) + 1, block_k) if k % r == 0)
   return Config(block_n=block_n, block_k=block_k, rows_per_program=rows, use_dot=use_dot)
+
+
+def pipeline_bytes(cfg: Config, m: int) -> int:
+  """Shared memory of the K loop's pipeline: num_stages buffers of x's [padded rows, block_k] slab and W's
+  [block_k, block_n] tile, both counted as bf16 (int8 weights take half). The wide tile at 64 rows: 144 KiB."""
+  return cfg.num_stages * (padded_rows(m, cfg.use_dot) + cfg.block_n) * cfg.block_k * 2
+
+
+def fit_shared_memory(cfg: Config, m: int, limit: int | None) -> Config:
+  """cfg with pipeline stages dropped (to one) until pipeline_bytes fits `limit` bytes (None: no limit). On Hopper
+  and the A100 every tile fits as it is; the 99 KiB of sm_86 / sm_89 / sm_120 cards take two stages for the wide
+  tiles (108-144 KiB at 16-64 padded rows)."""
+  while limit is not None and cfg.num_stages > 1 and pipeline_bytes(cfg, m) > limit:
+    cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+  return cfg
 
 
 def padded_rows(m: int, use_dot: bool) -> int:
