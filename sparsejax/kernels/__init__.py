@@ -60,8 +60,8 @@ def gpu_before_ampere() -> bool:
 
 def auto_takes_triton() -> bool:
   """For an "auto" choice that would run a Pallas Triton kernel: whether it can, i.e. this jax has the backend
-  (pallas_triton_available), the GPU is sm_80 or later, and Pallas Triton can lower for it (_gpu_pallas_triton_lacks).
-  Where it cannot on a GPU, warns once per process that the XLA path runs instead."""
+  (pallas_triton_available), the GPU is sm_80 or later, and Pallas Triton can lower for it
+  (_gpu_pallas_triton_lacks). Where it cannot on a GPU, warns once per process that the XLA path runs instead."""
   if gpu_before_ampere():
     _warn_before_ampere(str(gpu_compute_capability()))
     return False
@@ -77,8 +77,8 @@ def auto_takes_triton() -> bool:
 
 
 def _gpu_pallas_triton_lacks() -> str | None:
-  """The default GPU's kind where Pallas Triton cannot lower for it, else None. Off the GPU and on jax < 0.11 it
-  always can; jax 0.11 looks a GPU up by name, and can once register_device_gpu has entered a kind it lacks."""
+  """The default GPU's kind where jax's table and registry still lack it after register_device_gpu, else None
+  (always off the GPU and on jax < 0.11)."""
   from sparsejax.kernels import pallas_triton_gpu
 
   pallas_triton_gpu.register_device_gpu()

@@ -1,15 +1,17 @@
 """Which GPU Pallas Triton lowers for, where jax looks the GPU up by name.
 
-jax 0.11 takes the compute capability for a Pallas Triton kernel from a table of device kinds
-(`jax._src.pallas.triton.gpu_info`: A100, A10, H100, H200, L4, L40, RTX 4090, T4, Blackwell parts) instead of
-from the device, and stops on any other card ("No supported GPU devices found"): an RTX 3090 or 4080, an A10G,
-an L40S, an RTX A6000. Without a GPU it lowers for CUDA only where an abstract device names one. jax 0.10 read
-the capability from the device and took sm_90 without one. The table has a registry of further kinds, so:
+jax 0.10 read a Pallas Triton kernel's compute capability from the device, and took sm_90 without one. jax 0.11
+reads it from a table of device kinds (`jax._src.pallas.triton.gpu_info`: A100, A10, H100, H200, L4, L40, RTX 4090,
+T4, Blackwell parts) and the table's registry of further kinds. Outside the two:
+- without a GPU, lowering for CUDA stops ("No supported GPU devices found") unless an abstract device names a kind
+  the table or registry has;
+- a real card gets its own capability on jax 0.11.2 where its name starts with "NVIDIA" (an RTX 3090, an A10G, an
+  L40S). A jax 0.11 without that fallback stops, as 0.11.2 does on other names (a "Tesla V100").
 
-- `register_device_gpu()` enters the default GPU under its own kind and capability where the table lacks the
-  kind (shared_lowering calls it before a kernel lowers, so every Triton kernel of the library runs on such a
-  card as on jax 0.10). jax 0.11.2 itself reads an unknown "NVIDIA ..." card's capability from the device, so
-  there the entry serves the other names (a "Tesla V100"); earlier 0.11 releases read only table and registry;
+So:
+- `register_device_gpu()` enters the process's GPU in the registry under its own kind and capability where the
+  table lacks the kind. shared_lowering calls it before a kernel lowers, so every Triton kernel of the library
+  lowers on such a card as on jax 0.10;
 - `lower_for_gpu(fn, *args)` lowers fn for CUDA from a host without a GPU, as on the GPU it names (the tests'
   and the experiments' lowering checks; an ahead-of-time export), through an abstract device.
 
@@ -39,8 +41,8 @@ def _gpu_table():
 
 
 def knows_gpu(device_kind: str) -> bool:
-  """Whether Pallas Triton can lower for a GPU of this kind: always where jax reads the device itself; where it
-  looks the kind up, if its table or registry has it."""
+  """Whether jax's table or its registry has this kind (True on a jax that reads the device itself): then Pallas
+  Triton lowers for a GPU of this kind, real or abstract."""
   table = _gpu_table()
   return table is None or table.gpu_version_from_device_kind(device_kind) is not None or device_kind in table.registry
 

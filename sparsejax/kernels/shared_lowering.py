@@ -69,7 +69,6 @@ def call_shared(kernel, *args, dynamic: dict | None = None, cache_key=(), **stat
   """kernel(*args, **dynamic, **static) under a jax.jit whose static arguments are the kernel,
   `static` (hashable) and cache_key (anything else the kernel's trace depends on, e.g. the SM count
   it reads itself). dynamic: keyword arguments that are arrays (or None)."""
-  register_device_gpu()
   return _call(args, dynamic or {}, kernel=kernel, static=tuple(sorted(static.items())), cache_key=cache_key)
 
 
