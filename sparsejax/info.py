@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import sparsejax
 from sparsejax import _precision, kernels
 from sparsejax.grouped_matmul import resolve_impl
+from sparsejax.kernels import pallas_triton_gpu
 from sparsejax.kernels.gmm import op as gmm_op, triton as gmm_triton
 from sparsejax.models import TransformerConfig
 from sparsejax.models.transformer import attention_impl
@@ -42,6 +43,8 @@ def choices() -> dict[str, str]:
     out["router's float32 dots"] = str(_precision.float32_by_bf16_passes())
     out["decode kernels"] = "triton" if jax.default_backend() == "gpu" and kernels.auto_takes_triton() else "xla"
     if jax.default_backend() == "gpu":
+      out["Pallas Triton finds the GPU"] = pallas_triton_gpu.lookup()
+      out["shared memory a block"] = f"{kernels.shared_memory_limit() // 1024} KiB"
       t = gmm_triton._for_dtype(gmm_triton.DEFAULT_TILING, jnp.bfloat16)
       out["Triton gmm / tgmm tiles, bfloat16"] = (
           f"gmm 128 x {t.block_n} x {t.block_k}, {t.num_stages} stages; "

@@ -24,10 +24,12 @@ def test_on_the_cpu_it_runs_as_a_module_and_prints_xla_everywhere():
              "router's float32 dots": "HIGHEST", "decode kernels": "xla"}),
     ("8.9", {"MoE experts, bfloat16": "pallas (triton)", "MoE experts, float32": "pallas (triton)",
              "attention, bfloat16": "cudnn", "router's float32 dots": "BF16_BF16_F32_X6", "decode kernels": "triton",
-             "Triton gmm / tgmm tiles, bfloat16": "gmm 128 x 256 x 64, 2 stages; tgmm 128 x 64, 2 stages"}),
+             "Triton gmm / tgmm tiles, bfloat16": "gmm 128 x 256 x 64, 2 stages; tgmm 128 x 64, 2 stages",
+             "shared memory a block": "99 KiB"}),
     ("9.0", {"MoE experts, bfloat16": "pallas (mosaic)", "MoE experts, float32": "pallas (triton)",
              "attention, bfloat16": "cudnn", "router's float32 dots": "BF16_BF16_F32_X6", "decode kernels": "triton",
-             "Triton gmm / tgmm tiles, bfloat16": "gmm 128 x 256 x 64, 3 stages; tgmm 128 x 256, 2 stages"}),
+             "Triton gmm / tgmm tiles, bfloat16": "gmm 128 x 256 x 64, 3 stages; tgmm 128 x 256, 2 stages",
+             "shared memory a block": "227 KiB"}),
 ])
 def test_each_gpu_generation_gets_its_choices(monkeypatch, cc, want):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

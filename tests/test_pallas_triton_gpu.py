@@ -32,6 +32,18 @@ def _stand_in_table(known=("NVIDIA H100",), info=_Info):
       gpu_version_from_device_kind=lambda kind: next((k for k in known if kind.startswith(k)), None))
 
 
+@pytest.fixture(autouse=True)
+def _fresh_device_entry():
+  """register_device_gpu is once a process: each test that reads a device of its own starts and ends unentered."""
+  pallas_triton_gpu.register_device_gpu.cache_clear()
+  yield
+  pallas_triton_gpu.register_device_gpu.cache_clear()
+
+
+def _later_gpu_info(**kwargs):  # a later jax whose GpuInfo takes other fields
+  raise TypeError("unexpected keyword argument 'gpu_version'")
+
+
 @pytest.fixture
 def table(monkeypatch):
   t = _stand_in_table()
@@ -75,18 +87,12 @@ def _on_gpu(monkeypatch, kind, cc):
 
 def test_auto_takes_triton_on_a_gpu_the_table_lacks_once_it_is_entered(table, monkeypatch):
   _on_gpu(monkeypatch, RTX_4080, "8.9")
-  try:
-    assert kernels.auto_takes_triton()
-    assert table.registry[RTX_4080]().compute_capability == 89
-  finally:
-    pallas_triton_gpu.register_device_gpu.cache_clear()
+  assert kernels.auto_takes_triton()
+  assert table.registry[RTX_4080]().compute_capability == 89
 
 
 def test_auto_takes_xla_with_one_warning_where_the_gpu_cannot_be_entered(monkeypatch):
-  def changed_info(**kwargs):  # a later jax whose GpuInfo takes other fields
-    raise TypeError("unexpected keyword argument 'gpu_version'")
-
-  t = _stand_in_table(info=changed_info)
+  t = _stand_in_table(info=_later_gpu_info)
   monkeypatch.setattr(pallas_triton_gpu, "_gpu_table", lambda: t)
   _on_gpu(monkeypatch, RTX_4080, "8.9")
   kernels._warn_unknown_gpu.cache_clear()
@@ -97,8 +103,20 @@ def test_auto_takes_xla_with_one_warning_where_the_gpu_cannot_be_entered(monkeyp
       warnings.simplefilter("error")
       assert not kernels.auto_takes_triton()  # once a process
   finally:
-    pallas_triton_gpu.register_device_gpu.cache_clear()
     kernels._warn_unknown_gpu.cache_clear()
+
+
+def test_lookup_says_how_jax_finds_the_gpu(table, monkeypatch):
+  """python -m sparsejax.info's line: listed, entered by the library, or neither; and a jax without the table."""
+  _on_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", "9.0")
+  assert pallas_triton_gpu.lookup() == "jax's table lists this GPU"
+  _on_gpu(monkeypatch, RTX_4080, "8.9")
+  assert pallas_triton_gpu.lookup().startswith("entered by sparsejax under its own capability")
+  table.GpuInfo = _later_gpu_info
+  _on_gpu(monkeypatch, "NVIDIA GeForce RTX 3090", "8.6")
+  assert pallas_triton_gpu.lookup().endswith("could not enter it: XLA paths run")
+  monkeypatch.setattr(pallas_triton_gpu, "_gpu_table", lambda: None)
+  assert pallas_triton_gpu.lookup().startswith("from the device")
 
 
 def test_lowering_for_a_kind_the_table_lacks_needs_its_capability(table):
@@ -198,7 +216,7 @@ def test_a_gpu_the_table_lacks_runs_the_library_s_triton_kernels(monkeypatch):
   monkeypatch.setattr(gpu_info, "gpu_version_from_device_kind", lambda kind: None)
   clear = getattr(gpu_info.get_gpu_info, "cache_clear", lambda: None)
   clear()
-  pallas_triton_gpu.register_device_gpu.cache_clear()
+  jax.clear_caches()  # the row gather compiled by another test in this process would not lower again
   seen = _lowered_capabilities(monkeypatch)
   try:
     src = jax.random.normal(jax.random.key(1), (40, 256), jnp.bfloat16)
@@ -209,4 +227,3 @@ def test_a_gpu_the_table_lacks_runs_the_library_s_triton_kernels(monkeypatch):
     assert not pallas_triton_gpu.knows_gpu("no such card")
   finally:
     clear()
-    pallas_triton_gpu.register_device_gpu.cache_clear()

@@ -92,6 +92,21 @@ def register_device_gpu() -> None:
     register_gpu(*gpu)
 
 
+def lookup() -> str:
+  """How Pallas Triton finds the default GPU's compute capability, in words (`python -m sparsejax.info`)."""
+  table = _gpu_table()
+  if table is None:
+    return "from the device (this jax has no device-kind table)"
+  gpu = default_gpu()
+  if gpu is None:
+    return "-"
+  if table.gpu_version_from_device_kind(gpu[0]) is not None:
+    return "jax's table lists this GPU"
+  register_device_gpu()
+  return ("entered by sparsejax under its own capability (jax's table lacks it)" if knows_gpu(gpu[0])
+          else "jax's table lacks this GPU and sparsejax could not enter it: XLA paths run")
+
+
 def lower_for_gpu(fn: Callable, *args, device_kind: str = DEFAULT_GPU,
                   compute_capability: str | None = None) -> jax.stages.Lowered:
   """jax.jit(fn) traced on args (arrays or ShapeDtypeStructs, in any pytree) and lowered for CUDA, with each Pallas
