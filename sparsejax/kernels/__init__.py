@@ -4,6 +4,8 @@ import warnings
 
 import jax
 
+from sparsejax.kernels import pallas_triton_gpu
+
 
 def gpu_compute_capability() -> str | None:
   """The GPU's compute capability ("9.0"), or None off the GPU (interpret mode, or a CPU lowering for CUDA)."""
@@ -61,12 +63,12 @@ def gpu_before_ampere() -> bool:
 def auto_takes_triton() -> bool:
   """For an "auto" choice that would run a Pallas Triton kernel: whether it can, i.e. this jax has the backend
   (pallas_triton_available), the GPU is sm_80 or later, and Pallas Triton can lower for it
-  (_gpu_pallas_triton_lacks). Where it cannot on a GPU, warns once per process that the XLA path runs instead."""
+  (pallas_triton_gpu.unknown_device_gpu). Where it cannot on a GPU, warns once per process that the XLA path runs instead."""
   if gpu_before_ampere():
     _warn_before_ampere(str(gpu_compute_capability()))
     return False
   if pallas_triton_available():
-    unknown = _gpu_pallas_triton_lacks()
+    unknown = pallas_triton_gpu.unknown_device_gpu()
     if unknown is None:
       return True
     _warn_unknown_gpu(unknown)
@@ -74,16 +76,6 @@ def auto_takes_triton() -> bool:
   if jax.default_backend() == "gpu":
     _warn_no_triton()
   return False
-
-
-def _gpu_pallas_triton_lacks() -> str | None:
-  """The default GPU's kind where jax's table and registry still lack it after register_device_gpu, else None
-  (always off the GPU and on jax < 0.11)."""
-  from sparsejax.kernels import pallas_triton_gpu
-
-  pallas_triton_gpu.register_device_gpu()
-  gpu = pallas_triton_gpu.default_gpu()
-  return None if gpu is None or pallas_triton_gpu.knows_gpu(gpu[0]) else gpu[0]
 
 
 @functools.cache

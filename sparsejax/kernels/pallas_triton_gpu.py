@@ -70,7 +70,9 @@ def register_gpu(device_kind: str, compute_capability: str) -> None:
 
 
 def default_gpu() -> tuple[str, str] | None:
-  """(device kind, compute capability) of the default device where it is a CUDA GPU."""
+  """(device kind, compute capability) of the default device where it is a CUDA GPU. Read from the device itself,
+  not kernels.gpu_compute_capability: a test that sets the GPU's generation there must not enter the CPU's kind in
+  jax's registry."""
   if jax.default_backend() != "gpu":
     return None
   device = jax.devices()[0]
@@ -92,6 +94,14 @@ def register_device_gpu() -> None:
     register_gpu(*gpu)
 
 
+def unknown_device_gpu() -> str | None:
+  """The default GPU's kind where jax's table and registry lack it even after register_device_gpu, else None
+  (always None off the GPU and on jax < 0.11)."""
+  register_device_gpu()
+  gpu = default_gpu()
+  return None if gpu is None or knows_gpu(gpu[0]) else gpu[0]
+
+
 def lookup() -> str:
   """How Pallas Triton finds the default GPU's compute capability, in words (`python -m sparsejax.info`)."""
   table = _gpu_table()
@@ -102,8 +112,7 @@ def lookup() -> str:
     return "-"
   if table.gpu_version_from_device_kind(gpu[0]) is not None:
     return "jax's table lists this GPU"
-  register_device_gpu()
-  return ("entered by sparsejax under its own capability (jax's table lacks it)" if knows_gpu(gpu[0])
+  return ("entered by sparsejax under its own capability (jax's table lacks it)" if unknown_device_gpu() is None
           else "jax's table lacks this GPU and sparsejax could not enter it: XLA paths run")
 
 
