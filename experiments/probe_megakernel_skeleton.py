@@ -212,7 +212,9 @@ def reference(dep, qkv, att, w_o, exp, *, reads="window"):
 
   def product(slab, v, first, chunks):  # slab [P, chunks W, W]; v [P, W]
     part = slab[:, first * W:(first + chunks) * W].astype(jnp.float32).reshape(num, chunks, W, W)
-    b = v.astype(jnp.bfloat16).astype(jnp.float32)
+    # reduce_precision, not a cast to bf16 and back: XLA:GPU may drop that pair as excess precision, and the
+    # reference would then skip the rounding the kernel makes.
+    b = jax.lax.reduce_precision(v, exponent_bits=8, mantissa_bits=7)
     return jnp.einsum("pcmk,pk->pm", part, b, precision="highest") * (8 * _scale(chunks))
 
   for l in range(qkv.shape[0]):

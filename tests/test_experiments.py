@@ -937,13 +937,14 @@ def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
   """probe_megakernel_skeleton: its reference equals a loop written out for one CTA (the window's sum, the product's
   rounding and scale, the expert's data-dependent slab); every variant lowers for CUDA as one Mosaic GPU kernel with
   a grid barrier after each phase but the last exactly where it has barriers; on the CPU the probe refuses in one line
-  (its barriers cannot be interpreted)."""
+  (its barriers cannot be interpreted). On a GPU all but the refusal runs."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   import probe_megakernel_skeleton as probe
-  with pytest.raises(SystemExit, match="needs a GPU"):
-    probe.main([])
+  if jax.default_backend() == "cpu":  # on a GPU main([]) is the probe's whole timed run, minutes of it
+    with pytest.raises(SystemExit, match="needs a GPU"):
+      probe.main([])
   with pytest.raises(SystemExit):  # argparse's one-line error for a variant it does not have
     probe.main(["--variants", "fulll"])
   num, W = 128, probe.W
