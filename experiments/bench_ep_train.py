@@ -19,8 +19,8 @@ sync at the end; the median of --repeats such windows. Then --steps more are tra
 jax.profiler, and the device time of the collectives is read from the trace: the all-to-alls of
 the MoE layers (and their count exchange) apart from the all-reduces of the data-parallel
 gradients, and every op's device time by profile_step.py's categories (collectives apart), with the
-ten costliest ops of "other" and "gather/scatter" and their HLO lines (top_ops: what grows with the buffers). Shares
-are of the step time, per GPU (the mean over the n GPUs). CUDA graphs are off (as in
+ten costliest ops of "other", "gather/scatter" and "placement" and their HLO lines (top_ops: what
+grows with the buffers). Shares are of the step time, per GPU (the mean over the n GPUs). CUDA graphs are off (as in
 profile_step.py) unless --no-trace. Whether the exchange hides or waits: the all-to-all time during
 which another kernel ran on the same GPU (overlapped_us), the GPUs' arrival skew at each all-to-all
 (arrival_skew_us), and the busiest GPU's share of the last step's tokens (device_load); step 0's
@@ -331,7 +331,7 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     # The ops behind the categories that grow with the exchange's buffers, with their HLO lines (shapes).
     ranked = sorted(times.items(), key=lambda kv: -kv[1])
     rec["top_ops"] = {c: [(op, per_gpu_step_ms(us), hlo_line(hlo, op)) for op, us in ranked if cat_of[op] == c][:10]
-                      for c in ("other", "gather/scatter")}
+                      for c in ("other", "gather/scatter", "placement")}
     by_kind, names = collections.Counter(), collections.Counter()
     for e in kernels:
       kind = collective_kind(e)

@@ -1058,6 +1058,25 @@ def test_cub_sorts_probe_restores_the_librarys_sorts_and_refuses_bad_variants():
       probe_cub_sorts.main(["--smoke", "--layer-variants", bad])
 
 
+def test_recv_placement_probe_checks_every_variant_against_the_argsort(tmp_path):
+  """probe_recv_placement --smoke: the received ids read NO_EXPERT past each peer's rows, every variant's rows and
+  group sizes equal the argsort placement's, and each compiled program is saved beside the JSON."""
+  import numpy as np
+  import probe_recv_placement as probe
+  meta, recv = probe.inputs(2, 16, 3, 8, 0.25)
+  ids = np.asarray(probe.received_ids(meta, recv, 3)).reshape(2, 16, 3)
+  assert (ids[0] >= 0).all() and (ids[1, :4] >= 0).all() and (ids[1, 4:] == -1).all()
+  assert all(len(set(row)) == 3 for row in ids[0])  # distinct experts a token, as merge_repeats leaves them
+  records = probe.main(["--smoke", "--out", str(tmp_path)])
+  assert [r["variant"] for r in records] == list(probe.VARIANTS)
+  assert all(r["equal_to_argsort"] and r["median_ms"] > 0 for r in records), records
+  dev = probe.jax.devices()[0].device_kind.replace(" ", "_")
+  assert json.loads((tmp_path / f"recv_placement_probe_{dev}.json").read_text())["records"] == records
+  assert len(list(tmp_path.glob("recv_placement_*.hlo.txt"))) == len(probe.VARIANTS)
+  with pytest.raises(SystemExit):
+    probe.main(["--smoke", "--variants", "in_jit,nonesuch"])
+
+
 def test_rounding_group_probe_checks_each_variant(tmp_path):
   """probe_rounding_group on the CPU: the vmapped group rounding equals round_to_blocks on the shards joined."""
   import probe_rounding_group

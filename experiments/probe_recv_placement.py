@@ -1,0 +1,132 @@
+"""The token dispatch's receive-side placement alone: why it costs 16x more a step than one GPU's placement.
+
+On 2 x H200 (sixtieth session, `results/ep_train_h200_x2_top8_placement_ops.json`), xs-moe at top-8 spent 4.3 ms a
+step in "placement" under the token dispatch against 0.25 ms on one GPU, for twice the assignments. Nearly all of
+it was one fusion a layer, 0.52 ms each: the sort-free ranks' in-chunk count (`rank_within_expert_histogram`, a
+[chunks, 64] sum of a [chunks, 64, 64] comparison), whose operand there is the select that makes the received ids
+out of the exchanged float rows; on one GPU the same reduce, over ids that arrive as an int32 array, took
+0.014 ms at half the size. This probe times that placement on one device, with the received ids made as
+`parallel.py` makes them, against forms that would show where the time goes:
+
+  in_jit          the received ids from the packed float rows inside the program, then the library's GPU placement
+                  (dropless_placement_histogram, chunk 64, 128-row blocks): the step's form
+  ids_barrier     the same with the ids through an optimization barrier first, so no fusion reaches back into
+                  the select that makes them
+  ids_given       the ids as an int32 argument (the one-GPU layer's case)
+  in_jit_chunk32  in_jit with 32-assignment chunks (half the comparisons)
+  argsort         the placement by one stable argsort (the library's form off the GPU)
+
+Every variant's rows and group sizes are checked equal to argsort's (the obviously right form). The compiled
+program of each is saved beside the JSON (`recv_placement_<variant>_<device>.hlo.txt`) to read its fusions.
+
+  python experiments/probe_recv_placement.py [--peers 2] [--slots 32768] [--k 8] [--experts-per-peer 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from sparsejax import permute  # noqa: E402
+from sparsejax.routing import NO_EXPERT  # noqa: E402
+
+from peers import common  # noqa: E402
+
+BLOCK = 128
+VARIANTS = ("in_jit", "ids_barrier", "ids_given", "in_jit_chunk32", "argsort")
+
+
+def received_ids(meta, recv_rows, k: int):
+  """[P S, k] local ids as the token dispatch makes them: the packed rows' first k columns, NO_EXPERT past each
+  peer's received rows (parallel.py's by-token branch)."""
+  slots = meta.shape[1]
+  real = jnp.arange(slots)[None, :] < recv_rows[:, None]
+  return jnp.where(real[..., None], meta[..., :k].astype(jnp.int32), NO_EXPERT).reshape(-1, k)
+
+
+def variants(k: int, experts: int):
+  """{name: (fn, takes_ids)}: fn(meta, recv_rows) -> (rows, group_sizes), or fn(ids) where takes_ids."""
+  def histogram(ids, chunk=64):
+    p = permute.dropless_placement_histogram(ids, experts, block_size=BLOCK, chunk=chunk)
+    return p.rows, p.group_sizes
+
+  def argsort(ids):
+    rank, counts = permute.rank_within_expert(ids, experts)
+    p = permute._dropless_from_ranks(ids, rank, counts, experts, BLOCK)
+    return p.rows, p.group_sizes
+
+  return {
+      "in_jit": (lambda meta, rr: histogram(received_ids(meta, rr, k)), False),
+      "ids_barrier": (lambda meta, rr: histogram(jax.lax.optimization_barrier(received_ids(meta, rr, k))), False),
+      "ids_given": (histogram, True),
+      "in_jit_chunk32": (lambda meta, rr: histogram(received_ids(meta, rr, k), chunk=32), False),
+      "argsort": (lambda meta, rr: argsort(received_ids(meta, rr, k)), False),
+  }
+
+
+def inputs(peers: int, slots: int, k: int, experts: int, fill: float, seed: int = 0):
+  """Packed float rows [P, S, 2k] (k distinct local ids, then k weights) and each peer's received rows: peer 0
+  fills its S slots, the others `fill` of them (past them the rows are garbage, as an exchange leaves them)."""
+  rng = np.random.default_rng(seed)
+  ids = np.argsort(rng.random((peers, slots, experts)), axis=-1)[..., :k]  # k distinct experts a row
+  meta = np.concatenate([ids, rng.random((peers, slots, k))], axis=-1).astype(np.float32)
+  recv = np.array([slots] + [int(slots * fill)] * (peers - 1), np.int32)
+  return jnp.asarray(meta), jnp.asarray(recv)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--peers", type=int, default=2)
+  ap.add_argument("--slots", type=int, default=32768, help="rows a peer's block holds (the sender's tokens)")
+  ap.add_argument("--k", type=int, default=8, help="columns a row: min(top_k, experts a peer)")
+  ap.add_argument("--experts-per-peer", type=int, default=32)
+  ap.add_argument("--fill", type=float, default=0.5, help="received rows over slots, peers but the first")
+  ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+  ap.add_argument("--smoke", action="store_true", help="a small problem and a one-shot timer (any machine)")
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args(argv)
+  names = args.variants.split(",")
+  if unknown := [n for n in names if n not in VARIANTS]:
+    ap.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+  if not 1 <= args.k <= args.experts_per_peer or args.peers < 1 or args.slots < 1 or not 0 <= args.fill <= 1:
+    ap.error("needs 1 <= k <= experts-per-peer, peers >= 1, slots >= 1 and 0 <= fill <= 1")
+  if args.smoke:
+    args.slots, args.k, args.experts_per_peer = 256, 4, 8
+  timer = common.SMOKE_TIMER if args.smoke else common.Timer()
+  meta, recv = inputs(args.peers, args.slots, args.k, args.experts_per_peer, args.fill)
+  ids = jax.jit(received_ids, static_argnums=2)(meta, recv, args.k)
+  fns = variants(args.k, args.experts_per_peer)
+  want_rows, want_sizes = (np.asarray(a) for a in jax.jit(fns["argsort"][0])(meta, recv))
+  dev = jax.devices()[0].device_kind.replace(" ", "_")
+  os.makedirs(args.out, exist_ok=True)
+  records = []
+  for name in names:
+    fn, takes_ids = fns[name]
+    call_args = (ids,) if takes_ids else (meta, recv)
+    jitted = jax.jit(fn)
+    hlo = jitted.lower(*call_args).compile().as_text()
+    with open(os.path.join(args.out, f"recv_placement_{name}_{dev}.hlo.txt"), "w") as fh:
+      fh.write(hlo)
+    rows, sizes = jitted(*call_args)
+    equal = bool(np.array_equal(np.asarray(rows), want_rows) and np.array_equal(np.asarray(sizes), want_sizes))
+    t = timer(lambda: jitted(*call_args), jax.block_until_ready)
+    records.append(dict(variant=name, peers=args.peers, slots=args.slots, k=args.k,
+                        experts_per_peer=args.experts_per_peer, fill=args.fill, assignments=int(ids.size),
+                        median_ms=t["median_s"] * 1e3, equal_to_argsort=equal,
+                        fusions=hlo.count(" fusion("), timing=t))
+    print(f"{name:>15}: {t['median_s'] * 1e3:8.3f} ms  (rows and group sizes equal argsort's: {equal})", flush=True)
+  with open(os.path.join(args.out, f"recv_placement_probe_{dev}.json"), "w") as fh:
+    json.dump(dict(device=dev, jax=jax.__version__, records=records), fh, indent=1)
+  return records
+
+
+if __name__ == "__main__":
+  main()
