@@ -15,6 +15,8 @@ out of the exchanged float rows; on one GPU the same reduce, over ids that arriv
   ids_given       the ids as an int32 argument (the one-GPU layer's case)
   in_jit_chunk32  in_jit with 32-assignment chunks (half the comparisons)
   argsort         the placement by one stable argsort (the library's form off the GPU)
+  argsort_narrow  the argsort on the ids as uint8 (probe_cub_sorts.unsigned_argsort_ranks: XLA:GPU hands it
+                  to CUB's radix sort)
 
 Every variant's rows and group sizes are checked equal to argsort's (the obviously right form). The compiled
 program of each is saved beside the JSON (`recv_placement_<variant>_<device>.hlo.txt`) to read its fusions.
@@ -39,9 +41,10 @@ from sparsejax import permute  # noqa: E402
 from sparsejax.routing import NO_EXPERT  # noqa: E402
 
 from peers import common  # noqa: E402
+from probe_cub_sorts import unsigned_argsort_ranks  # noqa: E402
 
 BLOCK = 128
-VARIANTS = ("in_jit", "ids_barrier", "ids_given", "in_jit_chunk32", "argsort")
+VARIANTS = ("in_jit", "ids_barrier", "ids_given", "in_jit_chunk32", "argsort", "argsort_narrow")
 
 
 def received_ids(meta, recv_rows, k: int):
@@ -58,8 +61,8 @@ def variants(k: int, experts: int):
     p = permute.dropless_placement_histogram(ids, experts, block_size=BLOCK, chunk=chunk)
     return p.rows, p.group_sizes
 
-  def argsort(ids):
-    rank, counts = permute.rank_within_expert(ids, experts)
+  def argsort(ids, ranks=permute.rank_within_expert):
+    rank, counts = ranks(ids, experts)
     p = permute._dropless_from_ranks(ids, rank, counts, experts, BLOCK)
     return p.rows, p.group_sizes
 
@@ -69,6 +72,7 @@ def variants(k: int, experts: int):
       "ids_given": (histogram, True),
       "in_jit_chunk32": (lambda meta, rr: histogram(received_ids(meta, rr, k), chunk=32), False),
       "argsort": (lambda meta, rr: argsort(received_ids(meta, rr, k)), False),
+      "argsort_narrow": (lambda meta, rr: argsort(received_ids(meta, rr, k), unsigned_argsort_ranks), False),
   }
 
 
