@@ -37,8 +37,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from sparsejax import permute  # noqa: E402
-from sparsejax.routing import NO_EXPERT  # noqa: E402
+from sparsejax import parallel, permute  # noqa: E402
 
 from peers import common  # noqa: E402
 from probe_cub_sorts import unsigned_argsort_ranks  # noqa: E402
@@ -48,11 +47,10 @@ VARIANTS = ("in_jit", "ids_barrier", "ids_given", "in_jit_chunk32", "argsort", "
 
 
 def received_ids(meta, recv_rows, k: int):
-  """[P S, k] local ids as the token dispatch makes them: the packed rows' first k columns, NO_EXPERT past each
-  peer's received rows (parallel.py's by-token branch)."""
-  slots = meta.shape[1]
-  real = jnp.arange(slots)[None, :] < recv_rows[:, None]
-  return jnp.where(real[..., None], meta[..., :k].astype(jnp.int32), NO_EXPERT).reshape(-1, k)
+  """[P S, k] local ids as the token dispatch makes them (parallel.received_token_routing): the packed rows'
+  first k columns, NO_EXPERT past each peer's received rows."""
+  assert meta.shape[2] == 2 * k, (meta.shape, k)
+  return parallel.received_token_routing(meta, recv_rows)[0]
 
 
 def variants(k: int, experts: int):

@@ -319,6 +319,19 @@ def compact_send_placement(
   return block.replace(rows=rows, num_rows=num_rows), offsets
 
 
+def received_token_routing(
+    meta: Float[Array, "sources slots two_width"], recv_rows: Int[Array, "sources"]
+) -> tuple[Int[Array, "rows width"], Float[Array, "rows width"]]:
+  """The token dispatch's received routing: row j of source s holds its local ids (as floats) then its weights,
+  width = two_width / 2 columns each; rows j >= recv_rows[s] get NO_EXPERT."""
+  slots, width = meta.shape[1], meta.shape[2] // 2
+  # Past a source's rows the buffer is padding (zeros, or unwritten by a ragged exchange), whose ids
+  # would read as local expert 0 and cost it products: no expert.
+  real = jnp.arange(slots)[None, :] < recv_rows[:, None]
+  ids = jnp.where(real[..., None], meta[..., :width].astype(jnp.int32), NO_EXPERT).reshape(-1, width)
+  return ids, meta[..., width:].reshape(-1, width)
+
+
 def received_expert_ids(
     recv_counts: Int[Array, "sources experts_per_peer"], slots: int
 ) -> Int[Array, "rows"]:
@@ -415,11 +428,7 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   if by_token:
     src = permute.source_slots(send)  # the (t, p) pair that fills each send row
     meta_recv = _gather_slices(to_peers(jnp.take(meta, src, axis=0, mode="fill", fill_value=0)), layout)
-    # Past a source's rows the buffer is padding (zeros, or unwritten by a ragged exchange), whose ids
-    # would read as local expert 0 and cost it products: no expert.
-    real = jnp.arange(slots)[None, :] < _gather_slices(recv_rows, layout)[:, None]
-    recv_ids = jnp.where(real[..., None], meta_recv[..., :width].astype(jnp.int32), NO_EXPERT).reshape(-1, width)
-    recv_weights = meta_recv[..., width:].reshape(-1, width)
+    recv_ids, recv_weights = received_token_routing(meta_recv, _gather_slices(recv_rows, layout))
   else:
     recv_ids = received_expert_ids(_gather_slices(recv_counts, layout), slots)[:, None]
   local = permute.dropless_placement(recv_ids, experts_per_peer, block_size=block)

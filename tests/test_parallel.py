@@ -140,6 +140,16 @@ def test_peer_placement_counts_overflow_and_clips_sent_counts():
   assert int(placement.num_dropped) == 2
 
 
+def test_received_token_routing_reads_the_packed_rows_and_no_expert_past_each_sources_rows():
+  ids = np.array([[[3, 0], [1, 2], [9, 9]], [[2, 1], [7, 7], [7, 7]]], np.float32)  # 9, 7: padding rows
+  weights = np.arange(12, dtype=np.float32).reshape(2, 3, 2) / 10
+  got_ids, got_w = parallel.received_token_routing(jnp.asarray(np.concatenate([ids, weights], 2)),
+                                                   jnp.array([2, 1]))
+  np.testing.assert_array_equal(got_ids, [[3, 0], [1, 2], [-1, -1], [2, 1], [-1, -1], [-1, -1]])
+  assert got_ids.dtype == jnp.int32
+  np.testing.assert_array_equal(got_w, weights.reshape(6, 2))
+
+
 def test_received_expert_ids():
   got = parallel.received_expert_ids(jnp.array([[1, 2], [0, 1]]), slots=4)
   np.testing.assert_array_equal(got, [0, 1, 1, -1, 1, -1, -1, -1])
