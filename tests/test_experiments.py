@@ -1063,18 +1063,32 @@ def test_recv_placement_probe_checks_every_variant_against_the_argsort(tmp_path)
   group sizes equal the argsort placement's, and each compiled program is saved beside the JSON."""
   import numpy as np
   import probe_recv_placement as probe
-  meta, recv = probe.inputs(2, 16, 3, 8, 0.25)
-  ids = np.asarray(probe.received_ids(meta, recv, 3)).reshape(2, 16, 3)
+  meta, sent = probe.inputs(2, 16, 3, 8, 0.25)
+  ids = np.asarray(probe.received_ids(meta[:, 0], sent[:, 0], 3)).reshape(2, 16, 3)
   assert (ids[0] >= 0).all() and (ids[1, :4] >= 0).all() and (ids[1, 4:] == -1).all()
   assert all(len(set(row)) == 3 for row in ids[0])  # distinct experts a token, as merge_repeats leaves them
   records = probe.main(["--smoke", "--out", str(tmp_path)])
   assert [r["variant"] for r in records] == list(probe.VARIANTS)
-  assert all(r["equal_to_argsort"] and r["median_ms"] > 0 for r in records), records
+  assert all(r["equal_to_argsort"] and r["median_ms"] > 0 and r["devices"] == 1 for r in records), records
   dev = probe.jax.devices()[0].device_kind.replace(" ", "_")
   assert json.loads((tmp_path / f"recv_placement_probe_{dev}.json").read_text())["records"] == records
   assert len(list(tmp_path.glob("recv_placement_*.hlo.txt"))) == len(probe.VARIANTS)
-  with pytest.raises(SystemExit):
-    probe.main(["--smoke", "--variants", "in_jit,nonesuch"])
+  for bad in (["--variants", "in_jit,nonesuch"], ["--variants", "exchanged"]):  # the second needs --gpus
+    with pytest.raises(SystemExit):
+      probe.main(["--smoke", *bad])
+
+
+@pytest.mark.devices(2)
+def test_recv_placement_probe_exchanged_places_what_each_device_receives(tmp_path):
+  """probe_recv_placement --gpus 2 on two host devices: after the dense all-to-all each device's placement equals
+  the argsort placement of the blocks the other devices sent it."""
+  import probe_recv_placement as probe
+  records = probe.main(["--smoke", "--gpus", "2", "--variants", "exchanged,exchanged_barrier,in_jit",
+                        "--out", str(tmp_path)])
+  assert [(r["variant"], r["devices"]) for r in records] == [("exchanged", 2), ("exchanged_barrier", 2), ("in_jit", 1)]
+  assert all(r["equal_to_argsort"] for r in records), records
+  dev = probe.jax.devices()[0].device_kind.replace(" ", "_")
+  assert (tmp_path / f"recv_placement_probe_{dev}_x2.json").exists()
 
 
 def test_rounding_group_probe_checks_each_variant(tmp_path):
