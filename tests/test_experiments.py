@@ -933,18 +933,22 @@ def test_row_moves_probe_checks_every_gather_variant_and_keeps_the_unmasked_peer
     probe_row_moves.main(["--shapes", "tiny", "--unmasked", "--out", str(tmp_path)])
 
 
-def test_megakernel_skeleton_probe_reference_lowering_and_cpu_refusal():
+@pytest.mark.cpu_suite("it checks the probe's refusal of a CPU (on a GPU the probe runs its measurement)")
+def test_megakernel_skeleton_probe_refuses_a_cpu():
+  """On the CPU the probe refuses in one line: its grid barriers cannot be interpreted."""
+  import probe_megakernel_skeleton as probe
+  with pytest.raises(SystemExit, match="needs a GPU"):
+    probe.main([])
+
+
+def test_megakernel_skeleton_probe_reference_and_lowering():
   """probe_megakernel_skeleton: its reference equals a loop written out for one CTA (the window's sum, the product's
   rounding and scale, the expert's data-dependent slab); every variant lowers for CUDA as one Mosaic GPU kernel with
-  a grid barrier after each phase but the last exactly where it has barriers; on the CPU the probe refuses in one line
-  (its barriers cannot be interpreted). On a GPU all but the refusal runs."""
+  a grid barrier after each phase but the last exactly where it has barriers."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   import probe_megakernel_skeleton as probe
-  if jax.default_backend() == "cpu":  # on a GPU main([]) is the probe's whole timed run, minutes of it
-    with pytest.raises(SystemExit, match="needs a GPU"):
-      probe.main([])
   with pytest.raises(SystemExit):  # argparse's one-line error for a variant it does not have
     probe.main(["--variants", "fulll"])
   num, W = 128, probe.W
