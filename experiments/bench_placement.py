@@ -8,7 +8,11 @@ divided by the repeats. Block size 128 (the Pallas layout). Writes
 experiments/results/placement_<device>.{json,md} (and a copy under $OUT when set).
 
   python experiments/bench_placement.py            # GPU: T x k x E of the issue and MoE-XS
+  python experiments/bench_placement.py --shapes 65536,8,32 32768,8,64 --chunks 16 32 64
   python experiments/bench_placement.py --smoke    # CPU: small shapes, seconds
+
+A plot of microseconds per placement against the assignments T k, a line per variant and routing, goes beside
+the table (placement_<device>.png) where matplotlib is installed (`pip install -e ".[plot]"`).
 """
 from __future__ import annotations
 
@@ -32,11 +36,12 @@ from out_dir import copy_to_out  # noqa: E402
 
 SHAPES = [(16384, 1, 64), (8192, 8, 64), (32768, 1, 64), (16384, 2, 8)]  # (T, k, E); 32768 x 1 x 64 is MoE-XS
 SMOKE_SHAPES = [(512, 1, 16), (256, 4, 8)]
-CHUNKS = (64, 128, 256, 512)
+CHUNKS = (16, 32, 64)  # 128 and up: 4-10x slower, or no compile, from 2^18 assignments (H200)
 
 
 def variants(chunks) -> dict:
-  out = {"argsort": lambda ids, E: permute.dropless_placement(ids, E, block_size=BLOCK_SIZE)}
+  out = {"argsort": lambda ids, E: permute.dropless_placement(ids, E, block_size=BLOCK_SIZE),
+         "histogram default": lambda ids, E: permute.dropless_placement_histogram(ids, E, block_size=BLOCK_SIZE)}
   for c in chunks:
     out[f"histogram chunk={c}"] = (
         lambda ids, E, c=c: permute.dropless_placement_histogram(ids, E, block_size=BLOCK_SIZE, chunk=c))
@@ -73,15 +78,55 @@ def check_equal(fn, ref, E: int, ids: jax.Array, name: str) -> None:
       raise AssertionError(f"{name}: {field} differs from the argsort placement")
 
 
+def shape(text: str) -> tuple[int, int, int]:
+  """'T,k,E' -> (T, k, E), each positive and k <= E."""
+  try:
+    T, k, E = (int(v) for v in text.split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r}: a shape is T,k,E (three integers)") from None
+  if min(T, k, E) < 1 or k > E:
+    raise argparse.ArgumentTypeError(f"{text!r}: needs T, k, E >= 1 and k <= E")
+  return T, k, E
+
+
+def plot(rows: list[dict], title: str, path: pathlib.Path) -> pathlib.Path | None:
+  """us per placement against T k (log-log), a line per variant and routing; None without matplotlib."""
+  try:
+    import matplotlib
+  except ImportError:
+    print('no plot: matplotlib is not installed (pip install -e ".[plot]")')
+    return None
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+    for skewed, style in ((False, "o-"), (True, "x--")):
+      pts = sorted((r["T"] * r["k"], r["us"]) for r in rows if r["variant"] == name and r["skewed"] == skewed)
+      if pts:
+        ax.plot(*zip(*pts), style, color=f"C{i}", label=f"{name}{' skewed' if skewed else ''}")
+  ax.set(xscale="log", yscale="log", xlabel="assignments T k", ylabel="us per placement", title=title)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--smoke", action="store_true", help="small shapes (CPU)")
   p.add_argument("--repeats", type=int, default=8, help="placements per timed program")
   p.add_argument("--reps", type=int, default=20, help="timed calls; the median is reported")
   p.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS))
+  p.add_argument("--shapes", type=shape, nargs="+", default=None, metavar="T,k,E",
+                 help="the shapes to place (default: the issue's and MoE-XS's)")
+  p.add_argument("--tag", default="", help="suffix of the result files' names")
   p.add_argument("--out", default=str(pathlib.Path(__file__).resolve().parent / "results"))
   args = p.parse_args(argv)
-  shapes = SMOKE_SHAPES if args.smoke else SHAPES
+  if min(args.chunks) < 1:
+    p.error("--chunks must be positive")
+  shapes = args.shapes or (SMOKE_SHAPES if args.smoke else SHAPES)
   if args.smoke:
     args.repeats, args.reps = min(args.repeats, 2), min(args.reps, 3)
   device = jax.devices()[0].device_kind
@@ -102,7 +147,7 @@ def main(argv=None) -> dict:
             "smoke": args.smoke, "rows": rows}
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  stem = "placement_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ("_smoke" if args.smoke else "")
+  stem = "placement_" + re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ("_smoke" if args.smoke else "") + args.tag
   (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
   lines = [f"# Dropless placement on {device} (block {BLOCK_SIZE}, median of {args.reps}, "
            f"{args.repeats} placements per program)", "",
@@ -110,8 +155,9 @@ def main(argv=None) -> dict:
   lines += [f"| {r['T']} | {r['k']} | {r['E']} | {'skewed' if r['skewed'] else 'uniform'} | {r['variant']} "
             f"| {r['us']:.1f} | {r['speedup']:.2f}x |" for r in rows]
   (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-  copy_to_out(*(out / f"{stem}{suffix}" for suffix in (".json", ".md")))
-  print(f"wrote {out / stem}.{{json,md}}")
+  png = plot(rows, f"Dropless placement on {device}", out / f"{stem}.png")
+  copy_to_out(*(out / f"{stem}{suffix}" for suffix in (".json", ".md")), *([png] if png else []))
+  print(f"wrote {out / stem}.{{json,md{',png' if png else ''}}}")
   return report
 
 

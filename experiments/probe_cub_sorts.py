@@ -98,7 +98,8 @@ def score_sort_histogram_ranks(keys, scores, num_keys):
 
 LIBRARY_RANKS = {"permute": permute._ranks, "rounding": rounding_reference.ranks_within}
 PLACEMENT_RANKS = {
-    "histogram": lambda ids, E: permute.rank_within_expert_histogram(ids, E, chunk=64),  # the library's on GPUs
+    # the library's on GPUs: permute.histogram_chunk's chunk (a fixed 64 before the sixty-first session)
+    "histogram": lambda ids, E: permute.rank_within_expert_histogram(ids, E),
     "argsort_int32": permute.rank_within_expert,
     "argsort_uint": unsigned_argsort_ranks,
 }

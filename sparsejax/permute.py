@@ -60,10 +60,11 @@ def rank_within_expert(
 
 def _ranks(expert_ids, num_experts: int):
   """rank_within_expert by the method that is faster on this backend (both give the same ranks and
-  counts): on GPUs the sort-free histogram, 3-4x faster than the argsort in bench_placement on an H100
-  (chunk 64 was the best or near it at every size measured); elsewhere the argsort."""
+  counts): on GPUs the sort-free histogram with histogram_chunk's chunk (3-4x faster than the argsort at up to
+  2^16 assignments on an H100; on an H200 0.8-1.3x from 2^15 to 2^21, within the autotuned fusions' run-to-run
+  spread, and 3.7x at the top-8 expert-parallel receiver, probe_recv_placement); elsewhere the argsort."""
   if jax.default_backend() == "gpu":
-    return rank_within_expert_histogram(expert_ids, num_experts, chunk=64)
+    return rank_within_expert_histogram(expert_ids, num_experts)
   return rank_within_expert(expert_ids, num_experts)
 
 
@@ -237,8 +238,23 @@ def scatter_rows(
 
 # --- Sort-free placement (MegaBlocks' histogram + cumulative sum), the same Placement as above.
 
+# Bound on the in-chunk count's [n / chunk, chunk, chunk] comparison, which XLA:GPU fuses into one reduce: on an
+# H200 that reduce ran 4-10x slower per element once its operand reached 2^25 elements, at every chunk measured
+# (16-128), and a 128-chunk one of 2^27 took minutes to fail to compile
+# (experiments/results/placement_NVIDIA_H200_chunks.md; notes_expert_parallel.md, sixty-first session).
+IN_CHUNK_ELEMENTS = 2**24
+
+
+def histogram_chunk(num_assignments: int) -> int:
+  """The chunk rank_within_expert_histogram uses by default: 32, halved down to 8 while n * chunk exceeds
+  IN_CHUNK_ELEMENTS. Below that bound chunks 8 to 32 ran within the H200's run-to-run spread of each other."""
+  c = 32
+  while c > 8 and num_assignments * c > IN_CHUNK_ELEMENTS:
+    c //= 2
+  return c
+
 def rank_within_expert_histogram(
-    expert_ids: Int[Array, "tokens k"], num_experts: int, *, chunk: int = 128
+    expert_ids: Int[Array, "tokens k"], num_experts: int, *, chunk: int | None = None
 ) -> tuple[Int[Array, "tokens k"], Int[Array, "experts"]]:
   """rank_within_expert without a sort: the same ranks for every valid id, and the same counts.
 
@@ -246,11 +262,12 @@ def rank_within_expert_histogram(
   of chunk c, rank(i) = sum_{c' < c(i)} h[c', e_i] (an exclusive cumsum over chunks) plus
   #{j < i in chunk c(i): e_j = e_i} (a [chunk, chunk] comparison). O(Tk (chunk + E)) work in
   elementwise ops and reductions that XLA fuses, no sort and no scatter. Ids outside [0, E) are
-  not counted; their rank is unspecified (placements send them to no row).
+  not counted; their rank is unspecified (placements send them to no row). chunk=None takes
+  histogram_chunk(Tk).
   """
   flat = expert_ids.reshape(-1)
   n = flat.shape[0]
-  c = max(1, min(chunk, n))
+  c = max(1, min(histogram_chunk(n) if chunk is None else chunk, n))
   num_chunks = -(-n // c)
   valid = (flat >= 0) & (flat < num_experts)
   key = jnp.where(valid, flat, num_experts).astype(jnp.int32)
@@ -269,7 +286,7 @@ def rank_within_expert_histogram(
 
 @jax.named_scope("placement")
 def dropless_placement_histogram(
-    expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1, chunk: int = 128
+    expert_ids: Int[Array, "tokens k"], num_experts: int, *, block_size: int = 1, chunk: int | None = None
 ) -> Placement:
   """dropless_placement with the ranks of rank_within_expert_histogram: an identical Placement."""
   rank, counts = rank_within_expert_histogram(expert_ids, num_experts, chunk=chunk)

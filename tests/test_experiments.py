@@ -196,6 +196,23 @@ def test_gmm_skew_bench_smoke_checks_every_product_and_names_its_results_smoke(t
   assert json.loads(saved.read_text())["rows"] == rows
 
 
+def test_placement_bench_checks_each_chunk_and_writes_table_json_and_plot(tmp_path, monkeypatch):
+  """bench_placement --smoke --shapes --chunks: every variant (the default chunk among them) checked equal to the
+  argsort placement, one row per shape, routing and variant, and the md, json and png under the tag's name."""
+  import bench_placement
+
+  monkeypatch.delenv("OUT", raising=False)
+  report = bench_placement.main(["--smoke", "--shapes", "40,2,4", "33,1,3", "--chunks", "8", "--tag", "_t",
+                                 "--out", str(tmp_path)])
+  assert [(r["T"], r["variant"]) for r in report["rows"] if not r["skewed"]] == [
+      (T, v) for T in (40, 33) for v in ("argsort", "histogram default", "histogram chunk=8")]
+  stem = "placement_cpu_smoke_t"
+  assert {f.name for f in tmp_path.iterdir()} == {f"{stem}.json", f"{stem}.md", f"{stem}.png"}
+  assert json.loads((tmp_path / f"{stem}.json").read_text())["rows"] == report["rows"]
+  with pytest.raises(SystemExit):
+    bench_placement.main(["--shapes", "8,5,4"])  # k > E: argparse's one-line error
+
+
 @pytest.mark.parametrize("epilogue_wg", [False, pytest.param(True, marks=pytest.mark.cpu_suite(
     "it patches the interpret-mode configs, which compiled kernels do not read"))])
 def test_energy_probe_cases_run_the_mlps_forms_and_match_their_references(monkeypatch, epilogue_wg):

@@ -79,6 +79,30 @@ def test_rank_matches_sort_on_valid_ids(T, k, E, chunk):
   np.testing.assert_array_equal(counts_new, np.bincount(ids[valid], minlength=E))
 
 
+def test_histogram_chunk_keeps_the_in_chunk_comparison_under_its_bound():
+  """32 where n * 32 fits IN_CHUNK_ELEMENTS; halved while it does not, but never below 8."""
+  bound = permute.IN_CHUNK_ELEMENTS
+  assert permute.histogram_chunk(1) == 32
+  assert permute.histogram_chunk(bound // 32) == 32
+  assert permute.histogram_chunk(bound // 32 + 1) == 16
+  assert permute.histogram_chunk(bound // 8) == 8
+  assert permute.histogram_chunk(100 * bound) == 8
+  for n in (1, 1000, 2**19, 2**19 + 1, 2**20, 2**21):
+    c = permute.histogram_chunk(n)
+    assert c in (8, 16, 32) and n * c <= bound, (n, c)
+
+
+def test_default_chunk_matches_sort_where_it_is_halved():
+  """The default chunk (16 here, a partial last chunk) gives the sort's ranks and counts."""
+  T, k, E = 65537, 9, 64  # n = 589,833 > 2^19: chunk 16
+  assert permute.histogram_chunk(T * k) == 16
+  ids = _random_ids(T, E, k, seed_of("hist_default", T))
+  both = jax.jit(lambda i: (permute.rank_within_expert(i, E), permute.rank_within_expert_histogram(i, E)))
+  (rank_old, counts_old), (rank_new, counts_new) = both(jnp.asarray(ids))
+  np.testing.assert_array_equal(rank_new, rank_old)
+  np.testing.assert_array_equal(counts_new, counts_old)
+
+
 @pytest.mark.parametrize("case", ["with -1", "empty experts, repeats in a token", "out of range ids"])
 def test_placements_pick_the_histogram_on_gpus_with_the_same_result(case, monkeypatch):
   """On a GPU backend dropless_placement and capacity_placement rank by histogram; the Placements
