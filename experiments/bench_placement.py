@@ -33,6 +33,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from sparsejax import permute  # noqa: E402
 from sparsejax.topology import BLOCK_SIZE  # noqa: E402
 from out_dir import copy_to_out  # noqa: E402
+from plot import pyplot  # noqa: E402
 
 SHAPES = [(16384, 1, 64), (8192, 8, 64), (32768, 1, 64), (16384, 2, 8)]  # (T, k, E); 32768 x 1 x 64 is MoE-XS
 SMOKE_SHAPES = [(512, 1, 16), (256, 4, 8)]
@@ -89,15 +90,13 @@ def shape(text: str) -> tuple[int, int, int]:
   return T, k, E
 
 
-def plot(rows: list[dict], title: str, path: pathlib.Path) -> pathlib.Path | None:
+def save_plot(rows: list[dict], title: str, path: pathlib.Path) -> pathlib.Path | None:
   """us per placement against T k (log-log), a line per variant and routing; None without matplotlib."""
   try:
-    import matplotlib
-  except ImportError:
-    print('no plot: matplotlib is not installed (pip install -e ".[plot]")')
+    plt = pyplot()
+  except ImportError as e:
+    print(f"no plot: {e}")
     return None
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
     for skewed, style in ((False, "o-"), (True, "x--")):
@@ -155,7 +154,7 @@ def main(argv=None) -> dict:
   lines += [f"| {r['T']} | {r['k']} | {r['E']} | {'skewed' if r['skewed'] else 'uniform'} | {r['variant']} "
             f"| {r['us']:.1f} | {r['speedup']:.2f}x |" for r in rows]
   (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
-  png = plot(rows, f"Dropless placement on {device}", out / f"{stem}.png")
+  png = save_plot(rows, f"Dropless placement on {device}", out / f"{stem}.png")
   copy_to_out(*(out / f"{stem}{suffix}" for suffix in (".json", ".md")), *([png] if png else []))
   print(f"wrote {out / stem}.{{json,md{',png' if png else ''}}}")
   return report

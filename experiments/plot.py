@@ -15,7 +15,7 @@ import numpy as np
 MISSING_MATPLOTLIB = 'plotting needs matplotlib, which the base install leaves out: pip install -e ".[plot]"'
 
 
-def _pyplot():
+def pyplot():
   """matplotlib.pyplot on the file-only Agg backend (works without a display); imported on use."""
   try:
     import matplotlib
@@ -43,7 +43,7 @@ def load_metrics(path: str | pathlib.Path) -> tuple[list[dict], list[dict]]:
 
 
 def _loss_plot(runs: dict, x_key: str, xlabel: str, path: pathlib.Path) -> pathlib.Path:
-  plt = _pyplot()
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for i, (name, (train, val)) in enumerate(runs.items()):
     color = f"C{i}"
@@ -68,7 +68,7 @@ def expert_load_plot(train: list[dict], path: pathlib.Path, title: str = "") -> 
     return None
   last = np.asarray(rows[-1]["tokens_per_expert"], float)
   frac = last / last.sum(-1, keepdims=True)
-  plt = _pyplot()
+  plt = pyplot()
   imbalance = [np.mean(np.max(t, -1) / np.mean(t, -1)) for t in (np.asarray(r["tokens_per_expert"], float) for r in rows)]
   fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
   im = a.imshow(frac, aspect="auto", cmap="viridis")
@@ -87,7 +87,7 @@ def expert_load_plot(train: list[dict], path: pathlib.Path, title: str = "") -> 
 def plot_runs(run_dirs: list[str], out: str | pathlib.Path) -> list[pathlib.Path]:
   """Write loss_vs_steps.png, loss_vs_time.png and one expert_load_<run>.png per MoE run."""
   runs = {pathlib.Path(d).name or str(d): load_metrics(d) for d in run_dirs}
-  _pyplot()  # fails before the output folder is made
+  pyplot()  # fails before the output folder is made
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   paths = [_loss_plot(runs, "step", "step", out / "loss_vs_steps.png"),

@@ -196,12 +196,11 @@ def test_gmm_skew_bench_smoke_checks_every_product_and_names_its_results_smoke(t
   assert json.loads(saved.read_text())["rows"] == rows
 
 
-def test_placement_bench_checks_each_chunk_and_writes_table_json_and_plot(tmp_path, monkeypatch):
+def test_placement_bench_checks_each_chunk_and_writes_table_json_and_plot(tmp_path):
   """bench_placement --smoke --shapes --chunks: every variant (the default chunk among them) checked equal to the
   argsort placement, one row per shape, routing and variant, and the md, json and png under the tag's name."""
   import bench_placement
 
-  monkeypatch.delenv("OUT", raising=False)
   report = bench_placement.main(["--smoke", "--shapes", "40,2,4", "33,1,3", "--chunks", "8", "--tag", "_t",
                                  "--out", str(tmp_path)])
   assert [(r["T"], r["variant"]) for r in report["rows"] if not r["skewed"]] == [
