@@ -10,9 +10,12 @@ since 2026-11-27; "dense": the whole static buffer). With
 --expert-groups G, n GPUs are also measured as the two-level mesh
 `data=1,expert_group=G,expert=n/G` with the hierarchical (two-stage, dense) all-to-all, as
 `sparsejax-train --mesh` runs it. --buffer-factors sizes each peer's exchange buffer
-(ExpertParallelConfig.buffer_factor: "none" is the safe T_local * k rows, f is f times the mean; a
-step that overflows it reruns the exchange with the safe one). --dispatches measures each exchange with
-each ExpertParallelConfig.dispatch ("auto", the library's default, is left out of the name).
+(ExpertParallelConfig.buffer_factor: "none" is the safe bound, f is f times the mean: each peer's block with
+dispatch="assignments", the rows a receiver computes with dispatch="tokens"; a step that overflows it reruns the
+exchange with the safe one). --dispatches measures each exchange with each ExpertParallelConfig.dispatch ("auto",
+the library's default, is left out of the name). Each configuration's compiled memory a GPU is recorded (XLA's
+temp buffer and the arguments); one that does not fit the GPU's free memory is recorded as such and not run
+(the safe buffers grow with the GPU count: top-8 on 4 GPUs asked for 82 GiB of temp and hung after the OOM).
 
 Timing: after --warmup steps, --steps steps back to back (as the training loop runs them), one
 sync at the end; the median of --repeats such windows. Then --steps more are traced with
@@ -131,8 +134,6 @@ def parse_args(argv=None):
   dispatches = a.dispatches.split(",")
   if any(d not in DISPATCHES for d in dispatches):
     p.error(f"--dispatches takes a comma list of {', '.join(DISPATCHES)}, got {a.dispatches!r}")
-  if "tokens" in dispatches and any(f is not None for f in a.buffer_factors):
-    p.error("--dispatches tokens sends T_local rows a peer: it takes no --buffer-factors")
   return a
 
 
@@ -261,6 +262,23 @@ def pretrain(args, corpus) -> tuple:
   return jax.device_get((params, opt_state))
 
 
+def compiled_memory(compiled) -> dict | None:
+  """GiB a device: XLA's temp buffer (activations, exchange buffers) and the arguments (params, state, batch)."""
+  try:
+    m = compiled.memory_analysis()
+    return {"temp": m.temp_size_in_bytes / 2**30, "arguments": m.argument_size_in_bytes / 2**30}
+  except Exception:  # noqa: BLE001 - a backend without the analysis: the record leaves it out
+    return None
+
+
+def free_gib() -> float | None:
+  """The least free memory over the devices, GiB (None where the backend does not say: the CPU)."""
+  stats = [d.memory_stats() for d in jax.local_devices()]
+  if not all(s and "bytes_limit" in s for s in stats):
+    return None
+  return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats) / 2**30
+
+
 def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
             buffer_factor: float | None = None, dispatch: str = "auto") -> dict:
   cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start,
@@ -269,6 +287,25 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
   t0 = time.perf_counter()
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(first), copy).compile()
   compile_s = time.perf_counter() - t0
+  name = exchange or "none (one device)"
+  if groups is not None:
+    name = f"{exchange}, hierarchical {groups}x{n // groups}"
+  if buffer_factor is not None:
+    name += f", buffer {buffer_factor:g}x mean"
+  if n > 1 and dispatch != "auto":
+    name += f", dispatch {dispatch}"
+  memory = compiled_memory(compiled)
+  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "buffer_factor": buffer_factor, "token_chunks": chunks,
+         "dispatch": dispatch if n > 1 else None, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
+         "pretrain_steps": first, "compile_s": compile_s, "memory_gib": memory}
+  print(f"compiled {name} on {n} GPUs in {compile_s:.0f} s; memory a GPU (GiB): {memory}", flush=True)
+  free = free_gib()
+  # A margin: the temp buffer is one allocation, and the allocator's free memory is fragmented by the earlier
+  # configurations (82 GiB failed with more than that free, and the other GPUs then waited forever).
+  if memory is not None and free is not None and memory["temp"] + memory["arguments"] > 0.7 * free:
+    print(f"{name} on {n} GPUs needs {memory['temp'] + memory['arguments']:.1f} GiB a GPU, {free:.1f} free: "
+          "not run", flush=True)
+    return {**rec, "fits": False}
   state = [params, opt_state, copy]
   losses, last = [], {}
 
@@ -290,20 +327,9 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     run(lo, lo + args.steps)
     windows.append((time.perf_counter() - t) / args.steps)
   step_s = statistics.median(windows)
-  name = exchange or "none (one device)"
-  if groups is not None:
-    name = f"{exchange}, hierarchical {groups}x{n // groups}"
-  if buffer_factor is not None:
-    name += f", buffer {buffer_factor:g}x mean"
-  if n > 1 and dispatch != "auto":
-    name += f", dispatch {dispatch}"
-  rec = {"gpus": n, "exchange": name, "expert_groups": groups, "buffer_factor": buffer_factor, "token_chunks": chunks,
-         "dispatch": dispatch if n > 1 else None,
-         "batch": cfg.batch_size, "seq_len": cfg.seq_len,
-         "pretrain_steps": first,
-         "compile_s": compile_s, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
-         "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
-         "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n)}
+  rec.update({"fits": True, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
+              "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
+              "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n)})
   if not args.no_trace:
     lo = args.warmup + args.repeats * args.steps
     log_dir = tempfile.mkdtemp(prefix="ep_train_")
@@ -330,8 +356,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     rec["unattributed_ms"] = per_gpu_step_ms(unattributed)
     # The ops behind the categories that grow with the exchange's buffers, with their HLO lines (shapes).
     ranked = sorted(times.items(), key=lambda kv: -kv[1])
-    rec["top_ops"] = {c: [(op, per_gpu_step_ms(us), hlo_line(hlo, op)) for op, us in ranked if cat_of[op] == c][:10]
-                      for c in ("other", "gather/scatter", "placement")}
+    rec["top_ops"] = top_ops([(op, per_gpu_step_ms(us)) for op, us in ranked], cat_of, hlo,
+                             ("other", "gather/scatter", "placement"))
     by_kind, names = collections.Counter(), collections.Counter()
     for e in kernels:
       kind = collective_kind(e)
@@ -352,6 +378,13 @@ def hlo_line(hlo: str, op: str, width: int = 240) -> str:
   return m.group(0).strip()[:width] if m else ""
 
 
+def top_ops(ranked: list, cat_of: dict, hlo: str, categories, n: int = 10) -> dict:
+  """The n costliest ops of each category with their HLO lines. Only those n are looked up: a 4-GPU top-8 step's
+  module is large enough that a search for every op took minutes."""
+  return {c: [(op, t, hlo_line(hlo, op)) for op, t in [(op, t) for op, t in ranked if cat_of[op] == c][:n]]
+          for c in categories}
+
+
 def markdown(report: dict) -> str:
   # A smoke run's model is SMOKE_MODEL, not the preset's: its title says so, as the other benchmarks mark theirs.
   model = (f"smoke run: {report['preset']} shrunk to " + ", ".join(f"{k}={v}" for k, v in SMOKE_MODEL.items())
@@ -362,30 +395,37 @@ def markdown(report: dict) -> str:
            + "".join(f", {k}={v}" for k, v in report.get("model_overrides", {}).items())
            + (f", XLA_FLAGS={report['xla_flags']}" if report.get("xla_flags") else "") + ")", "",
            "| GPUs | exchange | token chunks | step ms | tokens/s | weak-scaling eff. | all-to-all ms (share) | "
-           "all-to-all ms under compute | all-reduce ms (share) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "all-to-all ms under compute | all-reduce ms (share) | memory GiB (temp + arguments) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  mem = lambda r: f"{r['memory_gib']['temp']:.2f} + {r['memory_gib']['arguments']:.2f}" if r.get("memory_gib") else ""
   for r in report["runs"]:
+    if r.get("fits") is False:
+      lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | does not fit the GPU: not run "
+                   "| | | | | | " + mem(r) + " |")
+      continue
     c, s = r.get("collectives_ms", {}), r.get("collective_share", {})
     cell = lambda k: f"{c[k]:.2f} ({100 * s[k]:.1f}%)" if k in c else ("0" if "collectives_ms" in r else "")
     hidden = f"{r['collectives_overlapped_ms'].get('all-to-all', 0.0):.2f}" if "collectives_overlapped_ms" in r else ""
     eff = r["weak_scaling_efficiency"]
     lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | {r['step_ms']:.2f} | {r['tokens_per_s']:.3g} | "
-                 f"{'' if eff is None else f'{100 * eff:.1f}%'} | {cell('all-to-all')} | {hidden} | {cell('all-reduce')} |")
-  if any("device_load" in r for r in report["runs"]):
+                 f"{'' if eff is None else f'{100 * eff:.1f}%'} | {cell('all-to-all')} | {hidden} | {cell('all-reduce')} | "
+                 f"{mem(r)} |")
+  ran = [r for r in report["runs"] if r.get("fits") is not False]
+  if any("device_load" in r for r in ran):
     lines += ["", "Balance: tokens on the busiest GPU over the mean (last step, mean / worst over MoE layers), and the "
               "all-to-alls' arrival skew (last GPU's start minus first's, summed per step):", "",
               "| GPUs | exchange | token chunks | busiest / mean | arrival skew ms |", "|---|---|---|---|---|"]
-    for r in report["runs"]:
+    for r in ran:
       load, skew = r.get("device_load"), r.get("all_to_all_arrival_skew_ms")
       load_cell = "" if load is None else f"{load['mean']:.3f} / {load['max']:.3f}"
       skew_cell = "" if skew is None else f"{skew:.2f}"
       lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | {load_cell} | {skew_cell} |")
-  names = [c for c in (*CATEGORIES, "collectives") if any(c in r.get("categories_ms", {}) for r in report["runs"])]
+  names = [c for c in (*CATEGORIES, "collectives") if any(c in r.get("categories_ms", {}) for r in ran)]
   if names:
     lines += ["", "Device time per step and GPU, by category (ms; profile_step.py's categories, the "
               "collectives apart):", "",
               "| GPUs | exchange | token chunks | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(names)]
-    for r in report["runs"]:
+    for r in ran:
       c = r.get("categories_ms", {})
       lines.append(f"| {r['gpus']} | {r['exchange']} | {r.get('token_chunks', 1)} | " + " | ".join(f"{c.get(n, 0.0):.2f}" for n in names) + " |")
   return "\n".join(lines)
@@ -415,7 +455,8 @@ def main(argv=None) -> dict:
           print(json.dumps(rec), flush=True)
   base = next((r for r in report["runs"] if r["gpus"] == 1), None)
   for r in report["runs"]:
-    r["weak_scaling_efficiency"] = r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"]) if base else None
+    r["weak_scaling_efficiency"] = (r["tokens_per_s"] / (r["gpus"] * base["tokens_per_s"])
+                                    if base and "tokens_per_s" in r and "tokens_per_s" in base else None)
   table = markdown(report)
   print("\n" + table)
   name = ("cpu_smoke" if args.smoke else kind.lower().replace("nvidia ", "").replace(" ", "_")) + f"_x{max(counts)}" + args.tag

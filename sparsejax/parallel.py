@@ -38,6 +38,16 @@ device would overflow, the layer falls back to S_worst for that call (a `lax.con
 devices agree on, so the result is still exact) or, with on_overflow="raise", raises. It never drops
 silently: the rows the buffer actually used could not hold are counted in num_dropped.
 
+The token dispatch's bound is on the receiver: it may get every token of its P peers, each with up to
+min(k, E/P) of its experts, so its expert rows are R_worst = P * T_local * min(k, E/P), P times the mean
+T_local * k. Those rows, and the products' activations over them, are what training keeps for the backward
+of every layer: xs-moe at top-8 on 4 GPUs (32 x 1024 tokens a GPU) asked for 82 GiB of temp memory a GPU
+and did not fit an H200 (one GPU: 23 GiB). With `buffer_factor` f the receiver's rows are
+R = ceil(f * T_local * k) (`received_rows`), checked before the exchange from the per-peer counts summed
+over the group (`received_overflow`), with the same fallback. The fallback is rematerialized
+(`jax.checkpoint`): under autodiff a `lax.cond` keeps both branches' residuals, so a fallback kept as is
+would cost every layer its worst-case residuals and make the smaller buffer use more memory than none.
+
 Capacity mode (GShard/Switch) is the baseline: each device is a GShard "group": it keeps the first
 C = ceil(cf * T_local * k / E) assignments per expert of its own tokens (token order) and drops the
 rest; the [E, C, d] buffer is the send buffer. So the result equals `moe_mlp(..., capacity_factor=cf)`
@@ -96,8 +106,11 @@ class ExpertParallelConfig:
   hierarchical: with a pair of expert axes, do the all-to-all in two stages (across groups, then
     within); otherwise one all-to-all over both axes.
   buffer_factor: None = T_local * min(k, E/P) rows per peer (enough for distinct ids per token;
-    a token's repeated expert is merged into one assignment first; the token dispatch: T_local);
-    f > 0 = ceil(f * T_local * k / P) rows per peer, a row an assignment.
+    a token's repeated expert is merged into one assignment first; the token dispatch: T_local a
+    peer, and a receiver computes up to P * T_local * min(k, E/P) rows, P times the mean);
+    f > 0 = f times the mean: ceil(f * T_local * k / P) rows per peer, a row an assignment, or with
+    the token dispatch ceil(f * T_local * k) rows a receiver computes. What it saves is mostly
+    training memory: the receivers' rows and activations, kept for the backward of every layer.
   on_overflow: what a call whose routing overflows buffer_factor's buffer does: "fallback" reruns
     the exchange with the worst-case buffer T_local * k (exact, slower for that call), "raise"
     raises at run time. With buffer_factor=None nothing overflows.
@@ -122,10 +135,11 @@ class ExpertParallelConfig:
     the token's local expert ids and weights beside it; the peer computes all of them and returns
     their weighted sum, one row (T_local rows a peer at most; DeepEP's dispatch). For k > 1 it moves
     up to min(k, E/P) times fewer rows each way. Same value; in bf16 each peer's partial sum is
-    rounded once before the sum over peers (for k = 1 bit for bit the same). "tokens" takes the
-    default buffer (buffer_factor=None). "auto" (the default): "tokens", or "assignments" where
-    buffer_factor is set. On 2 H200s (E64, forward+backward) "tokens" took top-8 from 8.52 to
-    4.75 ms, top-1 from 3.44 to 3.06 (experiments/results/expert_parallel_h200_x2*_dispatch.json).
+    rounded once before the sum over peers (for k = 1 bit for bit the same). "auto" (the default):
+    "tokens", or "assignments" where buffer_factor is set (as before the token dispatch took a
+    buffer_factor; the two have not been timed against each other with one). On 2 H200s (E64,
+    forward+backward) "tokens" took top-8 from 8.52 to 4.75 ms, top-1 from 3.44 to 3.06
+    (experiments/results/expert_parallel_h200_x2*_dispatch.json).
   token_chunks: dropless only: split each device's tokens into this many contiguous chunks, each
     with its own placement, exchange and expert products. The chunks' chains are independent, so
     the scheduler may run one chunk's all-to-all under another's products; each chunk's products
@@ -156,9 +170,6 @@ class ExpertParallelConfig:
                        "(got 'dense').")
     if self.dispatch not in DISPATCHES:
       raise ValueError(f"dispatch must be one of {DISPATCHES}; got {self.dispatch!r}.")
-    if self.dispatch == "tokens" and self.buffer_factor is not None:
-      raise ValueError("dispatch='tokens' sends each token at most once a peer, so its buffer is T_local "
-                       f"rows a peer: buffer_factor must be None (got {self.buffer_factor!r}).")
     if self.hierarchical and (isinstance(self.expert_axis, str) or len(self.expert_axis) != 2):
       raise ValueError("hierarchical=True needs expert_axis=(group_axis, device_axis).")
 
@@ -221,6 +232,29 @@ def merge_repeats(expert_ids: Int[Array, "tokens k"], combine_weights: Float[Arr
   summed = jnp.sum(jnp.where(same, combine_weights.astype(jnp.float32)[:, None, :], 0.0), axis=2)
   return (jnp.where(first, expert_ids, NO_EXPERT).astype(expert_ids.dtype),
           jnp.where(first, summed, 0.0).astype(combine_weights.dtype))
+
+
+def received_rows(tokens_received: int, top_k: int, num_peers: int, width: int,
+                  buffer_factor: float | None) -> int:
+  """The token dispatch's bound on the assignments a receiver computes: all of its received tokens' local
+  experts, R_worst = tokens_received * width (width = min(k, E/P)), or min(R_worst, ceil(f * mean)) with a
+  buffer_factor f, mean = tokens_received * k / P (the tokens of the exchange group's devices spread evenly
+  over the P receivers)."""
+  worst = tokens_received * width
+  if buffer_factor is None:
+    return worst
+  return max(1, min(worst, math.ceil(buffer_factor * tokens_received * top_k / num_peers)))
+
+
+def received_overflow(expert_ids: Int[Array, "tokens k"], num_experts: int, layout: ExpertLayout,
+                      rows: int) -> Int[Array, ""]:
+  """Inside shard_map, the token dispatch's overflow: max(A - rows, 0) for A = the assignments this device's
+  experts receive from its exchange group (a psum of every sender's per-peer counts), counted once per
+  receiver (on its first slice), so that a sum over devices counts each receiver's excess once."""
+  per_peer = jnp.sum(_on_peer(expert_ids, num_experts, layout.num_peers), axis=(0, 1), dtype=jnp.int32)
+  received = jax.lax.psum(per_peer, exchange_group(layout))[peer_index(layout)]
+  first = True if layout.slice_axis is None else jax.lax.axis_index(layout.slice_axis) == 0
+  return jnp.where(first, jnp.maximum(received - rows, 0), 0).astype(jnp.int32)
 
 
 def exchange_overflow(expert_ids: Int[Array, "tokens k"], num_experts: int, num_peers: int,
@@ -383,10 +417,11 @@ class _Static:
   exchange: str = "dense"  # resolved: "dense" or "ragged"
 
 
-def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int):
+def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int, received: int | None = None):
   """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement), whose
   num_dropped counts the assignments the buffer could not hold (and so were not computed). With
-  dispatch="tokens" (slots = T_local, distinct ids a token) a row is a (token, peer) pair instead."""
+  dispatch="tokens" (slots = T_local, distinct ids a token) a row is a (token, peer) pair instead, and
+  received (when given) bounds the assignments the receiver computes: the caller has checked that it holds."""
   layout = st.layout
   num_peers, d = layout.num_peers, x.shape[1]
   experts_per_peer = st.num_experts // num_peers
@@ -431,7 +466,7 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
     recv_ids, recv_weights = received_token_routing(meta_recv, _gather_slices(recv_rows, layout))
   else:
     recv_ids = received_expert_ids(_gather_slices(recv_counts, layout), slots)[:, None]
-  local = permute.dropless_placement(recv_ids, experts_per_peer, block_size=block)
+  local = permute.dropless_placement(recv_ids, experts_per_peer, block_size=block, num_assignments=received)
   rows = permute.gather_rows(x_recv.reshape(-1, d), local)
   # As in moe_mlp: on the Pallas path one block topology serves all three products. Its row blocks
   # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
@@ -499,7 +534,7 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
   layout, cfg = st.layout, st.config
   all_axes = tuple(layout.mesh.axis_names)
   weights = (w_in, w_out, w_gate)
-  overflow = jnp.zeros((), jnp.int32)
+  overflow = 0
   if st.capacity_factor is not None:
     y, send = _capacity_local(x, expert_ids, combine_weights, weights, st)
     dropped = send.num_dropped
@@ -520,10 +555,10 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
       combine_weights = jnp.concatenate([r.combine_weights for r in parts])
       rounded = jnp.sum(valid & (expert_ids[:, :k] < 0)).astype(jnp.int32)  # assignments rounding dropped
 
-    def run(slots, expert_ids=expert_ids, combine_weights=combine_weights):
+    def run(slots, expert_ids=expert_ids, combine_weights=combine_weights, received=None):
       ys, dropped = [], jnp.zeros((), jnp.int32)
       for xc, ids, cw in zip(pieces(x), pieces(expert_ids), pieces(combine_weights)):
-        y, send = _dropless_local(xc, ids, cw, weights, st, slots)
+        y, send = _dropless_local(xc, ids, cw, weights, st, slots, received)
         ys.append(y)
         dropped = dropped + send.num_dropped
       return jnp.concatenate(ys, axis=0) if len(ys) > 1 else ys[0], dropped
@@ -533,15 +568,27 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
     slots = buffer_slots(chunk, k, layout.num_peers, experts_per_peer, cfg.buffer_factor)
     if router_probs is not None:
       slots = rounded_slots(chunk, k, experts_per_peer, slots)
-    if cfg.dropless_dispatch == "tokens":  # one row a token and peer: T_local rows a peer always suffice
-      y, dropped = run(chunk, *merge_repeats(expert_ids, combine_weights, st.num_experts))
+    if cfg.dropless_dispatch == "tokens":  # one row a token and peer: T_local rows a peer always suffice; the receiver's rows may not
+      merged = merge_repeats(expert_ids, combine_weights, st.num_experts)
+      tokens_received = layout.num_peers * layout.num_slices * chunk
+      # Rounded routing has a column more than the router's k: it bounds the worst case, k the mean.
+      width = min(merged[0].shape[1], experts_per_peer)
+      rows = received_rows(tokens_received, k, layout.num_peers, width, cfg.buffer_factor)
+      fallback = first = functools.partial(run, chunk, *merged)
+      if rows < received_rows(tokens_received, k, layout.num_peers, width, None):
+        first = functools.partial(run, chunk, *merged, received=rows)
+        overflow = sum(received_overflow(ids, st.num_experts, layout, rows) for ids in pieces(merged[0]))
     elif slots >= worst:
-      y, dropped = run(worst)
+      first = functools.partial(run, worst)
     elif cfg.buffer_factor is None:  # the distinct-ids bound holds once repeats are merged: no cond
-      y, dropped = run(slots, *merge_repeats(expert_ids, combine_weights, st.num_experts))
+      first = functools.partial(run, slots, *merge_repeats(expert_ids, combine_weights, st.num_experts))
     else:
+      first, fallback = functools.partial(run, slots), functools.partial(run, worst)
       overflow = sum(exchange_overflow(ids, st.num_experts, layout.num_peers, slots)
                      for ids in pieces(expert_ids))
+    if isinstance(overflow, int):  # the first buffer holds every routing
+      y, dropped = first()
+    else:
       if cfg.on_overflow == "raise":
         # A pure_callback whose (zero) result feeds y: the error lands on y's buffers (raised when
         # y is read), not on the runtime's effect tokens as a debug.callback's would. Every device
@@ -549,16 +596,19 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
         # the exchange that follows (on the CPU, a fatal rendezvous timeout after 40 s).
         total = jax.lax.stop_gradient(jax.lax.psum(overflow, all_axes))
         zero = jax.pure_callback(_raise_on_overflow, jax.ShapeDtypeStruct((), jnp.int32), total)
-        y, dropped = run(slots)
+        y, dropped = first()
         y = y + zero.astype(y.dtype)
       else:
         # Both branches hold collectives, so every device must take the same one: agree on the flag.
         any_overflow = jax.lax.pmax(overflow, all_axes) > 0
-        y, dropped = jax.lax.cond(any_overflow, lambda: run(worst), lambda: run(slots))
+        # The fallback is rematerialized: under autodiff a cond keeps the residuals of both branches for
+        # the backward, and the worst-case branch's, saved in every layer, would cost the memory the
+        # smaller buffer saves. Remat keeps only its inputs; a call that overflows recomputes it.
+        y, dropped = jax.lax.cond(any_overflow, jax.checkpoint(fallback), first)
     dropped = dropped + rounded
   _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
   psum = lambda a: jax.lax.psum(a, st.layout.token_axes)
-  out = (y, psum(counts), psum(dropped), psum(overflow))
+  out = (y, psum(counts), psum(dropped), psum(jnp.asarray(overflow, jnp.int32)))
   # Rounded, the router's own assignments (dropped_fraction's denominator) are no longer the counts.
   return out if router_probs is None else out + (psum(real_counts),)
 

@@ -76,9 +76,15 @@ def test_ep_train_bench_names_the_collectives_and_tables_them():
   two = {"gpus": 2, "exchange": "dense", "token_chunks": 2, "step_ms": 40.0, "tokens_per_s": 1.5e6, "weak_scaling_efficiency": 0.75,
          "collectives_ms": {"all-to-all": 8.0}, "collective_share": {"all-to-all": 0.2},
          "collectives_overlapped_ms": {"all-to-all": 1.5}, "categories_ms": {"optimizer": 3.5, "collectives": 8.0}}
+  two["memory_gib"] = {"temp": 20.0, "arguments": 3.5}
+  # A configuration whose compiled memory did not fit: a row that says so, and none in the other tables.
+  big = {"gpus": 4, "exchange": "ragged_compact", "fits": False, "memory_gib": {"temp": 82.15, "arguments": 3.5},
+         "weak_scaling_efficiency": None}
   table = b.markdown({"preset": "xs-moe", "batch_per_gpu": 32, "seq_len": 1024, "device_kind": "H200", "jax": "x",
-                      "runs": [one, two]})
-  assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 1.50 | 0 |" in table
+                      "runs": [one, two, big]})
+  assert "| 2 | dense | 2 | 40.00 | 1.5e+06 | 75.0% | 8.00 (20.0%) | 1.50 | 0 | 20.00 + 3.50 |" in table
+  assert "| 4 | ragged_compact | 1 | does not fit the GPU: not run | | | | | | 82.15 + 3.50 |" in table
+  assert table.count("| 4 | ragged_compact |") == 1
   assert "| 2 | dense | 2 | 3.50 | 8.00 |" in table
   assert "| 1 | none | 1 | 30.00 |" in table  # records from before token_chunks read as 1
   assert table.startswith("### MoE training step, weak scaling (xs-moe, 32 x 1024") and "smoke" not in table
@@ -92,6 +98,11 @@ def test_ep_train_bench_names_an_ops_defining_hlo_line():
   assert b.hlo_line(hlo, "t") == "ROOT %t = (f32[2]) tuple(%fusion.12)"
   assert b.hlo_line(hlo, "fusion.12", width=10) == "%fusion.12"
   assert b.hlo_line(hlo, "fusion.7") == ""
+  ranked = [("fusion.12", 3.0), ("t", 2.0), ("fusion.1", 1.0)]
+  cat_of = {"fusion.12": "other", "t": "placement", "fusion.1": "other"}
+  assert b.top_ops(ranked, cat_of, hlo, ("other", "placement"), n=1) == {
+      "other": [("fusion.12", 3.0, "%fusion.12 = f32[2]{0} fusion(%fusion.1), kind=kInput")],
+      "placement": [("t", 2.0, "ROOT %t = (f32[2]) tuple(%fusion.12)")]}
 
 
 def test_ep_train_bench_lists_the_two_level_meshes_it_measures():

@@ -79,6 +79,8 @@ def test_layer_with_each_exchange_matches_one_device(kind):
                     for ex in ("ragged", "dense", "auto")})  # compact send
     configs[f"ragged, block send, {dispatch}"] = ExpertParallelConfig(exchange="ragged", compact_send=False,
                                                                      dispatch=dispatch)
+    for f in (1.0, 1.5):  # a buffer of f times the mean: the "one" routing overflows it (the fallback, remat)
+      configs[f"auto, buffer {f}x, {dispatch}"] = ExpertParallelConfig(dispatch=dispatch, buffer_factor=f)
   for ex, config in configs.items():
     got = value_and_grads(functools.partial(parallel.expert_parallel_moe_mlp, mesh=mesh, parallel=config))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
