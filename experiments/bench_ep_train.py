@@ -330,6 +330,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
   rec.update({"fits": True, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
               "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
               "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n)})
+  # Said before the trace, whose reading takes longest: a run stopped there still has the step's time.
+  print(f"{name} on {n} GPUs: {rec['step_ms']:.2f} ms a step, busiest GPU / mean {rec['device_load']}", flush=True)
   if not args.no_trace:
     lo = args.warmup + args.repeats * args.steps
     log_dir = tempfile.mkdtemp(prefix="ep_train_")

@@ -217,7 +217,7 @@ def main():
                          single_layer(args.impl, args.capacity_factor), None, None, layout, False, None))
     else:
       for dispatch in args.dispatches.split(","):
-        for bf in factors if dispatch != "tokens" else [None]:  # tokens: T_local rows a peer
+        for bf in factors:  # tokens: T_local rows a peer always; f bounds the rows a receiver computes
           for ex in args.exchanges.split(","):
             cfg = parallel.ExpertParallelConfig(buffer_factor=bf, exchange=ex, dispatch=dispatch)
             variants.append((f"EP dropless {ex} buffer={'safe' if bf is None else bf}"
