@@ -53,12 +53,16 @@ HELP = {
             "'expert', batches over data x expert devices, the rest replicated; data=2,expert_group=2,expert=2: "
             "experts over expert_group x expert with a two-stage all-to-all (groups = hosts); fewer experts "
             "than 'expert' devices split each expert's d_ff (expert slicing)",
+    "ep_buffer_factor": ("with --mesh: size the expert-parallel exchange buffers at this many times the mean "
+                         "rows (e.g. 1.5); a step whose routing does not fit reruns the exchange with the safe "
+                         "buffers, exactly. The safe buffers hold every routing and grow with the expert "
+                         "devices, so they cost the most memory"),
 }
 # What a None default means, for the help text.
 NONE_MEANS = {"data": "the Python standard library's sources", "dtype": "bfloat16 on GPU/TPU, float32 on CPU",
               "eval_every_s": "off", "max_time_s": "no limit", "upcycle_from": "off",
               "peak_flops": "looked up from the device kind; none for CPUs",
-              "mesh": "one device"}
+              "mesh": "one device", "ep_buffer_factor": "the safe buffers"}
 
 
 class _Parser(argparse.ArgumentParser):

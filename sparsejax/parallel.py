@@ -112,8 +112,9 @@ class ExpertParallelConfig:
     the token dispatch ceil(f * T_local * k) rows a receiver computes. What it saves is mostly
     training memory: the receivers' rows and activations, kept for the backward of every layer.
   on_overflow: what a call whose routing overflows buffer_factor's buffer does: "fallback" reruns
-    the exchange with the worst-case buffer T_local * k (exact, slower for that call), "raise"
-    raises at run time. With buffer_factor=None nothing overflows.
+    the exchange with the worst-case buffer T_local * k (the token dispatch: the receivers' safe
+    bound; exact, slower for that call, and rematerialized in the backward), "raise" raises at run
+    time. With buffer_factor=None nothing overflows.
   exchange: how dropless rows travel: "dense" (all_to_all of the whole buffer), "ragged"
     (ragged_all_to_all of the real rows only; single-stage), "auto" (ragged from 4 peers up on GPUs
     and TPUs, dense below and on the CPU: exchange.resolve_exchange has the measurements).
@@ -136,10 +137,11 @@ class ExpertParallelConfig:
     their weighted sum, one row (T_local rows a peer at most; DeepEP's dispatch). For k > 1 it moves
     up to min(k, E/P) times fewer rows each way. Same value; in bf16 each peer's partial sum is
     rounded once before the sum over peers (for k = 1 bit for bit the same). "auto" (the default):
-    "tokens", or "assignments" where buffer_factor is set (as before the token dispatch took a
-    buffer_factor; the two have not been timed against each other with one). On 2 H200s (E64,
-    forward+backward) "tokens" took top-8 from 8.52 to 4.75 ms, top-1 from 3.44 to 3.06
-    (experiments/results/expert_parallel_h200_x2*_dispatch.json).
+    "tokens". On 2 H200s (E64, forward+backward, safe buffers) "tokens" took top-8 from 8.52 to
+    4.75 ms, top-1 from 3.44 to 3.06 (experiments/results/expert_parallel_h200_x2*_dispatch.json).
+    With a buffer_factor "auto" took "assignments" until the token dispatch could take one; the two
+    have not been timed against each other with a buffer_factor (the token dispatch's bound is on a
+    receiver's total, so it overflows less often than the per-peer blocks at the same f).
   token_chunks: dropless only: split each device's tokens into this many contiguous chunks, each
     with its own placement, exchange and expert products. The chunks' chains are independent, so
     the scheduler may run one chunk's all-to-all under another's products; each chunk's products
@@ -175,10 +177,8 @@ class ExpertParallelConfig:
 
   @property
   def dropless_dispatch(self) -> str:
-    """The dispatch "auto" stands for: "tokens", or "assignments" with a buffer_factor."""
-    if self.dispatch != "auto":
-      return self.dispatch
-    return "assignments" if self.buffer_factor is not None else "tokens"
+    """The dispatch "auto" stands for: "tokens"."""
+    return "tokens" if self.dispatch == "auto" else self.dispatch
 
 
 @flax.struct.dataclass
@@ -186,7 +186,8 @@ class ExpertParallelStats:
   """MoEStats of the whole (global) batch, plus the exchange's own counter.
 
   exchange_overflow: assignments that did not fit the first-choice buffer (buffer_factor's, or the
-  distinct-ids default) in this call, summed over devices. Under "fallback" they were still
+  distinct-ids default; with the token dispatch, a receiver's rows past its bound) in this call, summed
+  over devices. Under "fallback" they were still
   computed, by the fallback. dropped_fraction is `moe.dropped_fraction`, as moe_mlp's.
   """
   tokens_per_expert: Int[Array, "experts"]
@@ -568,7 +569,7 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
     slots = buffer_slots(chunk, k, layout.num_peers, experts_per_peer, cfg.buffer_factor)
     if router_probs is not None:
       slots = rounded_slots(chunk, k, experts_per_peer, slots)
-    if cfg.dropless_dispatch == "tokens":  # one row a token and peer: T_local rows a peer always suffice; the receiver's rows may not
+    if cfg.dropless_dispatch == "tokens":  # T_local rows a peer always suffice; a receiver's bound may not
       merged = merge_repeats(expert_ids, combine_weights, st.num_experts)
       tokens_received = layout.num_peers * layout.num_slices * chunk
       # Rounded routing has a column more than the router's k: it bounds the worst case, k the mean.

@@ -260,12 +260,14 @@ def expert_axes(mesh) -> str | tuple[str, str]:
 
 def build_model(cfg: TrainConfig, model_cfg: TransformerConfig, expert_mesh=None, parallel=None) -> Transformer:
   """Transformer(model_cfg) whose MoE layers run expert-parallel over expert_mesh, with `parallel`
-  (an ExpertParallelConfig) or, by default, the mesh's: on a two-level mesh the all-to-all is
-  hierarchical (across expert groups, then within one)."""
+  (an ExpertParallelConfig) or, by default, the config's and the mesh's: cfg.ep_buffer_factor's buffers,
+  and on a two-level mesh the hierarchical all-to-all (across expert groups, then within one)."""
   model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed), mesh=expert_mesh)
-  if parallel is None and expert_mesh is not None and EXPERT_GROUP in expert_mesh.axis_names:
+  two_level = expert_mesh is not None and EXPERT_GROUP in expert_mesh.axis_names
+  if parallel is None and expert_mesh is not None and (two_level or cfg.ep_buffer_factor is not None):
     from sparsejax.parallel import ExpertParallelConfig
-    parallel = ExpertParallelConfig(expert_axis=expert_axes(expert_mesh), hierarchical=True)
+    axes = dict(expert_axis=expert_axes(expert_mesh), hierarchical=True) if two_level else {}
+    parallel = ExpertParallelConfig(buffer_factor=cfg.ep_buffer_factor, **axes)
   if expert_mesh is not None and parallel is not None:
     for block in model.blocks:
       if block.is_moe:

@@ -58,6 +58,7 @@ class TrainConfig:
   peak_flops: float | None = None  # per device; None: looked up from the device kind
   allow_binary: bool = False       # accept a data file that does not look like text
   mesh: str | None = None          # "data=D[,expert_group=G],expert=X": expert parallelism over D*[G*]X devices
+  ep_buffer_factor: float | None = None  # with mesh: ExpertParallelConfig.buffer_factor (None: the safe bound)
   progress: bool = True
   model_overrides: dict = dataclasses.field(default_factory=dict)
 
@@ -80,7 +81,7 @@ class TrainConfig:
       need(is_num(getattr(self, name)) and getattr(self, name) > 0, name, "a finite number > 0")
     need(is_num(self.weight_decay) and self.weight_decay >= 0, "weight_decay", "a finite number >= 0")
     need(is_num(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "a number in [0, 1]")
-    for name in ("eval_every_s", "max_time_s", "peak_flops"):
+    for name in ("eval_every_s", "max_time_s", "peak_flops", "ep_buffer_factor"):
       v = getattr(self, name)
       need(v is None or (is_num(v) and v > 0), name, "a finite number > 0 (or unset)")
     need(self.dtype is None or self.dtype in COMPUTE_DTYPES, "dtype", f"one of {', '.join(COMPUTE_DTYPES)}")
@@ -90,6 +91,8 @@ class TrainConfig:
     need(self.mesh is None or _parse_mesh(self.mesh) is not None, "mesh",
          "'data=D,expert=X' or 'data=D,expert_group=G,expert=X' with integers >= 1 "
          "(data or expert left out: 1)")
+    if self.ep_buffer_factor is not None and self.mesh is None:
+      raise ValueError("--ep-buffer-factor sizes the expert-parallel exchange: it needs --mesh.")
 
   def mesh_shape(self) -> dict[str, int] | None:
     """{axis: devices} of --mesh in mesh order ("expert_group" only when given), None without one."""

@@ -269,7 +269,7 @@ def test_pallas_kernels_inside_shard_map():
   # shard_map, whose varying-axes check pallas_call outputs cannot pass, so it runs unchecked:
   # this test is what guards its gradients (w_in/w_out are replicated over "data" and need a psum).
   _check_matches(meshlib.make_expert_mesh(2, 4), _problem("skewed"), impl="pallas",
-                 config=ExpertParallelConfig(buffer_factor=1.0))
+                 config=ExpertParallelConfig(buffer_factor=1.0, dispatch="assignments"))
 
 
 def test_token_chunks_match_single_device():
@@ -283,7 +283,7 @@ def test_token_chunks_match_single_device():
   x, _, cw, w_in, w_out, _, g = _problem()
   ids = _ids_moe_mlp_accepts()["all_zero"]
   _, stats = _check_matches(meshlib.make_expert_mesh(1, 8), (x, ids, cw, w_in, w_out, None, g),
-                            config=ExpertParallelConfig(token_chunks=2, buffer_factor=1.0))
+                            config=ExpertParallelConfig(token_chunks=2, buffer_factor=1.0, dispatch="assignments"))
   assert int(stats.exchange_overflow) > 0 and int(stats.num_dropped) == 0
   _check_matches(meshlib.make_expert_mesh(1, 8), _problem("skewed"),
                  config=ExpertParallelConfig(token_chunks=2, exchange="ragged"))
@@ -313,7 +313,7 @@ def test_bad_token_chunks_are_refused():
 
 def test_small_buffer_falls_back_exactly_on_overflow():
   mesh = meshlib.make_expert_mesh(1, 8)
-  config = ExpertParallelConfig(buffer_factor=1.0)
+  config = ExpertParallelConfig(buffer_factor=1.0, dispatch="assignments")
   x, _, cw, w_in, w_out, _, g = _problem()
   routings = {"one": _problem("one")[1], **_ids_moe_mlp_accepts()}
   for name, ids in routings.items():
@@ -327,7 +327,7 @@ def test_small_buffer_without_overflow_takes_the_fast_path():
   x, _, cw, w_in, w_out, _, g = _problem()
   ids = jnp.stack([jnp.arange(T) % 8, (jnp.arange(T) + 1) % 8], axis=1).astype(jnp.int32)
   mesh = meshlib.make_expert_mesh(1, 8)
-  config = ExpertParallelConfig(buffer_factor=1.0)
+  config = ExpertParallelConfig(buffer_factor=1.0, dispatch="assignments")
   _, stats = _check_matches(mesh, (x, ids, cw, w_in, w_out, None, g), config=config)
   assert int(stats.exchange_overflow) == 0
 
@@ -344,7 +344,7 @@ def _forget_failed_call():
 
 def test_small_buffer_raises_on_overflow():
   mesh = meshlib.make_expert_mesh(2, 4)
-  config = ExpertParallelConfig(buffer_factor=1.0, on_overflow="raise")
+  config = ExpertParallelConfig(buffer_factor=1.0, dispatch="assignments", on_overflow="raise")
   x, ids, cw, w_in, w_out, _, _ = _problem("one")
   f = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=mesh, parallel=config)[0])
   with pytest.raises(Exception, match="overflow"):
@@ -672,7 +672,7 @@ def test_exchange_choice_and_bad_options():
   with pytest.raises(ValueError, match="dispatch must be one of"):
     ExpertParallelConfig(dispatch="rows")
   assert ExpertParallelConfig().dropless_dispatch == "tokens"
-  assert ExpertParallelConfig(buffer_factor=1.0).dropless_dispatch == "assignments"
+  assert ExpertParallelConfig(buffer_factor=1.0).dropless_dispatch == "tokens"
   choose = lambda ex, peers, platform="gpu", hierarchical=False: exchange.resolve_exchange(
       ex, hierarchical, num_peers=peers, platform=platform)
   # "auto": dense on 2 GPUs (where it measured faster), ragged from 4 (where it did), dense on the

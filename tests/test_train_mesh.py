@@ -86,6 +86,32 @@ def test_expert_parallel_training_follows_one_device(tmp_path, one_device, monke
   assert loop.batch_axes(w_in.mesh) == (tuple(shape),)
 
 
+def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, monkeypatch):
+  """--ep-buffer-factor 1 reaches the layers as ExpertParallelConfig.buffer_factor; steps whose routing overflows
+  it take the exact fallback, so the losses are the one-device run's."""
+  from sparsejax import parallel
+  seen = set()
+  real = parallel.expert_parallel_moe_mlp
+  monkeypatch.setattr(parallel, "expert_parallel_moe_mlp",
+                      lambda *a, **kw: seen.add(kw["parallel"].buffer_factor) or real(*a, **kw))
+  train(_cfg(tmp_path, "run", mesh="data=1,expert=8", ep_buffer_factor=1.0))
+  assert seen == {1.0}
+  np.testing.assert_allclose(_losses(tmp_path / "run"), one_device[0], rtol=2e-5)
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--ep-buffer-factor", "1.5"], "--ep-buffer-factor sizes the expert-parallel exchange: it needs --mesh."),
+    (["--mesh", "expert=8", "--ep-buffer-factor", "0"], "--ep-buffer-factor must be a finite number > 0"),
+    (["--mesh", "expert=8", "--ep-buffer-factor", "x"], "--ep-buffer-factor: invalid float value"),
+])
+def test_a_bad_exchange_buffer_is_one_line(argv, error, capsys):
+  with pytest.raises(SystemExit) as e:
+    parse_args(argv)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert error in err and err.count("\n") == 1
+
+
 @pytest.mark.parametrize("spec, error", [
     ("data=2,expert", "--mesh must be 'data=D,expert=X'"),
     ("data=0,expert=4", "--mesh must be 'data=D,expert=X'"),
@@ -143,3 +169,4 @@ def test_the_flag_reaches_the_config():
   assert parse_args(["--mesh", "data=2,expert_group=2,expert=2"]).mesh_shape() == {
       "data": 2, "expert_group": 2, "expert": 2}
   assert parse_args([]).mesh is None
+  assert parse_args(["--mesh", "expert=8", "--ep-buffer-factor", "1.5"]).ep_buffer_factor == 1.5
