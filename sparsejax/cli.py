@@ -146,7 +146,7 @@ def main(argv=None) -> None:
   from sparsejax.checkpoint import CheckpointError
   try:
     loop.run(plan)
-  except CheckpointError as e:  # a resumed step's files were damaged after they were written
+  except (CheckpointError, loop.StepDoesNotFit) as e:  # damaged checkpoint files; a step larger than the GPUs
     _fail(e)
 
 

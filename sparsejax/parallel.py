@@ -41,8 +41,8 @@ silently: the rows the buffer actually used could not hold are counted in num_dr
 The token dispatch's bound is on the receiver: it may get every token of its P peers, each with up to
 min(k, E/P) of its experts, so its expert rows are R_worst = P * T_local * min(k, E/P), P times the mean
 T_local * k. Those rows, and the products' activations over them, are what training keeps for the backward
-of every layer: xs-moe at top-8 on 4 GPUs (32 x 1024 tokens a GPU) asked for 82 GiB of temp memory a GPU
-and did not fit an H200 (one GPU: 23 GiB). With `buffer_factor` f the receiver's rows are
+of every layer: xs-moe at top-8 on 4 H200s (32 x 1024 tokens a GPU) asked for 82 GiB of temp memory a GPU
+(one GPU: 23 GiB), more than an H100 holds. With `buffer_factor` f the receiver's rows are
 R = ceil(f * T_local * k) (`received_rows`), checked before the exchange from the per-peer counts summed
 over the group (`received_overflow`), with the same fallback. The fallback is rematerialized
 (`jax.checkpoint`): under autodiff a `lax.cond` keeps both branches' residuals, so a fallback kept as is

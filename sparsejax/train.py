@@ -503,6 +503,39 @@ def train(cfg: TrainConfig, *, mesh=None) -> dict:
   return run(prepare(cfg), mesh=mesh)
 
 
+class StepDoesNotFit(RuntimeError):
+  """The compiled training step needs more memory than its devices have free: raised before the first step,
+  where running it would end in the allocator's error (and, over several GPUs, the others waiting forever)."""
+
+
+def _free_device_bytes(devices) -> int | None:
+  """The least free memory over devices (the allocator's limit less what is in use); None where the backend
+  does not say (the CPU)."""
+  stats = [d.memory_stats() for d in devices]
+  if not stats or not all(s and "bytes_limit" in s for s in stats):
+    return None
+  return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
+
+
+def check_step_memory(compiled, devices, cfg: TrainConfig) -> None:
+  """Raises StepDoesNotFit when the step's temp buffer and its new outputs (those not written over donated
+  inputs) exceed the devices' free memory; its inputs are already in place, so they count as in use."""
+  free = _free_device_bytes(devices)
+  try:
+    analysis = compiled.memory_analysis() if free is not None else None
+  except NotImplementedError:  # a backend without the analysis: the allocator will say it
+    analysis = None
+  if analysis is None:
+    return
+  need = analysis.temp_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+  if need > free:
+    hint = ("; with --mesh, --ep-buffer-factor (e.g. 1.5) sizes the expert-parallel buffers at that many times "
+            "the mean rows instead of the safe bound, which grows with the expert devices"
+            if cfg.mesh is not None and cfg.ep_buffer_factor is None else "")
+    raise StepDoesNotFit(f"the training step needs {need / 2**30:.1f} GiB a device besides its inputs and "
+                         f"{free / 2**30:.1f} GiB is free: pass a smaller --batch-size (or --grad-accum){hint}.")
+
+
 def run(plan: Plan, *, mesh=None) -> dict:
   """The loop of a prepared run. Folders are created only once the step has compiled."""
   cfg, model_cfg, corpus = plan.cfg, plan.model_cfg, plan.corpus
@@ -564,6 +597,9 @@ def run(plan: Plan, *, mesh=None) -> dict:
   copy = compute_copy(params, cast_dtypes(apply, params, example[0], rng=jax.random.key(cfg.seed)))
   train_step = train_step.lower(params, opt_state, *example, jnp.int32(step), copy).compile()
   compile_s = time.perf_counter() - t0
+  local = [d for d in (mesh.devices.flat if mesh is not None else jax.local_devices()[:1])
+           if d.process_index == jax.process_index()]
+  check_step_memory(train_step, local, cfg)
   if ckpt is None and cfg.ckpt_every > 0:
     ckpt = Checkpointer(out / "checkpoints", every=cfg.ckpt_every, keep=cfg.keep)
   log = MetricsLog(out / "metrics.jsonl") if main_process else MetricsLog.null()

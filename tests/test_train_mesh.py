@@ -99,6 +99,26 @@ def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, 
   np.testing.assert_allclose(_losses(tmp_path / "run"), one_device[0], rtol=2e-5)
 
 
+def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tmp_path, capsys, monkeypatch):
+  """Instead of the allocator's error on one GPU (and the others waiting for it forever): one line after the
+  compile, with the hint of --ep-buffer-factor on a mesh that has the safe buffers, and no run folder."""
+  from sparsejax import cli
+  from sparsejax import train as loop
+  monkeypatch.setattr(loop, "_free_device_bytes", lambda devices: 1024)
+  argv = ["--preset", "tiny-moe", "--data", _corpus(tmp_path), "--steps", "1", "--batch-size", "8", "--seq-len", "16",
+          "--no-progress", "--out", str(tmp_path / "run")]
+  for k, v in TINY.items():
+    argv += ["--set", f"{k}={v}"]
+  for extra, hint in ((["--mesh", "expert=8"], True), (["--mesh", "expert=8", "--ep-buffer-factor", "2"], False),
+                      ([], False)):
+    with pytest.raises(SystemExit) as e:
+      cli.main([*argv, *extra])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "GiB is free: pass a smaller --batch-size" in err, err
+    assert ("--ep-buffer-factor" in err) == hint, err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("argv, error", [
     (["--ep-buffer-factor", "1.5"], "--ep-buffer-factor sizes the expert-parallel exchange: it needs --mesh."),
     (["--mesh", "expert=8", "--ep-buffer-factor", "0"], "--ep-buffer-factor must be a finite number > 0"),
