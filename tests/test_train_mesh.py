@@ -101,7 +101,8 @@ def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, 
 
 def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tmp_path, capsys, monkeypatch):
   """Instead of the allocator's error on one GPU (and the others waiting for it forever): one line after the
-  compile, with the hint of --ep-buffer-factor on a mesh that has the safe buffers, and no run folder."""
+  compile, with the hint of --ep-buffer-factor on a mesh that has the safe buffers, and no run folder. The step
+  needs its temp buffer and the outputs not written over donated inputs."""
   from sparsejax import cli
   from sparsejax import train as loop
   monkeypatch.setattr(loop, "_free_device_bytes", lambda devices: 1024)
@@ -109,14 +110,24 @@ def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tm
           "--no-progress", "--out", str(tmp_path / "run")]
   for k, v in TINY.items():
     argv += ["--set", f"{k}={v}"]
-  for extra, hint in ((["--mesh", "expert=8"], True), (["--mesh", "expert=8", "--ep-buffer-factor", "2"], False),
-                      ([], False)):
-    with pytest.raises(SystemExit) as e:
-      cli.main([*argv, *extra])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "GiB is free: pass a smaller --batch-size" in err, err
-    assert ("--ep-buffer-factor" in err) == hint, err
-    assert not (tmp_path / "run").exists()
+  with pytest.raises(SystemExit) as e:
+    cli.main([*argv, "--mesh", "expert=8"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1 and "GiB is free: pass a smaller --batch-size" in err, err
+  assert "--ep-buffer-factor (e.g. 1.5)" in err and not (tmp_path / "run").exists()
+  # The rule on its own: the hint only where the safe buffers are in use; nothing where memory is not reported.
+  import types
+  step = types.SimpleNamespace(memory_analysis=lambda: types.SimpleNamespace(
+      temp_size_in_bytes=3 * 2**30, output_size_in_bytes=2**30, alias_size_in_bytes=2**30))
+  for cfg, hint in ((TrainConfig(mesh="expert=8", ep_buffer_factor=2.0), False), (TrainConfig(), False),
+                    (TrainConfig(mesh="expert=8"), True)):
+    monkeypatch.setattr(loop, "_free_device_bytes", lambda devices: 2**30)
+    with pytest.raises(loop.StepDoesNotFit, match="needs 3.0 GiB a device besides its inputs and 1.0 GiB") as e:
+      loop.check_step_memory(step, [], cfg)
+    assert ("--ep-buffer-factor" in str(e.value)) == hint
+    for free in (3 * 2**30, None):  # enough, or not reported (the CPU)
+      monkeypatch.setattr(loop, "_free_device_bytes", lambda devices, free=free: free)
+      loop.check_step_memory(step, [], cfg)
 
 
 @pytest.mark.parametrize("argv, error", [
