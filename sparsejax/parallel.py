@@ -247,6 +247,14 @@ def received_rows(tokens_received: int, top_k: int, num_peers: int, width: int,
   return max(1, min(worst, math.ceil(buffer_factor * tokens_received * top_k / num_peers)))
 
 
+def first_assignments(expert_ids: Int[Array, "rows width"], num_experts: int, bound: int) -> Int[Array, "rows width"]:
+  """expert_ids with the valid ids past the first `bound` of them (in row-major order), and the ids that are no
+  expert, made NO_EXPERT: a placement sized for `bound` assignments then holds all that is left."""
+  valid = (expert_ids >= 0) & (expert_ids < num_experts)
+  kept = valid & (jnp.cumsum(valid.reshape(-1), dtype=jnp.int32).reshape(valid.shape) <= bound)
+  return jnp.where(kept, expert_ids, NO_EXPERT).astype(expert_ids.dtype)
+
+
 def received_overflow(expert_ids: Int[Array, "tokens k"], num_experts: int, layout: ExpertLayout,
                       rows: int) -> Int[Array, ""]:
   """Inside shard_map, the token dispatch's overflow: max(A - rows, 0) for A = the assignments this device's
@@ -465,6 +473,10 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
     src = permute.source_slots(send)  # the (t, p) pair that fills each send row
     meta_recv = _gather_slices(to_peers(jnp.take(meta, src, axis=0, mode="fill", fill_value=0)), layout)
     recv_ids, recv_weights = received_token_routing(meta_recv, _gather_slices(recv_rows, layout))
+    if received is not None and st.config.on_overflow == "raise":
+      # The call raises, but its products still run: past the bound the placement's rows and block topology
+      # would point outside the buffer, which a GPU kernel must not read. (The fallback's cond never gets here.)
+      recv_ids = first_assignments(recv_ids, experts_per_peer, received)
   else:
     recv_ids = received_expert_ids(_gather_slices(recv_counts, layout), slots)[:, None]
   local = permute.dropless_placement(recv_ids, experts_per_peer, block_size=block, num_assignments=received)

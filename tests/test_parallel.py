@@ -633,12 +633,18 @@ def test_token_dispatch_small_buffer_falls_back_exactly_on_overflow():
 
 
 def test_token_dispatch_small_buffer_raises_on_overflow():
+  """Raised, the call's products still run (through the Pallas kernels here): on the first `bound` received
+  assignments, which the placement's buffer holds, not past it."""
   config = ExpertParallelConfig(dispatch="tokens", buffer_factor=1.0, on_overflow="raise")
   x, ids, cw, w_in, w_out, _, _ = _problem("one")
-  f = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=meshlib.make_expert_mesh(2, 4), parallel=config)[0])
+  f = jax.jit(lambda *a: expert_parallel_moe_mlp(*a, mesh=meshlib.make_expert_mesh(2, 4), parallel=config,
+                                                 impl="pallas")[0])
   with pytest.raises(Exception, match="overflow"):
     jax.block_until_ready(f(x, ids, cw, w_in, w_out))
   _forget_failed_call()
+  ids = jnp.array([[0, 1], [-1, 2], [1, 4], [0, 2]])  # 4: no expert of 4
+  np.testing.assert_array_equal(parallel.first_assignments(ids, 4, 3), [[0, 1], [-1, 2], [-1, -1], [-1, -1]])
+  np.testing.assert_array_equal(parallel.first_assignments(ids, 4, 6), [[0, 1], [-1, 2], [1, -1], [0, 2]])
 
 
 def test_small_buffer_saves_training_memory():
