@@ -72,7 +72,8 @@ from sparsejax.cli import parse_overrides  # noqa: E402
 from sparsejax.data import BatchStream, load_corpus  # noqa: E402
 from sparsejax.parallel import DISPATCHES, ExpertParallelConfig  # noqa: E402
 from sparsejax.train import (TrainConfig, cast_dtypes, compute_copy, expert_axes, expert_parallel_state,  # noqa: E402
-                             functional, global_batch, init_model, make_optimizer, make_steps, mesh_from_config)
+                             free_device_bytes, functional, global_batch, init_model, make_optimizer, make_steps,
+                             mesh_from_config)
 
 EXCHANGES = ("ragged", "ragged_compact", "dense")
 SMOKE_MODEL = dict(d_model=32, num_layers=2, num_heads=2, d_ff=64, num_experts=8, moe_every=1, max_seq_len=32)
@@ -272,14 +273,6 @@ def compiled_memory(compiled) -> dict | None:
     return None
 
 
-def free_gib() -> float | None:
-  """The least free memory over the devices, GiB (None where the backend does not say: the CPU)."""
-  stats = [d.memory_stats() for d in jax.local_devices()]
-  if not all(s and "bytes_limit" in s for s in stats):
-    return None
-  return min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats) / 2**30
-
-
 def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
             buffer_factor: float | None = None, dispatch: str = "auto") -> dict:
   cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start,
@@ -300,7 +293,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
          "dispatch": dispatch if n > 1 else None, "batch": cfg.batch_size, "seq_len": cfg.seq_len,
          "pretrain_steps": first, "compile_s": compile_s, "memory_gib": memory}
   print(f"compiled {name} on {n} GPUs in {compile_s:.0f} s; memory a GPU (GiB): {memory}", flush=True)
-  free = free_gib()
+  free = free_device_bytes(jax.local_devices())
+  free = None if free is None else free / 2**30
   # The arguments are on the GPUs already (in use); the temp buffer is one allocation, with a margin: the earlier
   # configurations fragment the allocator's free memory (82 GiB failed, and the other GPUs then waited forever).
   if memory is not None and free is not None and memory["temp"] > 0.7 * free:

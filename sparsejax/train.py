@@ -508,7 +508,7 @@ class StepDoesNotFit(RuntimeError):
   where running it would end in the allocator's error (and, over several GPUs, the others waiting forever)."""
 
 
-def _free_device_bytes(devices) -> int | None:
+def free_device_bytes(devices) -> int | None:
   """The least free memory over devices (the allocator's limit less what is in use); None where the backend
   does not say (the CPU)."""
   stats = [d.memory_stats() for d in devices]
@@ -520,7 +520,7 @@ def _free_device_bytes(devices) -> int | None:
 def check_step_memory(compiled, devices, cfg: TrainConfig) -> None:
   """Raises StepDoesNotFit when the step's temp buffer and its new outputs (those not written over donated
   inputs) exceed the devices' free memory; its inputs are already in place, so they count as in use."""
-  free = _free_device_bytes(devices)
+  free = free_device_bytes(devices)
   try:
     analysis = compiled.memory_analysis() if free is not None else None
   except NotImplementedError:  # a backend without the analysis: the allocator will say it

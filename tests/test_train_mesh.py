@@ -105,7 +105,7 @@ def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tm
   needs its temp buffer and the outputs not written over donated inputs."""
   from sparsejax import cli
   from sparsejax import train as loop
-  monkeypatch.setattr(loop, "_free_device_bytes", lambda devices: 1024)
+  monkeypatch.setattr(loop, "free_device_bytes", lambda devices: 1024)
   argv = ["--preset", "tiny-moe", "--data", _corpus(tmp_path), "--steps", "1", "--batch-size", "8", "--seq-len", "16",
           "--no-progress", "--out", str(tmp_path / "run")]
   for k, v in TINY.items():
@@ -121,12 +121,12 @@ def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tm
       temp_size_in_bytes=3 * 2**30, output_size_in_bytes=2**30, alias_size_in_bytes=2**30))
   for cfg, hint in ((TrainConfig(mesh="expert=8", ep_buffer_factor=2.0), False), (TrainConfig(), False),
                     (TrainConfig(mesh="expert=8"), True)):
-    monkeypatch.setattr(loop, "_free_device_bytes", lambda devices: 2**30)
+    monkeypatch.setattr(loop, "free_device_bytes", lambda devices: 2**30)
     with pytest.raises(loop.StepDoesNotFit, match="needs 3.0 GiB a device besides its inputs and 1.0 GiB") as e:
       loop.check_step_memory(step, [], cfg)
     assert ("--ep-buffer-factor" in str(e.value)) == hint
     for free in (3 * 2**30, None):  # enough, or not reported (the CPU)
-      monkeypatch.setattr(loop, "_free_device_bytes", lambda devices, free=free: free)
+      monkeypatch.setattr(loop, "free_device_bytes", lambda devices, free=free: free)
       loop.check_step_memory(step, [], cfg)
 
 
