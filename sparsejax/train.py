@@ -13,6 +13,7 @@ anything, so a bad command fails at once and leaves no folder behind.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -90,22 +91,33 @@ def cast_dtypes(apply: Callable, params: dict, *args, **kwargs) -> dict:
   """
   spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if hasattr(a, "dtype") else a
   jaxpr = jax.make_jaxpr(lambda p, a, kw: apply(p, *a, **kw))(*jax.tree.map(spec, (params, args, kwargs))).jaxpr
-  uses = {id(v): [] for v in jaxpr.invars}  # keyed by id: literals among the operands need not hash
-  for eqn in jaxpr.eqns:
-    for v in eqn.invars:
-      uses.get(id(v), []).append(eqn)
-  for v in jaxpr.outvars:
-    uses.get(id(v), []).append(None)  # returned as it is: a use that is no cast
+  uses = {}  # jaxpr -> {id(var): the eqns that use it (None: returned)}, keyed by id: literals need not hash
 
-  def cast_to(v):
-    (eqn,) = uses[id(v)] if len(uses[id(v)]) == 1 else (None,)
+  def cast_to(jaxpr, v):
+    """d where v's one use in jaxpr is a cast to d != v's dtype (looking inside rematerialized regions)."""
+    if id(jaxpr) not in uses:
+      table = uses[id(jaxpr)] = collections.defaultdict(list)
+      for eqn in jaxpr.eqns:
+        for u in eqn.invars:
+          table[id(u)].append(eqn)
+      for u in jaxpr.outvars:
+        table[id(u)].append(None)
+    (eqn,) = uses[id(jaxpr)][id(v)] if len(uses[id(jaxpr)][id(v)]) == 1 else (None,)
+    if eqn is not None and eqn.primitive.name in _REMAT_PRIMITIVES:
+      inner = eqn.params["jaxpr"]
+      return cast_to(inner, inner.invars[eqn.invars.index(v)])
     if eqn is None or eqn.primitive.name != "convert_element_type":
       return None
     dtype = jnp.dtype(eqn.params["new_dtype"])
     return None if dtype == v.aval.dtype else dtype
 
-  leaves = [cast_to(v) for v in jaxpr.invars[:len(jax.tree.leaves(params))]]
+  leaves = [cast_to(jaxpr, v) for v in jaxpr.invars[:len(jax.tree.leaves(params))]]
   return jax.tree.unflatten(jax.tree.structure(params), leaves)
+
+
+# Rematerialized regions (TransformerConfig.remat) take their inputs one for one as the region's jaxpr's, so a
+# weight's one use may be a cast inside one. jax 0.10 names the primitive remat2.
+_REMAT_PRIMITIVES = ("checkpoint", "remat2", "remat")
 
 
 def compute_copy(params: dict, dtypes: dict) -> dict:
@@ -481,9 +493,9 @@ def prepare(cfg: TrainConfig) -> Plan:
       resume_step = ckpt.latest_step()
       if resume_step is not None:
         meta = ckpt.restore_meta()
-        saved = meta["model_config"]
-        if saved != model_cfg.to_dict():
-          raise ValueError(f"{cfg.out} holds a run of another model ({_config_diff(saved, model_cfg.to_dict())}): "
+        saved, now = TransformerConfig.identity(meta["model_config"]), TransformerConfig.identity(model_cfg.to_dict())
+        if saved != now:
+          raise ValueError(f"{cfg.out} holds a run of another model ({_config_diff(saved, now)}): "
                            f"resume it with the --preset, --dtype, --set and --data it was started with, or pass "
                            f"another --out.")
         if not _same_corpus(meta, corpus.name):
@@ -532,8 +544,9 @@ def check_step_memory(compiled, devices, cfg: TrainConfig) -> None:
     hint = ("; with --mesh, --ep-buffer-factor (e.g. 1.5) sizes the expert-parallel buffers at that many times "
             "the mean rows instead of the safe bound, which grows with the expert devices"
             if cfg.mesh is not None and cfg.ep_buffer_factor is None else "")
+    remat = "" if cfg.model_overrides.get("remat", "none") != "none" else ", --set remat=ffn (recompute the feed-forwards)"
     raise StepDoesNotFit(f"the training step needs {need / 2**30:.1f} GiB a device besides its inputs and "
-                         f"{free / 2**30:.1f} GiB is free: pass a smaller --batch-size (or --grad-accum){hint}.")
+                         f"{free / 2**30:.1f} GiB is free: pass a smaller --batch-size (or --grad-accum){remat}{hint}.")
 
 
 def run(plan: Plan, *, mesh=None) -> dict:

@@ -178,6 +178,19 @@ def test_an_existing_run_of_another_model_is_one_line(tmp_path, text, capsys, no
   assert plan.resume_step == 3
 
 
+def test_a_run_resumes_with_other_remat_or_backends_and_from_before_remat_existed(tmp_path, text, no_training):
+  """remat and the backends say how the model runs, not what it is: a run resumes with other values of them, and a
+  checkpoint written before the remat field existed (its config lacks it) resumes as the same model."""
+  out = tmp_path / "run"
+  saved = cli.parse_args(["--data", text, "--out", str(out)]).model_config().to_dict()
+  del saved["remat"]
+  ckpt = Checkpointer(out / "checkpoints")
+  ckpt.save(3, {"params": {"w": jnp.zeros(2)}}, {"step": 3, "model_config": {**saved, "moe_impl": "xla"}}, force=True)
+  ckpt.close()
+  for extra in ([], ["--set", "remat=block"], ["--set", "remat=ffn", "--set", "attention_impl=xla"]):
+    assert loop.prepare(cli.parse_args(["--data", text, "--out", str(out), *extra])).resume_step == 3, extra
+
+
 def test_an_existing_run_is_checked_whatever_ckpt_every_says_and_on_its_data(tmp_path, text, capsys, no_training):
   """--ckpt-every 0 once skipped the check, so another model trained over the run; other --data is refused too."""
   out = tmp_path / "run"

@@ -72,6 +72,9 @@ def test_the_copy_is_the_weights_the_forward_casts_first_thing():
   weights = {f"['blocks'][{i}]['{m}']['{w}']" for i in (0, 1)
              for m, w in (("attn", "w_qkv"), ("attn", "w_out"), ("ffn", "w_in"), ("ffn", "w_gate"), ("ffn", "w_out"))}
   assert got == {k: "bfloat16" for k in weights | {"['head']"}}
+  for remat in ("ffn", "block"):  # the casts inside rematerialized regions are found as well
+    apply_r, params_r = _model(**BF16, remat=remat)
+    assert _copied(cast_dtypes(apply_r, params_r, x, rng=jax.random.key(0))) == got, remat
   apply32, params32 = _model(**TINY)
   assert _copied(cast_dtypes(apply32, params32, x, rng=jax.random.key(0))) == {}
   assert jax.tree.leaves(compute_copy(params32, cast_dtypes(apply32, params32, x))) == []
@@ -86,6 +89,12 @@ def test_a_weight_used_other_than_by_one_cast_gets_no_copy():
 
   params = {k: jnp.ones((4, 4)) for k in ("once", "twice", "mixed", "returned")}
   got = _copied(cast_dtypes(apply, params, jnp.ones((2, 4), jnp.bfloat16)))
+  assert got == {"['once']": "bfloat16"}
+  # Inside a rematerialized region the same rules hold; a weight that also has a use outside it gets no copy.
+  remat = jax.checkpoint(lambda p, x: (apply(p, x), x @ p["outside"].astype(jnp.bfloat16)))
+  params["outside"] = jnp.ones((4, 4))
+  got = _copied(cast_dtypes(lambda p, x: (remat(p, x), x @ p["outside"].astype(jnp.bfloat16)), params,
+                            jnp.ones((2, 4), jnp.bfloat16)))
   assert got == {"['once']": "bfloat16"}
 
 

@@ -155,6 +155,19 @@ def test_ep_train_bench_sets_model_fields_for_every_run(tmp_path, monkeypatch):
   assert report["smoke"] is True
 
 
+def test_remat_bench_checks_each_mode_against_the_step_without_remat(tmp_path):
+  """bench_remat --smoke: each mode's step 0 (loss, gradient norm) equals remat=none's, and the files are named
+  _smoke; check() reports a mode whose gradients differ."""
+  import bench_remat
+  report = bench_remat.main(["--smoke", "--modes", "none,ffn", "--groups", "top_k=2", "--out", str(tmp_path)])
+  assert [r["mode"] for r in report["records"]] == ["none", "ffn"] and report["mismatches"] == []
+  table = (tmp_path / "remat_cpu_smoke.md").read_text()
+  assert table.startswith("### Training step by remat mode (smoke run: tiny-moe shrunk to d_model=32")
+  assert "| top_k=2 | ffn |" in table and (tmp_path / "remat_cpu_smoke.png").stat().st_size > 0
+  wrong = dict(report["records"][1], grad_norm_0=report["records"][1]["grad_norm_0"] * 1.05)
+  assert "grad_norm_0" in bench_remat.check([report["records"][0], wrong])[0]
+
+
 def test_ep_train_bench_refuses_bad_group_counts_buffer_factors_and_exchanges(capsys):
   import bench_ep_train as b
   for flag, bad in (("--expert-groups", "1"), ("--expert-groups", "two"), ("--buffer-factors", "0"),

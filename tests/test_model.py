@@ -131,8 +131,38 @@ def test_bad_configs_give_clear_errors():
     ("num_experts", 0, "num_experts must be a positive int"),
     ("top_k", 0, "top_k must be a positive int"),
     ("moe_every", True, "moe_every must be an int >= 0"),
+    ("remat", "full", "remat must be one of 'none', 'block', 'ffn'; got 'full'"),
 ])
 def test_bad_fields_of_a_dense_config_fail_when_made(field, value, match):
   """Dense configs build no MoEConfig, so these are checked by TransformerConfig itself."""
   with pytest.raises(ValueError, match=f"TransformerConfig.{match}"):
     SMALL.replace(**{"moe_every": 0, field: value})
+
+
+def _loss_grads_and_residual_bytes(cfg, tokens):
+  """(loss, grads, bytes of what the backward keeps): jax.vjp's function holds exactly those arrays."""
+  graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+
+  def loss(p):
+    logits, stats = nnx.merge(graphdef, p)(tokens[:, :-1], rng=jax.random.key(3))
+    return cross_entropy(logits, tokens[:, 1:]) + stats.aux_loss
+
+  value, vjp = jax.vjp(loss, params)
+  kept = sum(a.nbytes for a in jax.tree.leaves(vjp)) - sum(a.nbytes for a in jax.tree.leaves(params))
+  return value, vjp(jnp.ones_like(value))[0], kept
+
+
+def test_remat_recomputes_the_same_gradients_from_fewer_kept_activations():
+  """remat='ffn' keeps each feed-forward's input only, 'block' each block's: the backward recomputes the rest, so the
+  loss and gradients are the float32 ones without remat, router jitter included (its rng is an input), and what the
+  backward keeps shrinks in that order. Dense and MoE blocks mixed (SMALL: an MoE every other block)."""
+  cfg = SMALL.replace(jitter_eps=0.1, num_layers=4)
+  tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
+  want_loss, want, kept = _loss_grads_and_residual_bytes(cfg, tokens)
+  for mode in ("ffn", "block"):
+    loss, got, less = _loss_grads_and_residual_bytes(cfg.replace(remat=mode), tokens)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))), err_msg=mode)
+    assert less < 0.7 * kept, (mode, less, kept)
+    kept = less  # block keeps less than ffn

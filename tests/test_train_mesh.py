@@ -86,22 +86,25 @@ def test_expert_parallel_training_follows_one_device(tmp_path, one_device, monke
   assert loop.batch_axes(w_in.mesh) == (tuple(shape),)
 
 
-def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, monkeypatch):
+@pytest.mark.parametrize("remat", ["none", "ffn"])
+def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, monkeypatch, remat):
   """--ep-buffer-factor 1 reaches the layers as ExpertParallelConfig.buffer_factor; steps whose routing overflows
-  it take the exact fallback, so the losses are the one-device run's."""
+  it take the exact fallback, so the losses are the one-device run's; also where the feed-forwards, exchange and
+  fallback included, are recomputed in the backward (remat=ffn)."""
   from sparsejax import parallel
   seen = set()
   real = parallel.expert_parallel_moe_mlp
   monkeypatch.setattr(parallel, "expert_parallel_moe_mlp",
                       lambda *a, **kw: seen.add(kw["parallel"].buffer_factor) or real(*a, **kw))
-  train(_cfg(tmp_path, "run", mesh="data=1,expert=8", ep_buffer_factor=1.0))
+  train(_cfg(tmp_path, "run", mesh="data=1,expert=8", ep_buffer_factor=1.0, model_overrides={**TINY, "remat": remat}))
   assert seen == {1.0}
   np.testing.assert_allclose(_losses(tmp_path / "run"), one_device[0], rtol=2e-5)
 
 
 def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tmp_path, capsys, monkeypatch):
   """Instead of the allocator's error on one GPU (and the others waiting for it forever): one line after the
-  compile, with the hint of --ep-buffer-factor on a mesh that has the safe buffers, and no run folder. The step
+  compile, with the hint of --ep-buffer-factor on a mesh that has the safe buffers (and of remat where the run has
+  none), and no run folder. The step
   needs its temp buffer and the outputs not written over donated inputs."""
   from sparsejax import cli
   from sparsejax import train as loop
@@ -119,12 +122,14 @@ def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tm
   import types
   step = types.SimpleNamespace(memory_analysis=lambda: types.SimpleNamespace(
       temp_size_in_bytes=3 * 2**30, output_size_in_bytes=2**30, alias_size_in_bytes=2**30))
-  for cfg, hint in ((TrainConfig(mesh="expert=8", ep_buffer_factor=2.0), False), (TrainConfig(), False),
-                    (TrainConfig(mesh="expert=8"), True)):
+  for cfg, hint, remat in ((TrainConfig(mesh="expert=8", ep_buffer_factor=2.0), False, True),
+                           (TrainConfig(), False, True), (TrainConfig(mesh="expert=8"), True, True),
+                           (TrainConfig(model_overrides={"remat": "block"}), False, False)):
     monkeypatch.setattr(loop, "free_device_bytes", lambda devices: 2**30)
     with pytest.raises(loop.StepDoesNotFit, match="needs 3.0 GiB a device besides its inputs and 1.0 GiB") as e:
       loop.check_step_memory(step, [], cfg)
     assert ("--ep-buffer-factor" in str(e.value)) == hint
+    assert ("--set remat=ffn" in str(e.value)) == remat  # the hint unless the run already recomputes
     for free in (3 * 2**30, None):  # enough, or not reported (the CPU)
       monkeypatch.setattr(loop, "free_device_bytes", lambda devices, free=free: free)
       loop.check_step_memory(step, [], cfg)

@@ -16,6 +16,9 @@ import jax.numpy as jnp
 from sparsejax.config import MoEConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT = ("none", "block", "ffn")
+# Fields that say how the model runs, not what it computes: a run may resume with other values of these.
+RUN_FIELDS = ("remat", "moe_impl", "attention_impl")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +51,9 @@ class TransformerConfig:
   dtype: str = "float32"
   param_dtype: str = "float32"
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU for bf16/fp16, else XLA), "xla", "cudnn"
+  # Training's activation memory: "block" keeps only each block's input for the backward and recomputes
+  # the rest there; "ffn" recomputes only the feed-forward (its norm, router, placement and products).
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("d_model", "num_layers", "num_heads", "d_ff", "vocab_size", "max_seq_len", "num_experts", "top_k"):
@@ -77,6 +83,8 @@ class TransformerConfig:
         raise ValueError(f"TransformerConfig.{name} must be one of {tuple(DTYPES)}; got {getattr(self, name)!r}.")
     if self.attention_impl not in ("auto", "xla", "cudnn"):
       raise ValueError(f"attention_impl must be 'auto', 'xla' or 'cudnn'; got {self.attention_impl!r}.")
+    if self.remat not in REMAT:
+      raise ValueError(f"TransformerConfig.remat must be one of {', '.join(map(repr, REMAT))}; got {self.remat!r}.")
     if self.moe_every:
       self.moe_config()  # MoEConfig validates experts, top_k, capacity factor, activation.
 
@@ -114,6 +122,13 @@ class TransformerConfig:
   def from_dict(cls, d: dict) -> "TransformerConfig":
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
+
+  @classmethod
+  def identity(cls, d: dict) -> dict:
+    """A saved config dict as the model it describes: fields added since it was saved take their defaults, and
+    RUN_FIELDS are left out, so equal identities mean the same parameters and the same math."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    return {k: v for k, v in {**defaults, **d}.items() if k not in RUN_FIELDS}
 
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token: 6 N_active + 12 L d T (PaLM, appendix B), N_active without the embedding.

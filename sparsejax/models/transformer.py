@@ -2,7 +2,8 @@
 
 logits, stats = model(tokens): pre-norm blocks h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)), rotary
 positions, causal attention through jax.nn.dot_product_attention. Aux losses of the MoE layers are
-summed into stats.aux_loss (already weighted); nothing is stashed in module state.
+summed into stats.aux_loss (already weighted); nothing is stashed in module state. cfg.remat ("ffn", "block")
+trades the backward's kept activations for a second forward of each feed-forward or block (_rematerialized).
 
 Decoding (sparsejax.inference.generate): model.init_cache(batch, length, start=...) adds nnx.Cache
 variables (keys and values per block, the write index and the left-padding of each row), and
@@ -156,13 +157,17 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.is_moe = moe
+    self.remat_ffn = cfg.remat == "ffn"
     self.ffn = MoE(cfg.moe_config(), rngs=rngs, mesh=mesh) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
                cache: "DecodeView | None" = None):
     if cache is None:
       x = x + self.attn(self.attn_norm(x))
-      y, stats = self.ffn(self.ffn_norm(x), rng=rng)
+      if self.remat_ffn:
+        y, stats = _rematerialized(lambda m, x, rng: m[1](m[0](x), rng=rng), (self.ffn_norm, self.ffn), x, rng)
+      else:
+        y, stats = self.ffn(self.ffn_norm(x), rng=rng)
     else:  # decoding: each layer applies its norm where it can fold it into its first products
       if self.is_moe and x.shape[0] * x.shape[1] == 1 and self.ffn.takes_pending(x, rng=rng):
         # one token: the router's kernel adds the attention's output to the residual stream
@@ -172,6 +177,15 @@ class Block(nnx.Module):
       # and the feed-forward adds the residual itself: at one token, in the kernel that sums its parts
       return self.ffn(x, rng=rng, decode=True, norm=self.ffn_norm, residual=x)
     return x + y.astype(x.dtype), stats
+
+
+def _rematerialized(fn, modules, *args):
+  """fn(modules, *args) under jax.checkpoint: the backward keeps only the inputs (the modules' parameters, args) and
+  runs fn's forward again; XLA's optimization barriers keep that recomputation in the backward. The parameters enter
+  as plain arrays and are not returned (nnx.remat returns them), so train.cast_dtypes still sees each weight's one
+  cast to the compute dtype and gives it a compute-dtype copy."""
+  graphdef, state = nnx.split(modules)
+  return jax.checkpoint(lambda s, *a: fn(nnx.merge(graphdef, s), *a))(state, *args)
 
 
 @flax.struct.dataclass
@@ -244,7 +258,10 @@ class Transformer(nnx.Module):
     moe_stats = []
     for i, block in enumerate(self.blocks):
       layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-      h, s = block(h, rng=layer_rng, cache=cache)
+      if cache is None and cfg.remat == "block":
+        h, s = _rematerialized(lambda b, h, rng: b(h, rng=rng), block, h, layer_rng)
+      else:
+        h, s = block(h, rng=layer_rng, cache=cache)
       if block.is_moe:
         moe_stats.append(s)
     h = self.final_norm(h)
