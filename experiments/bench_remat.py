@@ -36,6 +36,7 @@ from out_dir import copy_to_out  # noqa: E402
 from sparsejax.cli import parse_overrides  # noqa: E402
 from sparsejax.data import load_corpus  # noqa: E402
 from sparsejax.models.config import REMAT  # noqa: E402
+from sparsejax.train import TrainConfig, free_device_bytes, state_bytes_per_device  # noqa: E402
 
 TOLERANCE = 1e-2  # step 0's loss and gradient norm against the "none" mode's, relative (bf16)
 
@@ -151,6 +152,11 @@ def plot(report: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> dict:
   args = parse_args(argv)
   corpus = load_corpus(None)
+  cfg = TrainConfig(preset=args.preset, model_overrides=SMOKE_MODEL if args.smoke else {})
+  need, free = state_bytes_per_device(cfg, cfg.model_config()), free_device_bytes(jax.local_devices()[:1])
+  if free is not None and need > free:  # else the allocator may retry for minutes (medium-moe on one H200 did)
+    raise SystemExit(f"{args.preset}'s parameters and AdamW moments need {need / 2**30:.1f} GiB and "
+                     f"{free / 2**30:.1f} GiB is free on one device: pick a smaller --preset.")
   records = [measure(args, corpus, o, mode) for o in args.group_overrides for mode in args.modes]
   device = jax.devices()[0].device_kind
   report = {"preset": args.preset, "smoke": args.smoke, "batch": args.batch, "seq_len": args.seq_len, "device": device,

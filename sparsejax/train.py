@@ -417,6 +417,42 @@ def _check_upcycle_source(path: str, model_cfg: TransformerConfig) -> None:
     raise ValueError("--upcycle-from needs an MoE --preset (the dense run's MoE twin).")
 
 
+def state_bytes_per_device(cfg: TrainConfig, model_cfg: TransformerConfig) -> int:
+  """Bytes a device holds for the parameters and AdamW's two moments: sum over leaves of size x (param + second
+  moment + first moment bytes), the expert weights' divided over --mesh's expert axes (expert_group x expert), the
+  rest replicated. A lower bound of what training holds: the compute-dtype copy and the step's buffers come on top."""
+  abstract = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(abstract, nnx.Param)
+  is_spec = lambda s: isinstance(s, PartitionSpec)
+  specs = jax.tree.leaves(nnx.to_pure_dict(nnx.get_partition_spec(state)), is_leaf=is_spec)
+  shape = cfg.mesh_shape() or {}
+  expert_shards = shape.get(EXPERT, 1) * shape.get(EXPERT_GROUP, 1)
+  mu = jnp.dtype(cfg.adam_mu_dtype).itemsize
+  total = 0
+  for leaf, spec in zip(jax.tree.leaves(nnx.to_pure_dict(state)), specs):
+    per = leaf.size * (2 * leaf.dtype.itemsize + mu)
+    total += per // expert_shards if EXPERT in tuple(spec) else per
+  return total
+
+
+def _check_state_memory(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
+  """The parameters and AdamW's moments fit the devices' free memory (where the backend reports it). Without this
+  check a model that cannot fit is found by the allocator, which on a GPU may retry for minutes first."""
+  free = free_device_bytes(jax.local_devices())
+  if free is None:
+    return
+  need = state_bytes_per_device(cfg, model_cfg)
+  if need <= free:
+    return
+  hints = ["a smaller --preset"]
+  if cfg.adam_mu_dtype == "float32":
+    hints.append("--adam-mu-dtype bfloat16 (2 bytes a parameter less)")
+  if model_cfg.moe_every and len(jax.devices()) > (cfg.mesh_shape() or {}).get(EXPERT, 1):
+    hints.append(f"--mesh expert=N over more of the {len(jax.devices())} devices (the experts' weights split over N)")
+  raise ValueError(f"the parameters and AdamW's moments need {need / 2**30:.1f} GiB a device and "
+                   f"{free / 2**30:.1f} GiB is free: pass {', or '.join(hints)}.")
+
+
 def _check_mesh(cfg: TrainConfig, model_cfg: TransformerConfig) -> None:
   """--mesh fits the visible devices, the batch and the experts (dividing them, or sliced by them)."""
   shape = cfg.mesh_shape()
@@ -485,6 +521,7 @@ def prepare(cfg: TrainConfig) -> Plan:
       model_cfg = model_cfg.replace(renormalize=True)
   if cfg.mesh is not None:
     _check_mesh(cfg, model_cfg)
+  _check_state_memory(cfg, model_cfg)
   resume_step = None
   # Whatever --ckpt-every says: a run already in --out is resumed (or refused), never trained over.
   if (out / "checkpoints").is_dir():

@@ -191,6 +191,30 @@ def test_a_run_resumes_with_other_remat_or_backends_and_from_before_remat_existe
     assert loop.prepare(cli.parse_args(["--data", text, "--out", str(out), *extra])).resume_step == 3, extra
 
 
+def test_a_model_whose_state_cannot_fit_is_one_line_before_anything_is_built(tmp_path, text, capsys, monkeypatch,
+                                                                            no_training):
+  """Where the devices report free memory (a GPU; stubbed here) and the parameters with AdamW's moments exceed it, the
+  command stops with one line and its hints, before building the model (the allocator may retry for minutes)."""
+  monkeypatch.setattr(loop, "free_device_bytes", lambda devices: 2**20)
+  monkeypatch.setattr(loop, "build_model", lambda *a, **kw: pytest.fail("built the model"))
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--data", text, "--out", str(tmp_path / "run"), "--no-progress"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1 and "AdamW's moments need" in err, err
+  assert "--adam-mu-dtype bfloat16" in err and not (tmp_path / "run").exists()
+  # The bytes, by hand: tiny-moe's two MoE layers hold 2 x 8 x 128 x 512 expert parameters each; float32 params,
+  # second and first moments take 12 bytes a parameter, 10 with a bf16 first moment, the experts' split by --mesh.
+  # The rest: embedding and head 2 x 256 x 128, per block qkv 128 x 384, out 128 x 128 and two norms of 128, two dense
+  # FFNs 2 x 128 x 512, two routers 128 x 8, the final norm.
+  cfg = TrainConfig()
+  experts = 2 * 2 * 8 * 128 * 512
+  rest = 2 * 256 * 128 + 4 * (128 * 384 + 128 * 128 + 2 * 128) + 2 * 2 * 128 * 512 + 2 * 128 * 8 + 128
+  full = loop.state_bytes_per_device(cfg, cfg.model_config())
+  assert full == 12 * (experts + rest)
+  assert loop.state_bytes_per_device(TrainConfig(adam_mu_dtype="bfloat16"), cfg.model_config()) == full // 12 * 10
+  assert loop.state_bytes_per_device(TrainConfig(mesh="expert=8"), cfg.model_config()) == full - 12 * experts * 7 // 8
+
+
 def test_an_existing_run_is_checked_whatever_ckpt_every_says_and_on_its_data(tmp_path, text, capsys, no_training):
   """--ckpt-every 0 once skipped the check, so another model trained over the run; other --data is refused too."""
   out = tmp_path / "run"

@@ -109,6 +109,7 @@ def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tm
   from sparsejax import cli
   from sparsejax import train as loop
   monkeypatch.setattr(loop, "free_device_bytes", lambda devices: 1024)
+  monkeypatch.setattr(loop, "state_bytes_per_device", lambda cfg, model_cfg: 0)  # the params fit; the step does not
   argv = ["--preset", "tiny-moe", "--data", _corpus(tmp_path), "--steps", "1", "--batch-size", "8", "--seq-len", "16",
           "--no-progress", "--out", str(tmp_path / "run")]
   for k, v in TINY.items():
