@@ -146,8 +146,9 @@ def test_rounding_kernel_breaks_ties_as_the_sort(T, E, k, b, chunk):
   expert = jnp.asarray(np.argsort(-rng.random((T, E)), axis=1)[:, :k], jnp.int32).at[::7, 0].set(E)  # some none
   nxt = jnp.asarray(rng.integers(0, E + 1, T), jnp.int32)
   nxt = jnp.where(jnp.any(expert == nxt[:, None], axis=1), E, nxt)
-  want = block_rounding.block_moves_reference(probs, expert, nxt, b)
-  got = triton.block_moves(probs, expert, nxt, b, triton.Config(chunk=chunk), interpret=jax.default_backend() != "gpu")
+  want = jax.jit(lambda *a: block_rounding.block_moves_reference(*a, b))(probs, expert, nxt)
+  got = jax.jit(lambda *a: triton.block_moves(*a, b, triton.Config(chunk=chunk),
+                                              interpret=jax.default_backend() != "gpu"))(probs, expert, nxt)
   for g, w, name in zip(got, want, ("keep", "add")):
     np.testing.assert_array_equal(g, w, err_msg=name)
   assert not np.all(np.asarray(want[0])[np.asarray(expert) < E]) and np.any(want[1])  # both directions moved
@@ -165,9 +166,10 @@ def test_group_kernels_break_ties_as_the_sorts(devices, T, E, k, b, chunk):
   expert = jnp.asarray(np.argsort(-rng.random((devices, T, E)), axis=2)[..., :k], jnp.int32).at[:, ::7, 0].set(E)
   nxt = jnp.asarray(rng.integers(0, E + 1, (devices, T)), jnp.int32)
   nxt = jnp.where(jnp.any(expert == nxt[..., None], axis=2), E, nxt)
-  want = jax.vmap(lambda *a: block_rounding.group_moves_reference(*a, b, "g"), axis_name="g")(probs, expert, nxt)
-  got = jax.vmap(lambda *a: triton.group_moves(*a, b, "g", triton.Config(chunk=chunk),
-                                               interpret=jax.default_backend() != "gpu"), axis_name="g")(
+  want = jax.jit(jax.vmap(lambda *a: block_rounding.group_moves_reference(*a, b, "g"), axis_name="g"))(
+      probs, expert, nxt)
+  got = jax.jit(jax.vmap(lambda *a: triton.group_moves(*a, b, "g", triton.Config(chunk=chunk),
+                                                       interpret=jax.default_backend() != "gpu"), axis_name="g"))(
       probs, expert, nxt)
   for g, w, name in zip(got, want, ("keep", "add")):
     np.testing.assert_array_equal(g, w, err_msg=name)
@@ -193,8 +195,8 @@ def test_gradients_flow_through_kept_and_added_weights():
     out = sj.round_to_blocks(r.replace(router_probs=probs, combine_weights=weights), b)
     return jnp.sum(c * out.combine_weights)
 
-  got = jax.grad(rounded, argnums=(0, 1))(r.router_probs, r.combine_weights)
-  want = jax.grad(formula, argnums=(0, 1))(r.router_probs, r.combine_weights)
+  got = jax.jit(jax.grad(rounded, argnums=(0, 1)))(r.router_probs, r.combine_weights)
+  want = jax.jit(jax.grad(formula, argnums=(0, 1)))(r.router_probs, r.combine_weights)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
   assert np.any(np.asarray(got[0]) != 0) and np.any(np.asarray(got[1]) != 0)
@@ -213,8 +215,8 @@ def test_moe_mlp_on_rounded_routing_has_no_padding_rows(dtype):
   assert np.all(counts % 128 == 0) and counts.sum() != T
   placement = dropless_placement(r.expert_ids, E, block_size=128)
   np.testing.assert_array_equal(placement.group_sizes, placement.tokens_per_expert)
-  y, stats = sj.moe_mlp(x, r.expert_ids, r.combine_weights, w_in, w_out)
-  want = sj.moe_mlp_reference(x, r.expert_ids, r.combine_weights, w_in, w_out)
+  y, stats = jax.jit(sj.moe_mlp)(x, r.expert_ids, r.combine_weights, w_in, w_out)
+  want = jax.jit(sj.moe_mlp_reference)(x, r.expert_ids, r.combine_weights, w_in, w_out)
   assert y.dtype == dtype
   assert_close(y, want, 1e-5 if dtype == jnp.float32 else 1e-2, "y")
   np.testing.assert_array_equal(stats.tokens_per_expert, counts)
@@ -251,10 +253,11 @@ def test_rounded_moe_mlp_is_moe_mlp_on_the_rounded_columns_in_a_smaller_buffer(k
   small = dropless_placement(rr.expert_ids, E, block_size=128, num_assignments=T * k + tr.max_added(E))
   assert small.num_rows < dropless_placement(rr.expert_ids, E, block_size=128).num_rows
   assert int(jnp.max(jnp.where(small.rows < small.num_rows, small.rows, -1))) < small.num_rows
-  assert_close(rounded(x, logits, w_in, w_out), columns(x, logits, w_in, w_out), 1e-5, "y")
+  # Jitted: op by op, each of the many small ops (and interpreted kernels) compiles on its own.
+  assert_close(jax.jit(rounded)(x, logits, w_in, w_out), jax.jit(columns)(x, logits, w_in, w_out), 1e-5, "y")
   loss = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)
-  got = jax.grad(loss(rounded), argnums=(0, 1, 2, 3))(x, logits, w_in, w_out)
-  want = jax.grad(loss(columns), argnums=(0, 1, 2, 3))(x, logits, w_in, w_out)
+  got = jax.jit(jax.grad(loss(rounded), argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
+  want = jax.jit(jax.grad(loss(columns), argnums=(0, 1, 2, 3)))(x, logits, w_in, w_out)
   for g, w, what in zip(got, want, ("x", "logits", "w_in", "w_out")):
     assert_close(g, w, 1e-5, what)
 
@@ -295,13 +298,14 @@ def test_moe_module_rounds_only_calls_with_an_rng():
   plain = sj.MoE(dataclasses.replace(cfg, token_rounding=False), rngs=nnx.Rngs(0))
   x = jnp.asarray(rand(np.random.default_rng(11), (1100, 16)), jnp.float32)
   r = sj.top_k_routing(moe.router(x), 1)
-  want, want_stats = tr.rounded_moe_mlp(x, r, moe.w_in[...], moe.w_out[...])
-  y, stats = moe(x, rng=jax.random.key(0))
+  want, want_stats = jax.jit(tr.rounded_moe_mlp)(x, r, moe.w_in[...], moe.w_out[...])
+  call = nnx.jit(lambda m, x, rng: m(x, rng=rng))  # jitted: op by op, each small op compiles on its own
+  y, stats = call(moe, x, jax.random.key(0))
   assert_close(y, want, 1e-5, "y")
   np.testing.assert_array_equal(stats.tokens_per_expert, want_stats.tokens_per_expert)
   assert np.all(np.asarray(stats.tokens_per_expert) % 128 == 0) and int(stats.num_dropped) > 0
-  assert_close(moe(x)[0], plain(x)[0], 1e-5, "y without an rng")  # evaluation: plain top-k
-  _, plain_stats = plain(x, rng=jax.random.key(0))  # a training call without rounding stays dropless
+  assert_close(call(moe, x, None)[0], call(plain, x, None)[0], 1e-5, "y without an rng")  # evaluation: plain top-k
+  _, plain_stats = call(plain, x, jax.random.key(0))  # a training call without rounding stays dropless
   np.testing.assert_array_equal(plain_stats.tokens_per_expert, _counts(r.expert_ids, 4))
 
 
@@ -323,8 +327,10 @@ def test_rounded_moe_mlp_with_gated_experts():
   w_out = jnp.asarray(rand(rng, (E, f, d), f ** -0.5), jnp.float32)
   r = sj.top_k_routing(jnp.asarray(rand(rng, (T, E), 0.5)) + jnp.asarray([0.0, 0.35, -0.3, 0.1]), 2)
   rr = sj.round_to_blocks(r)
-  got = sj.rounded_moe_mlp(x, r, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0]
-  want = sj.moe_mlp(x, rr.expert_ids, rr.combine_weights, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0]
+  got = jax.jit(lambda x, w_in, w_out, w_gate: sj.rounded_moe_mlp(x, r, w_in, w_out, w_gate=w_gate,
+                                                                  activation=jax.nn.silu)[0])(x, w_in, w_out, w_gate)
+  want = jax.jit(lambda x, w_in, w_out, w_gate: sj.moe_mlp(
+      x, rr.expert_ids, rr.combine_weights, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0])(x, w_in, w_out, w_gate)
   assert_close(got, want, 1e-5, "y")
   assert not np.allclose(np.asarray(rr.expert_ids[:, :2]), np.asarray(r.expert_ids))  # rounding moved something
 
