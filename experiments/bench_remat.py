@@ -126,7 +126,8 @@ def markdown(report: dict) -> str:
   for r in report["records"]:
     m = r["memory_gib"] or {}
     lines.append(f"| {_names(r['overrides'])} | {r['mode']} | {r['step_ms']:.2f} | "
-                 f"{r['tokens_per_s']:.3g} | {m.get('temp', float('nan')):.2f} | {m.get('arguments', float('nan')):.2f} | "
+                 f"{r['tokens_per_s']:.3g} | {m.get('temp', float('nan')):.2f} | "
+                 f"{m.get('arguments', float('nan')):.2f} | "
                  f"{r['loss_0']:.5f} | {r['grad_norm_0']:.5f} | {r['loss_last']:.4f} |")
   lines += ["", f"Check (step 0 against remat=none, {TOLERANCE:g} relative): " +
             ("; ".join(report["mismatches"]) or "every mode agrees")]

@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     kind = {"int": int, "float": float}.get(str(f.type).split("|")[0].strip(), str)  # "float | None" -> float
     p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=help_text)
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                 help="override a TransformerConfig field, repeatable, e.g. --set capacity_factor=1.25; VALUE is JSON "
-                      "(true/false/null, numbers, strings) or Python's True/False/None (default: none)")
+                 help="override a TransformerConfig field, repeatable, e.g. --set capacity_factor=1.25, or "
+                      "--set remat=ffn (the backward recomputes the feed-forwards: less activation memory); VALUE is "
+                      "JSON (true/false/null, numbers, strings) or Python's True/False/None (default: none)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar, logs only (default: a progress bar)")
   return p
 

@@ -581,7 +581,8 @@ def check_step_memory(compiled, devices, cfg: TrainConfig) -> None:
     hint = ("; with --mesh, --ep-buffer-factor (e.g. 1.5) sizes the expert-parallel buffers at that many times "
             "the mean rows instead of the safe bound, which grows with the expert devices"
             if cfg.mesh is not None and cfg.ep_buffer_factor is None else "")
-    remat = "" if cfg.model_overrides.get("remat", "none") != "none" else ", --set remat=ffn (recompute the feed-forwards)"
+    remat = ("" if cfg.model_overrides.get("remat", "none") != "none"
+             else ", --set remat=ffn (recompute the feed-forwards)")
     raise StepDoesNotFit(f"the training step needs {need / 2**30:.1f} GiB a device besides its inputs and "
                          f"{free / 2**30:.1f} GiB is free: pass a smaller --batch-size (or --grad-accum){remat}{hint}.")
 

@@ -330,7 +330,8 @@ def test_rounded_moe_mlp_with_gated_experts():
   got = jax.jit(lambda x, w_in, w_out, w_gate: sj.rounded_moe_mlp(x, r, w_in, w_out, w_gate=w_gate,
                                                                   activation=jax.nn.silu)[0])(x, w_in, w_out, w_gate)
   want = jax.jit(lambda x, w_in, w_out, w_gate: sj.moe_mlp(
-      x, rr.expert_ids, rr.combine_weights, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0])(x, w_in, w_out, w_gate)
+      x, rr.expert_ids, rr.combine_weights, w_in, w_out, w_gate=w_gate, activation=jax.nn.silu)[0])(
+          x, w_in, w_out, w_gate)
   assert_close(got, want, 1e-5, "y")
   assert not np.allclose(np.asarray(rr.expert_ids[:, :2]), np.asarray(r.expert_ids))  # rounding moved something
 
