@@ -273,6 +273,21 @@ def compiled_memory(compiled) -> dict | None:
     return None
 
 
+def timed_windows(run, args) -> list[float]:
+  """run(lo, hi) steps batches lo..hi-1 and syncs: step 0 alone, the rest of --warmup, then --repeats windows of
+  --steps steps back to back; the seconds a step of each window."""
+  run(0, 1)
+  if args.warmup > 1:
+    run(1, args.warmup)
+  windows = []
+  for r in range(args.repeats):
+    lo = args.warmup + r * args.steps
+    t = time.perf_counter()
+    run(lo, lo + args.steps)
+    windows.append((time.perf_counter() - t) / args.steps)
+  return windows
+
+
 def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=None, groups: int | None = None,
             buffer_factor: float | None = None, dispatch: str = "auto") -> dict:
   cfg, model_cfg, train_step, (params, opt_state, copy), batches = build(args, corpus, n, exchange, chunks, start,
@@ -311,15 +326,8 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     losses.append(float(m["loss"]))
     last.update(m)
 
-  run(0, 1)  # the first step's loss: the same params and batch in every config (flags, exchanges, chunks)
-  if args.warmup > 1:
-    run(1, args.warmup)
-  windows = []
-  for r in range(args.repeats):
-    lo = args.warmup + r * args.steps
-    t = time.perf_counter()
-    run(lo, lo + args.steps)
-    windows.append((time.perf_counter() - t) / args.steps)
+  # The first step's loss: the same params and batch in every config (flags, exchanges, chunks).
+  windows = timed_windows(run, args)
   step_s = statistics.median(windows)
   rec.update({"fits": True, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
               "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],

@@ -31,7 +31,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from bench_ep_train import SMOKE_MODEL, build, compiled_memory  # noqa: E402
+from bench_ep_train import SMOKE_MODEL, build, compiled_memory, timed_windows  # noqa: E402
 from out_dir import copy_to_out  # noqa: E402
 from sparsejax.cli import parse_overrides  # noqa: E402
 from sparsejax.data import load_corpus  # noqa: E402
@@ -74,7 +74,7 @@ def measure(args, corpus, overrides: dict, mode: str) -> dict:
   compiled = train_step.lower(params, opt_state, *batches[0], jnp.int32(0), copy).compile()
   rec = {"mode": mode, "overrides": overrides, "compile_s": time.perf_counter() - t0,
          "memory_gib": compiled_memory(compiled)}
-  state, metrics, windows = [params, opt_state, copy], [], []
+  state, metrics = [params, opt_state, copy], []
 
   def run(lo, hi):
     for i in range(lo, hi):
@@ -82,14 +82,7 @@ def measure(args, corpus, overrides: dict, mode: str) -> dict:
     jax.block_until_ready(state)
     metrics.append({k: float(m[k]) for k in ("loss", "grad_norm")})
 
-  run(0, 1)
-  if args.warmup > 1:
-    run(1, args.warmup)
-  for r in range(args.repeats):
-    lo = args.warmup + r * args.steps
-    t = time.perf_counter()
-    run(lo, lo + args.steps)
-    windows.append((time.perf_counter() - t) / args.steps)
+  windows = timed_windows(run, args)
   step_s = statistics.median(windows)
   rec.update(step_ms=1e3 * step_s, windows_ms=[1e3 * w for w in windows],
              tokens_per_s=cfg.batch_size * cfg.seq_len / step_s, loss_0=metrics[0]["loss"],
