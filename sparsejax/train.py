@@ -105,7 +105,8 @@ def cast_dtypes(apply: Callable, params: dict, *args, **kwargs) -> dict:
     (eqn,) = uses[id(jaxpr)][id(v)] if len(uses[id(jaxpr)][id(v)]) == 1 else (None,)
     if eqn is not None and eqn.primitive.name in _REMAT_PRIMITIVES:
       inner = eqn.params["jaxpr"]
-      return cast_to(inner, inner.invars[eqn.invars.index(v)])
+      at = next(i for i, u in enumerate(eqn.invars) if u is v)  # by identity, as the table: Literals need no ==
+      return cast_to(inner, inner.invars[at])
     if eqn is None or eqn.primitive.name != "convert_element_type":
       return None
     dtype = jnp.dtype(eqn.params["new_dtype"])
