@@ -11,7 +11,7 @@ order of float sums; checked, 1e-2 relative in bf16), and the loss after the las
 
   python experiments/bench_remat.py                          # xs-moe, 32 x 1024 tokens, top-1 and top-8
   python experiments/bench_remat.py --preset small-moe --groups top_k=1 --batch 16
-  python experiments/bench_remat.py --smoke --out /tmp/r     # CPU, a tiny model, two steps a window
+  python experiments/bench_remat.py --smoke --out "$(mktemp -d)"  # CPU, a tiny model, two steps a window
 """
 from __future__ import annotations
 
