@@ -48,9 +48,14 @@ def np_round_to_blocks(probs, ids, weights, b):
   return out_ids, out_w
 
 
+# Routing and rounding jitted, one compile a shape: op by op, each of their many small ops compiled on its own.
+_top_k = jax.jit(sj.top_k_routing, static_argnums=1)
+_round = jax.jit(sj.round_to_blocks, static_argnames=("block_size", "impl"))
+
+
 def _routing(T, E, k, seed, scale=2.0):
   logits = jnp.asarray(rand(np.random.default_rng(seed), (T, E), scale))
-  return sj.top_k_routing(logits, k)
+  return _top_k(logits, k)
 
 
 def _counts(ids, E):
@@ -115,7 +120,7 @@ def test_edge_cases(case, impl):
   elif case == "all_on_one":
     logits = rand(rng, (75, 6), 1.0)
     logits[:, 2] += 20.0
-    r = sj.top_k_routing(jnp.asarray(logits), 1)
+    r = _top_k(jnp.asarray(logits), 1)
   elif case == "few_tokens":  # every expert under a block: nothing moves
     r = _routing(20, 4, 2, 3)
   elif case == "no_expert_slots":  # the DTS gate's NO_EXPERT slots are not assignments
@@ -210,7 +215,7 @@ def test_moe_mlp_on_rounded_routing_has_no_padding_rows(dtype):
   x = jnp.asarray(rand(rng, (T, d)), dtype)
   w_in = jnp.asarray(rand(rng, (E, d, f), d ** -0.5), dtype)
   w_out = jnp.asarray(rand(rng, (E, f, d), f ** -0.5), dtype)
-  r = sj.round_to_blocks(_routing(T, E, k, 9, scale=0.5))
+  r = _round(_routing(T, E, k, 9, scale=0.5))
   counts = _counts(r.expert_ids, E)
   assert np.all(counts % 128 == 0) and counts.sum() != T
   placement = dropless_placement(r.expert_ids, E, block_size=128)
@@ -243,16 +248,19 @@ def test_rounded_moe_mlp_is_moe_mlp_on_the_rounded_columns_in_a_smaller_buffer(k
   def rounded(x, logits, w_in, w_out):
     return tr.rounded_moe_mlp(x, sj.top_k_routing(logits, k), w_in, w_out, impl=impl)[0]
 
-  r = sj.top_k_routing(logits, k)
-  rr = sj.round_to_blocks(r)
-  assert int(jnp.sum(rr.expert_ids[:, k] >= 0)) > 0 and int(jnp.sum(rr.expert_ids[:, :k] < 0)) > 0
-  _, stats = tr.rounded_moe_mlp(x, r, w_in, w_out, impl=impl)
-  np.testing.assert_array_equal(stats.tokens_per_expert, _counts(rr.expert_ids, E))
-  assert int(stats.num_dropped) == int(jnp.sum(rr.expert_ids[:, :k] < 0))
+  r = _top_k(logits, k)
+  rr = _round(r)
+  ids = np.asarray(rr.expert_ids)
+  assert np.sum(ids[:, k] >= 0) > 0 and np.sum(ids[:, :k] < 0) > 0
+  _, stats = jax.jit(functools.partial(tr.rounded_moe_mlp, impl=impl))(x, r, w_in, w_out)
+  np.testing.assert_array_equal(stats.tokens_per_expert, _counts(ids, E))
+  assert int(stats.num_dropped) == np.sum(ids[:, :k] < 0)
   np.testing.assert_allclose(stats.dropped_fraction, int(stats.num_dropped) / (T * k), rtol=1e-6)
-  small = dropless_placement(rr.expert_ids, E, block_size=128, num_assignments=T * k + tr.max_added(E))
-  assert small.num_rows < dropless_placement(rr.expert_ids, E, block_size=128).num_rows
-  assert int(jnp.max(jnp.where(small.rows < small.num_rows, small.rows, -1))) < small.num_rows
+  place = jax.jit(dropless_placement, static_argnums=1, static_argnames=("block_size", "num_assignments"))
+  small = place(rr.expert_ids, E, block_size=128, num_assignments=T * k + tr.max_added(E))
+  assert small.num_rows < place(rr.expert_ids, E, block_size=128).num_rows
+  rows = np.asarray(small.rows)
+  assert np.max(np.where(rows < small.num_rows, rows, -1)) < small.num_rows
   # Jitted: op by op, each of the many small ops (and interpreted kernels) compiles on its own.
   assert_close(jax.jit(rounded)(x, logits, w_in, w_out), jax.jit(columns)(x, logits, w_in, w_out), 1e-5, "y")
   loss = lambda fn: lambda *a: jnp.sum(fn(*a) * ct)
@@ -297,7 +305,7 @@ def test_moe_module_rounds_only_calls_with_an_rng():
   moe = sj.MoE(cfg, rngs=nnx.Rngs(0))
   plain = sj.MoE(dataclasses.replace(cfg, token_rounding=False), rngs=nnx.Rngs(0))
   x = jnp.asarray(rand(np.random.default_rng(11), (1100, 16)), jnp.float32)
-  r = sj.top_k_routing(moe.router(x), 1)
+  r = _top_k(moe.router(x), 1)
   want, want_stats = jax.jit(tr.rounded_moe_mlp)(x, r, moe.w_in[...], moe.w_out[...])
   call = nnx.jit(lambda m, x, rng: m(x, rng=rng))  # jitted: op by op, each small op compiles on its own
   y, stats = call(moe, x, jax.random.key(0))
@@ -325,8 +333,8 @@ def test_rounded_moe_mlp_with_gated_experts():
   x = jnp.asarray(rand(rng, (T, d)), jnp.float32)
   w_in, w_gate = (jnp.asarray(rand(rng, (E, d, f), d ** -0.5), jnp.float32) for _ in range(2))
   w_out = jnp.asarray(rand(rng, (E, f, d), f ** -0.5), jnp.float32)
-  r = sj.top_k_routing(jnp.asarray(rand(rng, (T, E), 0.5)) + jnp.asarray([0.0, 0.35, -0.3, 0.1]), 2)
-  rr = sj.round_to_blocks(r)
+  r = _top_k(jnp.asarray(rand(rng, (T, E), 0.5)) + jnp.asarray([0.0, 0.35, -0.3, 0.1]), 2)
+  rr = _round(r)
   got = jax.jit(lambda x, w_in, w_out, w_gate: sj.rounded_moe_mlp(x, r, w_in, w_out, w_gate=w_gate,
                                                                   activation=jax.nn.silu)[0])(x, w_in, w_out, w_gate)
   want = jax.jit(lambda x, w_in, w_out, w_gate: sj.moe_mlp(
@@ -381,11 +389,11 @@ def test_rounding_over_an_axis_is_rounding_each_groups_tokens(layout, impl):
   run = _rounding_over(b, _mesh(shape, names), axis, impl)
   groups = shape[0] if names[0] == "data" else 1
   for case, logits in cases.items():
-    r = sj.top_k_routing(jnp.asarray(logits, jnp.float32), k)
+    r = _top_k(jnp.asarray(logits, jnp.float32), k)
     if case == "no_expert_slots":
       r = r.replace(expert_ids=r.expert_ids.at[::3].set(sj.NO_EXPERT))
     ids, w = run(r.expert_ids, r.combine_weights, r.router_probs)
-    want = [sj.round_to_blocks(jax.tree.map(lambda a: a[part], r), b) for part in np.split(np.arange(T), groups)]
+    want = [_round(jax.tree.map(lambda a: a[part], r), b) for part in np.split(np.arange(T), groups)]
     np.testing.assert_array_equal(ids, np.concatenate([o.expert_ids for o in want]), err_msg=case)
     np.testing.assert_allclose(w, np.concatenate([o.combine_weights for o in want]), rtol=1e-6, atol=1e-7,
                                err_msg=case)
@@ -405,8 +413,9 @@ def _ep_problem(T=2048, E=8, k=1, seed=0):
 
 def _per_group(x, logits, w_in, w_out, k, groups, impl="auto"):
   """The single-device rounded layer on each group's tokens: groups is a list of token index arrays."""
-  r = sj.top_k_routing(logits, k)
-  out = [sj.rounded_moe_mlp(x[g], jax.tree.map(lambda a: a[g], r), w_in, w_out, impl=impl) for g in groups]
+  r = _top_k(logits, k)
+  layer = jax.jit(functools.partial(sj.rounded_moe_mlp, impl=impl))
+  out = [layer(x[g], jax.tree.map(lambda a: a[g], r), w_in, w_out) for g in groups]
   y = jnp.zeros_like(x)
   for g, (yg, _) in zip(groups, out):
     y = y.at[g].set(yg)
@@ -479,12 +488,12 @@ def test_moe_module_rounds_under_expert_parallelism():
   mesh = meshlib.make_expert_mesh(1, 8)
   single, sharded = sj.MoE(cfg, rngs=nnx.Rngs(0)), sj.MoE(cfg, rngs=nnx.Rngs(0), mesh=mesh)
   x = jnp.asarray(rand(np.random.default_rng(12), (2048, 16)), jnp.float32)
-  y0, s0 = single(x, rng=jax.random.key(0))
-  y1, s1 = nnx.jit(lambda m, x: m(x, rng=jax.random.key(0)))(sharded, x)
+  with_rng, without = nnx.jit(lambda m, x: m(x, rng=jax.random.key(0))), nnx.jit(lambda m, x: m(x))
+  (y0, s0), (y1, s1) = with_rng(single, x), with_rng(sharded, x)
   assert_close(y1, y0, 1e-5, "y")
   np.testing.assert_array_equal(s1.tokens_per_expert, s0.tokens_per_expert)
   assert int(s1.num_dropped) == int(s0.num_dropped) > 0
-  assert_close(nnx.jit(lambda m, x: m(x))(sharded, x)[0], single(x)[0], 1e-5, "y without an rng")
+  assert_close(without(sharded, x)[0], without(single, x)[0], 1e-5, "y without an rng")
 
 
 def test_rounded_moe_mlp_parallel_needs_a_mesh():
