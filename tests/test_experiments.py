@@ -161,9 +161,10 @@ def test_remat_bench_checks_each_mode_against_the_step_without_remat(tmp_path):
   import bench_remat
   report = bench_remat.main(["--smoke", "--modes", "none,ffn", "--groups", "top_k=2", "--out", str(tmp_path)])
   assert [r["mode"] for r in report["records"]] == ["none", "ffn"] and report["mismatches"] == []
-  table = (tmp_path / "remat_cpu_smoke.md").read_text()
+  name = f"remat_{report['device'].replace(' ', '_')}_smoke"  # remat_cpu_smoke here; on a GPU its name
+  table = (tmp_path / f"{name}.md").read_text()
   assert table.startswith("### Training step by remat mode (smoke run: tiny-moe shrunk to d_model=32")
-  assert "| top_k=2 | ffn |" in table and (tmp_path / "remat_cpu_smoke.png").stat().st_size > 0
+  assert "| top_k=2 | ffn |" in table and (tmp_path / f"{name}.png").stat().st_size > 0
   wrong = dict(report["records"][1], grad_norm_0=report["records"][1]["grad_norm_0"] * 1.05)
   assert "grad_norm_0" in bench_remat.check([report["records"][0], wrong])[0]
 
