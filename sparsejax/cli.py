@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(flag, type=kind, default=default, metavar=f.name.upper(), help=help_text)
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="override a TransformerConfig field, repeatable, e.g. --set capacity_factor=1.25, or "
-                      "--set remat=ffn (the backward recomputes the feed-forwards: less activation memory); VALUE is "
+                      "--set remat=ffn (the backward recomputes the feed-forwards: less activation memory; remat=hidden "
+                      "recomputes their hidden layers only: less time, more memory); VALUE is "
                       "JSON (true/false/null, numbers, strings) or Python's True/False/None (default: none)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar, logs only (default: a progress bar)")
   return p

@@ -7,6 +7,7 @@ from typing import Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from sparsejax import _checks, permute
@@ -14,6 +15,9 @@ from sparsejax._precision import full_precision
 from sparsejax.grouped_matmul import BLOCK_IMPLS, IMPLS, grouped_matmul, kernel_backend, resolve_impl
 from sparsejax.routing import ExpertChoiceRouting
 from sparsejax.topology import BLOCK_SIZE, Topology, make_topology
+
+# The expert MLP's input rows and output rows, named for rematerialization policies (expert_ffn).
+EXPERT_ROWS, EXPERT_OUT = "expert_rows", "expert_out"
 
 
 @flax.struct.dataclass
@@ -100,13 +104,17 @@ def expert_ffn(
   are always full precision for their input dtype).
   """
   _checks.check_activation(activation)
+  # Named for TransformerConfig.remat="hidden", whose rematerialized region keeps these two and recomputes the
+  # rest, so its backward runs the first products again but not the rows' placement, gather or exchange.
+  # Outside such a region a name is the identity.
+  rows = checkpoint_name(rows, EXPERT_ROWS)
   if topology is not None:
     from sparsejax.kernels import gmm
 
     backend = kernel_backend(impl) if impl in BLOCK_IMPLS else "auto"
     # One op, so a backend can fuse the activation (and the GLU product) into its kernels.
-    return gmm.expert_mlp(rows, w_in, w_out, topology, activation=activation, backend=backend,
-                          w_gate=w_gate)
+    return checkpoint_name(gmm.expert_mlp(rows, w_in, w_out, topology, activation=activation, backend=backend,
+                                          w_gate=w_gate), EXPERT_OUT)
   if group_sizes is None:
     num_experts = w_in.shape[0]
     r = rows.reshape(num_experts, -1, rows.shape[-1])
@@ -121,7 +129,7 @@ def expert_ffn(
     h = activation(mm(r, w_gate)) * h
   else:
     h = activation(h)
-  return mm(h, w_out).reshape(rows.shape)
+  return checkpoint_name(mm(h, w_out).reshape(rows.shape), EXPERT_OUT)
 
 
 def moe_mlp(

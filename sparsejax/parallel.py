@@ -79,6 +79,7 @@ import flax.struct
 import jax
 import numpy as np
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
@@ -88,7 +89,7 @@ from sparsejax.exchange import (check_exchange, dense_all_to_all, exchange_platf
 from sparsejax.grouped_matmul import BLOCK_IMPLS, resolve_impl
 from sparsejax.kernels import block_rounding
 from sparsejax.mesh import DATA, EXPERT, ExpertLayout, expert_layout
-from sparsejax.moe import capacity, check_moe_args, dropped_fraction, expert_ffn
+from sparsejax.moe import EXPERT_OUT, capacity, check_moe_args, dropped_fraction, expert_ffn
 from sparsejax.routing import NO_EXPERT, TokenChoiceRouting
 from sparsejax.topology import BLOCK_SIZE
 from sparsejax.topology import make_topology
@@ -491,8 +492,9 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   else:
     y_recv = permute.ungather_rows(out, local).reshape(x_recv.shape)
 
-  # Back the way the rows came: block s (peer s's rows, recv_rows[s] of them) returns to s.
-  y_send = from_peers(_reduce_slices(y_recv, layout))
+  # Back the way the rows came: block s (peer s's rows, recv_rows[s] of them) returns to s. Named as the expert
+  # outputs (expert_ffn's): what remat="hidden" keeps of the layer, so its backward need not run this exchange again.
+  y_send = checkpoint_name(from_peers(_reduce_slices(y_recv, layout)), EXPERT_OUT)
   if by_token:  # the sum over peers of the partial sums (ones derived from rows: they vary as the tokens)
     ones = (send.rows >= 0).astype(jnp.float32)
     return permute.scatter_rows(y_send.reshape(-1, d), send, ones, x.dtype), send
@@ -514,7 +516,7 @@ def _capacity_local(x, expert_ids, combine_weights, weights, st: _Static):
   rows = x_recv.reshape(sources, experts_per_peer, c, d).transpose(1, 0, 2, 3).reshape(-1, d)
   out = _ffn(rows, None, weights, st)
   y_recv = out.reshape(experts_per_peer, sources, c, d).transpose(1, 0, 2, 3).reshape(x_recv.shape)
-  y_send = dense_all_to_all(_reduce_slices(y_recv, layout), layout, st.config.hierarchical)
+  y_send = checkpoint_name(dense_all_to_all(_reduce_slices(y_recv, layout), layout, st.config.hierarchical), EXPERT_OUT)
   y = permute.scatter_rows(y_send.reshape(-1, d), send, combine_weights, x.dtype)
   return y, send
 

@@ -72,7 +72,7 @@ def test_the_copy_is_the_weights_the_forward_casts_first_thing():
   weights = {f"['blocks'][{i}]['{m}']['{w}']" for i in (0, 1)
              for m, w in (("attn", "w_qkv"), ("attn", "w_out"), ("ffn", "w_in"), ("ffn", "w_gate"), ("ffn", "w_out"))}
   assert got == {k: "bfloat16" for k in weights | {"['head']"}}
-  for remat in ("ffn", "block"):  # the casts inside rematerialized regions are found as well
+  for remat in ("hidden", "ffn", "block"):  # the casts inside rematerialized regions are found as well
     apply_r, params_r = _model(**BF16, remat=remat)
     assert _copied(cast_dtypes(apply_r, params_r, x, rng=jax.random.key(0))) == got, remat
   apply32, params32 = _model(**TINY)

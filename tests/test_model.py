@@ -1,5 +1,6 @@
 """The Transformer LM: shapes, dtypes, gradients, router stats, and clear config errors."""
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -131,7 +132,7 @@ def test_bad_configs_give_clear_errors():
     ("num_experts", 0, "num_experts must be a positive int"),
     ("top_k", 0, "top_k must be a positive int"),
     ("moe_every", True, "moe_every must be an int >= 0"),
-    ("remat", "full", "remat must be one of 'none', 'block', 'ffn'; got 'full'"),
+    ("remat", "full", "remat must be one of 'none', 'block', 'ffn', 'hidden'; got 'full'"),
 ])
 def test_bad_fields_of_a_dense_config_fail_when_made(field, value, match):
   """Dense configs build no MoEConfig, so these are checked by TransformerConfig itself."""
@@ -154,16 +155,54 @@ def _loss_grads_and_residual_bytes(cfg, tokens):
 
 
 def test_remat_recomputes_the_same_gradients_from_fewer_kept_activations():
-  """remat='ffn' keeps each feed-forward's input only, 'block' each block's: the backward recomputes the rest, so the
-  loss and gradients are the float32 ones without remat, router jitter included (its rng is an input), and what the
-  backward keeps shrinks in that order. Dense and MoE blocks mixed (SMALL: an MoE every other block)."""
+  """remat='hidden' keeps each feed-forward's input and its experts' rows, 'ffn' its input only, 'block' each block's:
+  the backward recomputes the rest, so the loss and gradients are the float32 ones without remat, router jitter
+  included (its rng is an input), and what the backward keeps shrinks in that order. Dense and MoE blocks mixed
+  (SMALL: an MoE every other block)."""
   cfg = SMALL.replace(jitter_eps=0.1)
   tokens = jax.random.randint(jax.random.key(1), (2, 33), 0, 256)
   want_loss, want, kept = _loss_grads_and_residual_bytes(cfg, tokens)
-  for mode in ("ffn", "block"):
+  for mode in ("hidden", "ffn", "block"):
     loss, got, less = _loss_grads_and_residual_bytes(cfg.replace(remat=mode), tokens)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))), err_msg=mode)
-    assert less < 0.7 * kept, (mode, less, kept)
-    kept = less  # block keeps less than ffn
+    assert less < {"hidden": 0.7, "ffn": 0.98, "block": 0.7}[mode] * kept, (mode, less, kept)
+    kept = less  # ffn keeps less than hidden, block less than ffn
+
+
+def test_hidden_remat_reruns_only_the_first_products(monkeypatch):
+  """remat='hidden' on the Hopper kernels (traced for the GPU, not run): the backward runs the fused MLP's first
+  kernel (the products and activation, GLU's two) once more, and not its second product, whose output the region
+  keeps; 'ffn' runs both again."""
+  from sparsejax.kernels.gmm import mosaic
+  from sparsejax.models.transformer import HIDDEN_POLICY
+  from sparsejax.moe import expert_ffn
+  from sparsejax.topology import make_topology
+  monkeypatch.setattr(mosaic, "_interpret", lambda: None)  # the compiled kernels' jaxpr, which only a GPU runs
+  E, d, f, rows = 3, 128, 256, 384
+  sizes = jnp.asarray([128, 0, 256], jnp.int32)
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+  def kernels(fn, glu):
+    def loss(x, w_in, w_out, w_gate):
+      y = expert_ffn(x * 2, None, w_in, w_out, w_gate=w_gate if glu else None, impl="mosaic",
+                     activation=jax.nn.silu if glu else jax.nn.gelu, topology=make_topology(sizes, rows, 128))
+      return jnp.sum(jnp.sin(y.astype(jnp.float32)))  # its backward needs y
+    jaxpr = jax.make_jaxpr(jax.grad(fn(loss), argnums=(0, 1, 2, 3)))(
+        spec(rows, d), spec(E, d, f), spec(E, f, d), spec(E, d, f)).jaxpr
+    return sum(e.primitive.name == "custom_vmap_call" for e in _equations(jaxpr))  # one a kernel
+
+  for glu, plain in ((False, 6), (True, 8)):  # gelu: gmm_act, gmm, gmm_dact, two tgmm, dX; GLU: three tgmm, two dX
+    assert kernels(lambda f: f, glu) == plain
+    assert kernels(lambda f: jax.checkpoint(f, policy=HIDDEN_POLICY), glu) == plain + 1
+    assert kernels(jax.checkpoint, glu) == plain + 2
+
+
+def _equations(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+          yield from _equations(getattr(sub, "jaxpr", sub))

@@ -207,3 +207,43 @@ def test_the_flag_reaches_the_config():
       "data": 2, "expert_group": 2, "expert": 2}
   assert parse_args([]).mesh is None
   assert parse_args(["--mesh", "expert=8", "--ep-buffer-factor", "1.5"]).ep_buffer_factor == 1.5
+
+
+def test_hidden_remat_under_expert_parallelism_keeps_the_exchanged_rows():
+  """remat='hidden' with experts sharded: the float32 gradients without remat, and the backward exchanges the rows
+  (d_model wide) no more often than without remat: it keeps what the exchanges brought; 'ffn' runs them again."""
+  import jax.extend
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from sparsejax import mesh as meshlib
+  from sparsejax.models import Transformer, TransformerConfig, cross_entropy
+  cfg = TransformerConfig(d_model=32, num_layers=1, num_heads=4, d_ff=128, num_experts=8, top_k=2, moe_every=1,
+                          max_seq_len=64)
+  mesh = meshlib.make_expert_mesh(1, 4)
+  tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, 256)
+
+  def grads_and_row_exchanges(remat):
+    graphdef, params = nnx.split(Transformer(cfg.replace(remat=remat), rngs=nnx.Rngs(0), mesh=mesh))
+
+    def loss(p):
+      logits, stats = nnx.merge(graphdef, p)(tokens[:, :-1], rng=jax.random.key(3))
+      return cross_entropy(logits, tokens[:, 1:]) + stats.aux_loss
+
+    def equations(jaxpr):
+      for e in jaxpr.eqns:
+        yield e
+        for v in e.params.values():
+          for sub in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+              yield from equations(getattr(sub, "jaxpr", sub))
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    rows = sum("all_to_all" in e.primitive.name and e.invars[0].aval.shape[-1] == cfg.d_model
+               for e in equations(jaxpr))
+    return jax.jit(jax.grad(loss))(params), rows
+
+  want, plain = grads_and_row_exchanges("none")
+  got, hidden = grads_and_row_exchanges("hidden")
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))))
+  assert hidden == plain > 0 and grads_and_row_exchanges("ffn")[1] > plain

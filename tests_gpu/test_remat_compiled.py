@@ -27,7 +27,7 @@ def _loss_and_grads(dtype: str, remat: str):
   return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("remat", ["ffn", "block"])
+@pytest.mark.parametrize("remat", ["ffn", "hidden", "block"])
 def test_remat_gradients_equal_the_step_without_it(remat):
   """float32: the same gradients (1e-5, normwise a leaf). bf16 rounds the recomputed forward as XLA fuses it, which
   can flip a near-tied token's expert (bf16 against float32 moves expert gradients by several %), so there each leaf's

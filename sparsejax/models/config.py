@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from sparsejax.config import MoEConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-REMAT = ("none", "block", "ffn")
+REMAT = ("none", "block", "ffn", "hidden")
 # Fields that say how the model runs, not what it computes: a run may resume with other values of these.
 RUN_FIELDS = ("remat", "moe_impl", "attention_impl")
 
@@ -52,7 +52,8 @@ class TransformerConfig:
   param_dtype: str = "float32"
   attention_impl: str = "auto"  # "auto" (cuDNN on GPU for bf16/fp16, else XLA), "xla", "cudnn"
   # Training's activation memory: "block" keeps only each block's input for the backward and recomputes
-  # the rest there; "ffn" recomputes only the feed-forward (its norm, router, placement and products).
+  # the rest there; "ffn" recomputes only the feed-forward (its norm, router, placement and products);
+  # "hidden" only its hidden layer (the d_ff-wide first products and activation), keeping the experts' rows.
   remat: str = "none"
 
   def __post_init__(self):

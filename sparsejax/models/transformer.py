@@ -2,8 +2,9 @@
 
 logits, stats = model(tokens): pre-norm blocks h += Attn(RMSNorm(h)); h += FFN(RMSNorm(h)), rotary
 positions, causal attention through jax.nn.dot_product_attention. Aux losses of the MoE layers are
-summed into stats.aux_loss (already weighted); nothing is stashed in module state. cfg.remat ("ffn", "block")
-trades the backward's kept activations for a second forward of each feed-forward or block (_rematerialized).
+summed into stats.aux_loss (already weighted); nothing is stashed in module state. cfg.remat ("hidden", "ffn",
+"block") trades the backward's kept activations for a second forward of each feed-forward's hidden layer, each
+feed-forward or each block (_rematerialized).
 
 Decoding (sparsejax.inference.generate): model.init_cache(batch, length, start=...) adds nnx.Cache
 variables (keys and values per block, the write index and the left-padding of each row), and
@@ -26,6 +27,7 @@ from sparsejax.kernels import skinny_matmul
 from sparsejax.kernels.decode_attention import decode_attention
 from sparsejax.kernels.decode_qkv import decode_qkv, runs_kernel as qkv_runs_kernel
 from sparsejax.modules import MLP, MoE
+from sparsejax.moe import EXPERT_OUT, EXPERT_ROWS
 from sparsejax.inference import kv_cache
 
 
@@ -157,15 +159,16 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.is_moe = moe
-    self.remat_ffn = cfg.remat == "ffn"
+    self.remat_ffn = {"ffn": None, "hidden": HIDDEN_POLICY}.get(cfg.remat, False)
     self.ffn = MoE(cfg.moe_config(), rngs=rngs, mesh=mesh) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
                cache: "DecodeView | None" = None):
     if cache is None:
       x = x + self.attn(self.attn_norm(x))
-      if self.remat_ffn:
-        y, stats = _rematerialized(lambda m, x, rng: m[1](m[0](x), rng=rng), (self.ffn_norm, self.ffn), x, rng)
+      if self.remat_ffn is not False:
+        y, stats = _rematerialized(lambda m, x, rng: m[1](m[0](x), rng=rng), (self.ffn_norm, self.ffn), x, rng,
+                                   policy=self.remat_ffn)
       else:
         y, stats = self.ffn(self.ffn_norm(x), rng=rng)
     else:  # decoding: each layer applies its norm where it can fold it into its first products
@@ -179,13 +182,19 @@ class Block(nnx.Module):
     return x + y.astype(x.dtype), stats
 
 
-def _rematerialized(fn, modules, *args):
+# remat="hidden": the feed-forward's region keeps the experts' input and output rows (moe.expert_ffn names them) and
+# recomputes the rest, so the backward runs the norm, router, placement and first products again, but not the
+# gather or exchange of the rows (a dense MLP keeps none: its norm and first product run again).
+HIDDEN_POLICY = jax.checkpoint_policies.save_only_these_names(EXPERT_ROWS, EXPERT_OUT)
+
+
+def _rematerialized(fn, modules, *args, policy=None):
   """fn(modules, *args) under jax.checkpoint: the backward keeps only the inputs (the modules' parameters, args) and
   runs fn's forward again; XLA's optimization barriers keep that recomputation in the backward. The parameters enter
   as plain arrays and are not returned (nnx.remat returns them), so train.cast_dtypes still sees each weight's one
   cast to the compute dtype and gives it a compute-dtype copy."""
   graphdef, state = nnx.split(modules)
-  return jax.checkpoint(lambda s, *a: fn(nnx.merge(graphdef, s), *a))(state, *args)
+  return jax.checkpoint(lambda s, *a: fn(nnx.merge(graphdef, s), *a), policy=policy)(state, *args)
 
 
 @flax.struct.dataclass
