@@ -316,12 +316,13 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
     print(f"{name} on {n} GPUs needs {memory['temp']:.1f} GiB of temp a GPU, {free:.1f} free: not run", flush=True)
     return {**rec, "fits": False}
   state = [params, opt_state, copy]
-  losses, last = [], {}
+  losses, last, overflow = [], {}, []
 
   def run(lo, hi):
     m = None
     for i in range(lo, hi):
       state[0], state[1], m, state[2] = compiled(state[0], state[1], *batches[i], jnp.int32(first + i), state[2])
+      overflow.append(m["exchange_overflow"])  # read after the windows: a read here would sync every step
     jax.block_until_ready(state)
     losses.append(float(m["loss"]))
     last.update(m)
@@ -331,9 +332,12 @@ def measure(args, corpus, n: int, exchange: str | None, chunks: int = 1, start=N
   step_s = statistics.median(windows)
   rec.update({"fits": True, "step_ms": 1e3 * step_s, "windows_ms": [1e3 * w for w in windows],
               "tokens_per_s": cfg.batch_size * cfg.seq_len / step_s, "loss_first": losses[0], "loss_last": losses[-1],
-              "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n)})
+              "finite": all(map(lambda v: v == v, losses)), "device_load": device_load(last["tokens_per_expert"], n),
+              # steps (warm-up included) in which some assignment did not fit the exchange's buffer: the fallback ran
+              "overflow_steps": [sum(int(o.sum()) > 0 for o in jax.device_get(overflow)), len(overflow)]})
   # Said before the trace, whose reading takes longest: a run stopped there still has the step's time.
-  print(f"{name} on {n} GPUs: {rec['step_ms']:.2f} ms a step, busiest GPU / mean {rec['device_load']}", flush=True)
+  print(f"{name} on {n} GPUs: {rec['step_ms']:.2f} ms a step, busiest GPU / mean {rec['device_load']}, "
+        f"{rec['overflow_steps'][0]} of {rec['overflow_steps'][1]} steps overflowed the exchange's buffer", flush=True)
   if not args.no_trace:
     lo = args.warmup + args.repeats * args.steps
     log_dir = tempfile.mkdtemp(prefix="ep_train_")

@@ -27,13 +27,17 @@ from sparsejax.parallel import ExpertParallelConfig
 
 @flax.struct.dataclass
 class MoELayerStats:
-  """MoEStats plus the router's losses. aux_loss = lb_weight * load_balancing + z_weight * z_loss."""
+  """MoEStats plus the router's losses. aux_loss = lb_weight * load_balancing + z_weight * z_loss.
+
+  exchange_overflow: under expert parallelism, the assignments past the exchange's buffer (ExpertParallelStats'),
+  so computed by the slower fallback; 0 on one device."""
   tokens_per_expert: jax.Array
   num_dropped: jax.Array
   dropped_fraction: jax.Array
   load_balancing_loss: jax.Array
   router_z_loss: jax.Array
   aux_loss: jax.Array
+  exchange_overflow: jax.Array
 
 
 @functools.cache
@@ -213,6 +217,7 @@ class MoE(nnx.Module):
         load_balancing_loss=lb,
         router_z_loss=z,
         aux_loss=c.load_balancing_weight * lb + c.z_loss_weight * z,
+        exchange_overflow=getattr(stats, "exchange_overflow", jnp.zeros((), jnp.int32)),
     )
     if res is not None:
       y = res + y.astype(res.dtype)
@@ -266,7 +271,7 @@ class MLP(nnx.Module):
       y = matmul(h, self.w_out[...])
     zero = jnp.zeros((), jnp.float32)
     n = jnp.asarray(x.size // c.d_model, jnp.int32)
-    stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero)
+    stats = MoELayerStats(n[None], jnp.zeros((), jnp.int32), zero, zero, zero, zero, jnp.zeros((), jnp.int32))
     if residual is not None:
       y = residual + y.astype(residual.dtype)
     return y, stats

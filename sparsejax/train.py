@@ -212,7 +212,8 @@ def make_steps(apply: Callable, tx: optax.GradientTransformation, seed: int, *, 
     params = optax.apply_updates(params, updates)
     metrics = dict(loss=loss, ce=ce, aux_loss=stats.aux_loss, lb_loss=stats.load_balancing_loss,
                    z_loss=stats.router_z_loss, grad_norm=_global_norm(grads),
-                   tokens_per_expert=stats.tokens_per_expert, dropped_fraction=stats.dropped_fraction)
+                   tokens_per_expert=stats.tokens_per_expert, dropped_fraction=stats.dropped_fraction,
+                   exchange_overflow=stats.exchange_overflow)
     scale = loss_scale.loss_scale(opt_state)
     if scale is not None:
       metrics["loss_scale"] = scale
@@ -690,6 +691,8 @@ def run(plan: Plan, *, mesh=None) -> dict:
                   grad_norm=float(m["grad_norm"]), tokens_per_s=tps, mfu=run_mfu,
                   dropped_fraction=m["dropped_fraction"].tolist(),
                   tokens_per_expert=m["tokens_per_expert"].tolist())
+      if cfg.mesh is not None:  # the logged step's assignments past the exchange's buffer, a layer: the fallback ran
+        last["exchange_overflow"] = m["exchange_overflow"].tolist()
       if "loss_scale" in m:
         last["loss_scale"] = float(m["loss_scale"])
       log.write(kind="train", **last)

@@ -130,6 +130,7 @@ def test_ep_train_bench_runs_the_hierarchical_exchange_to_the_flat_ones_losses(t
   assert runs["dense, hierarchical 2x2, buffer 0.5x mean"]["expert_groups"] == 2 and flat["buffer_factor"] == 0.5
   for r in runs.values():  # a smaller buffer that overflows falls back to the safe one: same losses either way
     assert abs(r["loss_first"] - flat["loss_first"]) < 1e-5 and abs(r["loss_last"] - flat["loss_last"]) < 1e-4, r
+    assert 0 < r["overflow_steps"][0] <= r["overflow_steps"][1], r  # and the run counts the steps that did
   assert "| 4 | dense, hierarchical 2x2, buffer 0.5x mean | 1 |" in (tmp_path / "ep_train_cpu_smoke_x4.md").read_text()
 
 

@@ -86,11 +86,12 @@ def test_expert_parallel_training_follows_one_device(tmp_path, one_device, monke
   assert loop.batch_axes(w_in.mesh) == (tuple(shape),)
 
 
-@pytest.mark.parametrize("remat", ["none", "ffn"])
+@pytest.mark.parametrize("remat", ["none", "ffn", "hidden"])
 def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, monkeypatch, remat):
   """--ep-buffer-factor 1 reaches the layers as ExpertParallelConfig.buffer_factor; steps whose routing overflows
   it take the exact fallback, so the losses are the one-device run's; also where the feed-forwards, exchange and
-  fallback included, are recomputed in the backward (remat=ffn)."""
+  fallback included, are recomputed in the backward (remat=ffn), or their hidden layers (remat=hidden). The log
+  says, a step and MoE layer, how many assignments overflowed."""
   from sparsejax import parallel
   seen = set()
   real = parallel.expert_parallel_moe_mlp
@@ -99,6 +100,9 @@ def test_exchange_buffers_of_the_mean_train_as_one_device(tmp_path, one_device, 
   train(_cfg(tmp_path, "run", mesh="data=1,expert=8", ep_buffer_factor=1.0, model_overrides={**TINY, "remat": remat}))
   assert seen == {1.0}
   np.testing.assert_allclose(_losses(tmp_path / "run"), one_device[0], rtol=2e-5)
+  records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  overflow = [r["exchange_overflow"] for r in records if r["kind"] == "train"]
+  assert len(overflow) == 3 and all(len(o) == 1 for o in overflow) and sum(map(sum, overflow)) > 0, overflow
 
 
 def test_a_step_larger_than_the_free_memory_is_one_line_before_the_first_step(tmp_path, capsys, monkeypatch):

@@ -39,6 +39,7 @@ class ModelStats:
   router_z_loss: Float[Array, ""]
   tokens_per_expert: Int[Array, "moe_layers experts"]
   dropped_fraction: Float[Array, "moe_layers"]
+  exchange_overflow: Int[Array, "moe_layers"]  # assignments past the expert-parallel exchange's buffer; 0 on one device
 
 
 class RMSNorm(nnx.Module):
@@ -283,7 +284,8 @@ class Transformer(nnx.Module):
 def _collect(stats: list, num_experts: int) -> ModelStats:
   zero = jnp.zeros((), jnp.float32)
   if not stats:
-    return ModelStats(zero, zero, zero, jnp.zeros((0, num_experts), jnp.int32), jnp.zeros((0,), jnp.float32))
+    return ModelStats(zero, zero, zero, jnp.zeros((0, num_experts), jnp.int32), jnp.zeros((0,), jnp.float32),
+                      jnp.zeros((0,), jnp.int32))
   total = lambda name: sum(getattr(s, name) for s in stats)
   return ModelStats(
       aux_loss=total("aux_loss"),
@@ -291,6 +293,7 @@ def _collect(stats: list, num_experts: int) -> ModelStats:
       router_z_loss=total("router_z_loss"),
       tokens_per_expert=jnp.stack([s.tokens_per_expert for s in stats]),
       dropped_fraction=jnp.stack([s.dropped_fraction for s in stats]),
+      exchange_overflow=jnp.stack([s.exchange_overflow for s in stats]),
   )
 
 
