@@ -143,3 +143,15 @@ def is_highest(precision) -> bool:
     return precision in FLOAT32_ALGORITHMS
   pair = precision if isinstance(precision, tuple) else (precision, precision)
   return all(p == jax.lax.Precision.HIGHEST for p in pair)
+
+
+def jaxpr_equations(jaxpr):
+  """Every equation of jaxpr and of the jaxprs inside its equations (remat regions, shard_map bodies, conds), to
+  count what a traced program runs."""
+  import jax.extend
+  for e in jaxpr.eqns:
+    yield e
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+          yield from jaxpr_equations(getattr(sub, "jaxpr", sub))

@@ -1,11 +1,11 @@
 """The Transformer LM: shapes, dtypes, gradients, router stats, and clear config errors."""
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from moe_testing import jaxpr_equations
 from sparsejax.models import PRESETS, Transformer, TransformerConfig, cross_entropy, get_preset
 from sparsejax.models.transformer import rotary
 
@@ -191,18 +191,9 @@ def test_hidden_remat_reruns_only_the_first_products(monkeypatch):
       return jnp.sum(jnp.sin(y.astype(jnp.float32)))  # its backward needs y
     jaxpr = jax.make_jaxpr(jax.grad(fn(loss), argnums=(0, 1, 2, 3)))(
         spec(rows, d), spec(E, d, f), spec(E, f, d), spec(E, d, f)).jaxpr
-    return sum(e.primitive.name == "custom_vmap_call" for e in _equations(jaxpr))  # one a kernel
+    return sum(e.primitive.name == "custom_vmap_call" for e in jaxpr_equations(jaxpr))  # one a kernel
 
   for glu, plain in ((False, 6), (True, 8)):  # gelu: gmm_act, gmm, gmm_dact, two tgmm, dX; GLU: three tgmm, two dX
     assert kernels(lambda f: f, glu) == plain
     assert kernels(lambda f: jax.checkpoint(f, policy=HIDDEN_POLICY), glu) == plain + 1
     assert kernels(jax.checkpoint, glu) == plain + 2
-
-
-def _equations(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for v in e.params.values():
-      for sub in v if isinstance(v, (list, tuple)) else [v]:
-        if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-          yield from _equations(getattr(sub, "jaxpr", sub))

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 from sparsejax.cli import parse_args
 from sparsejax.train import TrainConfig, prepare, run, train
 from corpus_testing import write_corpus
+from moe_testing import jaxpr_equations
 
 pytestmark = pytest.mark.devices(8)
 
@@ -216,7 +217,6 @@ def test_the_flag_reaches_the_config():
 def test_hidden_remat_under_expert_parallelism_keeps_the_exchanged_rows():
   """remat='hidden' with experts sharded: the float32 gradients without remat, and the backward exchanges the rows
   (d_model wide) no more often than without remat: it keeps what the exchanges brought; 'ffn' runs them again."""
-  import jax.extend
   import jax.numpy as jnp
   from flax import nnx
 
@@ -234,16 +234,9 @@ def test_hidden_remat_under_expert_parallelism_keeps_the_exchanged_rows():
       logits, stats = nnx.merge(graphdef, p)(tokens[:, :-1], rng=jax.random.key(3))
       return cross_entropy(logits, tokens[:, 1:]) + stats.aux_loss
 
-    def equations(jaxpr):
-      for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-          for sub in v if isinstance(v, (list, tuple)) else [v]:
-            if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
-              yield from equations(getattr(sub, "jaxpr", sub))
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
     rows = sum("all_to_all" in e.primitive.name and e.invars[0].aval.shape[-1] == cfg.d_model
-               for e in equations(jaxpr))
+               for e in jaxpr_equations(jaxpr))
     return jax.jit(jax.grad(loss))(params), rows
 
   want, plain = grads_and_row_exchanges("none")
