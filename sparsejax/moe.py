@@ -93,6 +93,7 @@ def expert_ffn(
     impl: str = "auto",
     topology: Topology | None = None,
     precision=None,
+    named: bool = True,
 ) -> Float[Array, "rows d_model"]:
   """FFN_e(r) = act(r W_in[e]) W_out[e], or (act(r W_gate[e]) * r W_in[e]) W_out[e], for rows of group e.
 
@@ -101,20 +102,22 @@ def expert_ffn(
   kernels with one topology, built once, as one `expert_mlp`, whose activation (and GLU product)
   the Hopper kernels fuse. precision: as jax.lax.dot's; None is full float32
   precision for float32 inputs (no TF32 on GPU), the backend default for bf16 (the Pallas kernels
-  are always full precision for their input dtype).
+  are always full precision for their input dtype). named=False leaves the rows unnamed for remat policies (a
+  region that must keep none of them).
   """
   _checks.check_activation(activation)
   # Named for TransformerConfig.remat="hidden", whose rematerialized region keeps these two and recomputes the
   # rest, so its backward runs the first products again but not the rows' placement, gather or exchange.
   # Outside such a region a name is the identity.
-  rows = checkpoint_name(rows, EXPERT_ROWS)
+  name = (lambda a, n: checkpoint_name(a, n)) if named else (lambda a, n: a)
+  rows = name(rows, EXPERT_ROWS)
   if topology is not None:
     from sparsejax.kernels import gmm
 
     backend = kernel_backend(impl) if impl in BLOCK_IMPLS else "auto"
     # One op, so a backend can fuse the activation (and the GLU product) into its kernels.
-    return checkpoint_name(gmm.expert_mlp(rows, w_in, w_out, topology, activation=activation, backend=backend,
-                                          w_gate=w_gate), EXPERT_OUT)
+    return name(gmm.expert_mlp(rows, w_in, w_out, topology, activation=activation, backend=backend, w_gate=w_gate),
+                EXPERT_OUT)
   if group_sizes is None:
     num_experts = w_in.shape[0]
     r = rows.reshape(num_experts, -1, rows.shape[-1])
@@ -129,7 +132,7 @@ def expert_ffn(
     h = activation(mm(r, w_gate)) * h
   else:
     h = activation(h)
-  return checkpoint_name(mm(h, w_out).reshape(rows.shape), EXPERT_OUT)
+  return name(mm(h, w_out).reshape(rows.shape), EXPERT_OUT)
 
 
 def moe_mlp(

@@ -409,10 +409,10 @@ def _reduce_slices(a, layout: ExpertLayout):
   return jax.lax.psum_scatter(a, layout.slice_axis, scatter_dimension=0, tiled=True)
 
 
-def _ffn(rows, group_sizes, weights, st, topology=None):
+def _ffn(rows, group_sizes, weights, st, topology=None, named=True):
   w_in, w_out, w_gate = weights
   return expert_ffn(rows, group_sizes, w_in, w_out, w_gate=w_gate, activation=st.activation,
-                    impl=st.impl, topology=topology, precision=st.precision)
+                    impl=st.impl, topology=topology, precision=st.precision, named=named)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -427,7 +427,8 @@ class _Static:
   exchange: str = "dense"  # resolved: "dense" or "ragged"
 
 
-def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int, received: int | None = None):
+def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots: int, received: int | None = None,
+                    named: bool = True):
   """One device's dropless layer with a [P, S=slots, d] buffer; returns (y, send placement), whose
   num_dropped counts the assignments the buffer could not hold (and so were not computed). With
   dispatch="tokens" (slots = T_local, distinct ids a token) a row is a (token, peer) pair instead, and
@@ -486,7 +487,7 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
   # past the received rows are skipped by the kernels, so the static bound costs no arithmetic.
   topology = (make_topology(local.group_sizes, local.num_rows, block, local.tokens_per_expert)
               if st.impl in BLOCK_IMPLS else None)
-  out = _ffn(rows, local.group_sizes, weights, st, topology)
+  out = _ffn(rows, local.group_sizes, weights, st, topology, named)
   if by_token:  # each received token's weighted sum over this device's experts
     y_recv = permute.scatter_rows(out, local, recv_weights, x.dtype).reshape(x_recv.shape)
   else:
@@ -494,7 +495,8 @@ def _dropless_local(x, expert_ids, combine_weights, weights, st: _Static, slots:
 
   # Back the way the rows came: block s (peer s's rows, recv_rows[s] of them) returns to s. Named as the expert
   # outputs (expert_ffn's): what remat="hidden" keeps of the layer, so its backward need not run this exchange again.
-  y_send = checkpoint_name(from_peers(_reduce_slices(y_recv, layout)), EXPERT_OUT)
+  y_send = from_peers(_reduce_slices(y_recv, layout))
+  y_send = checkpoint_name(y_send, EXPERT_OUT) if named else y_send
   if by_token:  # the sum over peers of the partial sums (ones derived from rows: they vary as the tokens)
     ones = (send.rows >= 0).astype(jnp.float32)
     return permute.scatter_rows(y_send.reshape(-1, d), send, ones, x.dtype), send
@@ -570,10 +572,10 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
       combine_weights = jnp.concatenate([r.combine_weights for r in parts])
       rounded = jnp.sum(valid & (expert_ids[:, :k] < 0)).astype(jnp.int32)  # assignments rounding dropped
 
-    def run(slots, expert_ids=expert_ids, combine_weights=combine_weights, received=None):
+    def run(slots, expert_ids=expert_ids, combine_weights=combine_weights, received=None, named=True):
       ys, dropped = [], jnp.zeros((), jnp.int32)
       for xc, ids, cw in zip(pieces(x), pieces(expert_ids), pieces(combine_weights)):
-        y, send = _dropless_local(xc, ids, cw, weights, st, slots, received)
+        y, send = _dropless_local(xc, ids, cw, weights, st, slots, received, named)
         ys.append(y)
         dropped = dropped + send.num_dropped
       return jnp.concatenate(ys, axis=0) if len(ys) > 1 else ys[0], dropped
@@ -618,8 +620,10 @@ def _local_layer(x, expert_ids, combine_weights, w_in, w_out, w_gate, router_pro
         any_overflow = jax.lax.pmax(overflow, all_axes) > 0
         # The fallback is rematerialized: under autodiff a cond keeps the residuals of both branches for
         # the backward, and the worst-case branch's, saved in every layer, would cost the memory the
-        # smaller buffer saves. Remat keeps only its inputs; a call that overflows recomputes it.
-        y, dropped = jax.lax.cond(any_overflow, jax.checkpoint(fallback), first)
+        # smaller buffer saves. Remat keeps only its inputs; a call that overflows recomputes it. Its rows go unnamed:
+        # under remat="hidden"'s policy, which keeps named rows, the cond kept the worst case's rows in every layer
+        # (zeros where the first branch ran), its own checkpoint notwithstanding.
+        y, dropped = jax.lax.cond(any_overflow, jax.checkpoint(functools.partial(fallback, named=False)), first)
     dropped = dropped + rounded
   _, counts = permute.rank_within_expert(expert_ids, st.num_experts)
   psum = lambda a: jax.lax.psum(a, st.layout.token_axes)
