@@ -160,16 +160,16 @@ class Block(nnx.Module):
     self.attn = Attention(cfg, rngs=rngs)
     self.ffn_norm = RMSNorm(cfg.d_model, param_dtype=pd)
     self.is_moe = moe
-    self.remat_ffn = {"ffn": None, "hidden": HIDDEN_POLICY}.get(cfg.remat, False)
+    self.remat = cfg.remat
     self.ffn = MoE(cfg.moe_config(), rngs=rngs, mesh=mesh) if moe else MLP(cfg.moe_config(), rngs=rngs)
 
   def __call__(self, x: Float[Array, "b t d"], *, rng: jax.Array | None = None,
                cache: "DecodeView | None" = None):
     if cache is None:
       x = x + self.attn(self.attn_norm(x))
-      if self.remat_ffn is not False:
+      if self.remat in ("ffn", "hidden"):
         y, stats = _rematerialized(lambda m, x, rng: m[1](m[0](x), rng=rng), (self.ffn_norm, self.ffn), x, rng,
-                                   policy=self.remat_ffn)
+                                   policy=HIDDEN_POLICY if self.remat == "hidden" else None)
       else:
         y, stats = self.ffn(self.ffn_norm(x), rng=rng)
     else:  # decoding: each layer applies its norm where it can fold it into its first products
