@@ -109,7 +109,7 @@ def expert_ffn(
   # Named for TransformerConfig.remat="hidden", whose rematerialized region keeps these two and recomputes the
   # rest, so its backward runs the first products again but not the rows' placement, gather or exchange.
   # Outside such a region a name is the identity.
-  name = (lambda a, n: checkpoint_name(a, n)) if named else (lambda a, n: a)
+  name = checkpoint_name if named else (lambda a, n: a)
   rows = name(rows, EXPERT_ROWS)
   if topology is not None:
     from sparsejax.kernels import gmm

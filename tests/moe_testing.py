@@ -155,3 +155,11 @@ def jaxpr_equations(jaxpr):
       for sub in v if isinstance(v, (list, tuple)) else [v]:
         if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
           yield from jaxpr_equations(getattr(sub, "jaxpr", sub))
+
+
+def loss_grads_and_kept_bytes(loss, params):
+  """(loss(params), its gradients, bytes of what the backward keeps): jax.vjp's function holds exactly its
+  residuals (and params). Jitted, as the vjp's function is a pytree: op by op, each small op compiled on its own."""
+  value, vjp = jax.jit(lambda p: jax.vjp(loss, p))(params)
+  kept = sum(a.nbytes for a in jax.tree.leaves(vjp)) - sum(a.nbytes for a in jax.tree.leaves(params))
+  return value, jax.jit(lambda vjp, ct: vjp(ct))(vjp, jnp.ones_like(value))[0], kept

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_testing import jaxpr_equations
+from moe_testing import jaxpr_equations, loss_grads_and_kept_bytes
 from sparsejax.models import PRESETS, Transformer, TransformerConfig, cross_entropy, get_preset
 from sparsejax.models.transformer import rotary
 
@@ -141,17 +141,14 @@ def test_bad_fields_of_a_dense_config_fail_when_made(field, value, match):
 
 
 def _loss_grads_and_residual_bytes(cfg, tokens):
-  """(loss, grads, bytes of what the backward keeps): jax.vjp's function holds exactly those arrays."""
+  """(loss, grads, bytes of what the backward keeps) of the model's training loss."""
   graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
 
   def loss(p):
     logits, stats = nnx.merge(graphdef, p)(tokens[:, :-1], rng=jax.random.key(3))
     return cross_entropy(logits, tokens[:, 1:]) + stats.aux_loss
 
-  # Jitted (the vjp's function is a pytree of its residuals): op by op, each small op compiled on its own.
-  value, vjp = jax.jit(lambda p: jax.vjp(loss, p))(params)
-  kept = sum(a.nbytes for a in jax.tree.leaves(vjp)) - sum(a.nbytes for a in jax.tree.leaves(params))
-  return value, jax.jit(lambda vjp, ct: vjp(ct))(vjp, jnp.ones_like(value))[0], kept
+  return loss_grads_and_kept_bytes(loss, params)
 
 
 def test_remat_recomputes_the_same_gradients_from_fewer_kept_activations():

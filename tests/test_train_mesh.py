@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from sparsejax.cli import parse_args
 from sparsejax.train import TrainConfig, prepare, run, train
 from corpus_testing import write_corpus
-from moe_testing import jaxpr_equations
+from moe_testing import jaxpr_equations, loss_grads_and_kept_bytes
 
 pytestmark = pytest.mark.devices(8)
 
@@ -242,9 +242,8 @@ def test_hidden_remat_under_expert_parallelism_keeps_the_exchanged_rows():
     jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
     rows = sum("all_to_all" in e.primitive.name and e.invars[0].aval.shape[-1] == cfg.d_model
                for e in jaxpr_equations(jaxpr))
-    _, vjp = jax.jit(lambda p: jax.vjp(loss, p))(params)  # its residuals: what the backward keeps
-    kept = sum(a.nbytes for a in jax.tree.leaves(vjp)) - sum(a.nbytes for a in jax.tree.leaves(params))
-    return jax.jit(jax.grad(loss))(params), rows, kept
+    _, grads, kept = loss_grads_and_kept_bytes(loss, params)
+    return grads, rows, kept
 
   want, plain, _ = grads_and_row_exchanges("none")
   got, hidden, kept = grads_and_row_exchanges("hidden")
